@@ -1,0 +1,76 @@
+"""Runs every ``benchmarks/bench_*.py`` module's ``run()`` and prints one JSON line per record.
+
+Usage::
+
+    python -m benchmarks.run                 # all benchmarks
+    python -m benchmarks.run controller      # only modules whose name contains "controller"
+    python -m benchmarks.run --list
+
+Each record carries the benchmark module, the machine (cores, CPU model, torch version)
+and the figures with their units, so a line pasted into docs/benchmarks.md stands alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import platform
+import sys
+import time
+import traceback
+
+import benchmarks
+
+
+def _machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _modules(patterns: list[str]) -> list[str]:
+    names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
+    if patterns:
+        names = [n for n in names if any(p in n for p in patterns)]
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("patterns", nargs="*", help="substrings of benchmark module names to run")
+    parser.add_argument("--list", action="store_true", help="list the benchmark modules and exit")
+    args = parser.parse_args(argv)
+    names = _modules(args.patterns)
+    if args.list or not names:
+        print("\n".join(names) if names else f"no benchmark matches {args.patterns}", file=sys.stderr)
+        return 0 if names else 2
+    machine = _machine()
+    failed = []
+    for name in names:
+        start = time.perf_counter()
+        try:
+            records = importlib.import_module(f"benchmarks.{name}").run()
+        except Exception:  # one broken benchmark must not hide the others' figures
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        for record in records:
+            print(json.dumps({"benchmark": name, **record, "machine": machine}), flush=True)
+        print(f"# {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if failed:
+        print(f"# failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

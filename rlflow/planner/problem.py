@@ -1,0 +1,127 @@
+"""The numeric planning problem: what the cost model hands to the simulator and the search.
+
+``build_problem`` (cost model side) turns a dataflow graph, model specs and a cluster into a
+:class:`PlanProblem`: for every MFC the list of (mesh, strategy) options it may take, each
+with its estimated time and memory, plus the transfer costs between options. The simulator
+(Python and C++) and the MCMC search only read these numbers; a *plan* is one option index
+per MFC.
+
+Semantics the simulator implements (all times in seconds, all memory in bytes per device):
+
+* The graph is unrolled over ``num_iterations``. Node ``(t, i)`` is MFC ``i`` of iteration ``t``.
+  Data edges ``(i, k)`` join nodes of one iteration; version edges ``(i, k)`` join ``(t-1, i)``
+  to ``(t, k)`` (the first call on a model in iteration t waits for its last call in t-1).
+* A call occupies the devices of its option's mesh for ``time_s``. Calls whose device sets
+  overlap run one after another; disjoint ones overlap (list scheduling, ReaLHF Algorithm 1).
+* Trainable models have a *home*: the option of their ``train_mfc``. Another call of the model
+  on a different option is preceded by a reallocation node of ``realloc_time[(train_mfc, i)][h, o]``
+  occupying the union of both meshes. Equal layouts cost nothing (the table holds 0).
+* A frozen model whose calls all take the same option stays resident; otherwise each of its
+  calls is preceded by a reload node of ``reload_time[i][o]`` on the call's mesh.
+* A data edge ``(i, k)`` whose ``data_time[e][oi, ok]`` is positive becomes a transfer node
+  occupying both meshes.
+* Memory on a device = static + peak dynamic. Static: ``train_state_bytes`` + ``weight_bytes``
+  of every trainable model on its home mesh, and ``weight_bytes`` of resident frozen models.
+  Dynamic, during a call: its ``act_bytes``, plus ``weight_bytes`` when the call runs on a
+  reallocated copy or a reloaded frozen model.
+* A plan whose peak memory exceeds ``device_memory_bytes`` on any device does not fit; the
+  search multiplies its time by a large penalty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+
+
+@dataclass(frozen=True)
+class CallOption:
+    """One candidate placement of one MFC, with its estimated cost."""
+
+    mesh: DeviceMesh
+    strategy: ParallelStrategy
+    time_s: float  # seconds the call itself runs (compute + its own collectives)
+    act_bytes: float  # peak dynamic bytes per device during the call, weights excluded
+    weight_bytes: float  # bytes of the model's weights held per device under this strategy
+    train_state_bytes: float = 0.0  # grads + optimizer state per device (train_step options only)
+
+
+@dataclass
+class ModelEntry:
+    """A named set of weights and how the planner treats it."""
+
+    name: str
+    trainable: bool
+    train_mfc: int | None = None  # index of the MFC whose option is the model's home layout
+
+
+@dataclass
+class PlanProblem:
+    """Everything the simulator and the search need, as plain numbers.
+
+    Attributes:
+        num_nodes, devices_per_node, device_memory_bytes: the cluster.
+        mfc_names: MFC names, index = MFC id.
+        mfc_models: model index (into ``models``) of every MFC.
+        options: ``options[i]`` lists the placements MFC ``i`` may take.
+        data_edges: ``(i, k)`` pairs within one iteration; ``data_time[e]`` has shape
+            ``(len(options[i]), len(options[k]))``.
+        version_edges: ``(i, k)``: call ``k`` of iteration t waits for call ``i`` of t-1.
+        realloc_time: ``(train_mfc, i) -> array (len(options[train_mfc]), len(options[i]))``.
+        reload_time: ``i -> array (len(options[i]),)`` for MFCs of frozen models.
+        num_iterations: how many iterations the simulator unrolls.
+    """
+
+    num_nodes: int
+    devices_per_node: int
+    device_memory_bytes: float
+    mfc_names: list[str]
+    mfc_models: list[int]
+    options: list[list[CallOption]]
+    models: list[ModelEntry]
+    data_edges: list[tuple[int, int]] = field(default_factory=list)
+    data_time: list[np.ndarray] = field(default_factory=list)
+    version_edges: list[tuple[int, int]] = field(default_factory=list)
+    realloc_time: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    reload_time: dict[int, np.ndarray] = field(default_factory=dict)
+    num_iterations: int = 3
+
+    def __post_init__(self) -> None:
+        n = len(self.mfc_names)
+        if len(self.mfc_models) != n or len(self.options) != n:
+            raise ValueError(
+                f"mfc_names ({n}), mfc_models ({len(self.mfc_models)}) and options ({len(self.options)}) differ in length"
+            )
+        for i, opts in enumerate(self.options):
+            if not opts:
+                raise ValueError(f"MFC {self.mfc_names[i]!r} has no feasible option")
+        if len(self.data_time) != len(self.data_edges):
+            raise ValueError(f"{len(self.data_edges)} data edges but {len(self.data_time)} data_time tables")
+        for (i, k), table in zip(self.data_edges, self.data_time):
+            expected = (len(self.options[i]), len(self.options[k]))
+            if table.shape != expected:
+                raise ValueError(
+                    f"data_time for edge {self.mfc_names[i]}->{self.mfc_names[k]} has shape {table.shape}, expected {expected}"
+                )
+        for (h, i), table in self.realloc_time.items():
+            expected = (len(self.options[h]), len(self.options[i]))
+            if table.shape != expected:
+                raise ValueError(f"realloc_time[{h},{i}] has shape {table.shape}, expected {expected}")
+
+    @property
+    def num_mfcs(self) -> int:
+        return len(self.mfc_names)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def option_index(self, mfc: int, mesh: DeviceMesh, strategy: ParallelStrategy) -> int:
+        """Index of the option of ``mfc`` with this mesh and strategy; ``KeyError`` if absent."""
+        for j, opt in enumerate(self.options[mfc]):
+            if opt.mesh == mesh and opt.strategy == strategy:
+                return j
+        raise KeyError(f"MFC {self.mfc_names[mfc]!r} has no option with mesh {mesh} and strategy {strategy}")

@@ -1,0 +1,33 @@
+"""Shared fixtures. Ray is started once per test session, with more logical CPUs than the
+machine has cores so that several fractional-CPU workers fit on a 2-core machine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Every process the tests start (Ray workers, torch.multiprocessing children) uses one torch
+# thread: two cores are few, and oversubscription makes gloo collectives crawl.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+RAY_NUM_CPUS = 16
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray cluster shared by every test of the session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=RAY_NUM_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        )
+    yield ray
+    ray.shutdown()
