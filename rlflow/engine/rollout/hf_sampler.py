@@ -1,0 +1,344 @@
+"""The built-in rollout engine: batched sampling with a KV cache over any HF causal LM.
+
+The decoding loop is our own (not ``model.generate``) so that it returns exactly what RL
+needs — response ids, masks and the log-probs of the sampled tokens — and runs the same way
+under tensor parallelism:
+
+1. **Prefill** the ``B`` left-padded prompts once, with position ids counted over real
+   tokens (a prompt's continuation does not depend on how much padding it got), then repeat
+   the KV cache ``n`` times for the ``n`` samples of each prompt.
+2. **Decode** one token per step for every unfinished row, feeding the new token with the
+   grown attention mask and its position. A row finishes on a stop token; finished rows are
+   pruned from the batch (and the cache) once a quarter of the rows have finished, and the
+   loop ends when all rows are done or after ``max_new_tokens``.
+
+**Parallelism.** Under dp each rank samples its own rows with a generator seeded from
+``(seed, dp_rank)``. Under tp the model is split with
+:func:`rlflow.parallel.tensor_parallel.apply_tp` (logits come back replicated); tp rank 0
+chooses the tokens and broadcasts them in the tp group, so all tp ranks append the same token
+even if their logits differ in the last bit, and all of them stop at the same step (same
+number of collectives). Greedy decoding gives the same tokens under every (dp, tp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import DynamicCache
+
+from rlflow.engine.packing import position_ids_from_mask
+from rlflow.engine.rollout.base import (
+    Prompts,
+    RolloutCapabilities,
+    SamplingParams,
+    assemble_rollout,
+    register_rollout_engine,
+    split_prompts,
+)
+from rlflow.protocol import DataProto
+
+__all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "choose_tokens", "sample_responses", "token_logprobs"]
+
+# Prune finished rows once they are this fraction of the decoding batch: pruning copies the
+# whole KV cache, so doing it on every finished row would cost more than it saves.
+_PRUNE_FRACTION = 0.25
+_MESH_DIMS = ("pp", "dp", "tp")
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row (ties at the k-th value kept), others ``-inf``.
+
+    Args:
+        logits: ``(N, V)``.
+        k: tokens kept; 0 or >= V keeps all.
+    """
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the most likely tokens until their probability reaches ``p``.
+
+    A token is kept when the probability of the tokens ranked strictly above it is < ``p``,
+    so the most likely token always survives.
+
+    Args:
+        logits: ``(N, V)`` (already temperature-scaled).
+        p: in (0, 1]; 1 keeps all.
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    remove_sorted = mass_above >= p
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token of each row: argmax when greedy, else temperature → top-k → top-p → sample.
+
+    Args:
+        logits: ``(N, V)`` float logits of the next position.
+        params: sampling parameters.
+        generator: random source for sampling (ignored when greedy).
+
+    Returns:
+        ``(N,)`` int64 token ids.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scaled = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
+    return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[token]`` over the full vocabulary (see rollout.base).
+
+    Args:
+        logits: ``(N, V)``; tokens: ``(N,)``.
+
+    Returns:
+        ``(N,)`` float32.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _next_logits(model: nn.Module, input_ids, attention_mask, position_ids, cache: DynamicCache) -> torch.Tensor:
+    """``(N, V)`` float32 logits of the last position, extending ``cache``."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1]
+    if isinstance(logits, DTensor):  # a head left vocabulary-sharded: gather the full vocabulary
+        logits = logits.full_tensor()
+    return logits.float()
+
+
+def _choose_synced(logits, params, generator, tp_group) -> torch.Tensor:
+    """:func:`choose_tokens` on tp rank 0, broadcast to the other tp ranks."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return choose_tokens(logits, params, generator)
+    if dist.get_rank(tp_group) == 0:
+        tokens = choose_tokens(logits, params, generator)
+    else:
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    dist.broadcast(tokens, group=tp_group, group_src=0)
+    return tokens
+
+
+@torch.no_grad()
+def sample_responses(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: SamplingParams,
+    *,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample ``params.n`` responses per prompt with a KV cache (module docstring).
+
+    Args:
+        model: an HF causal LM (plain or split by ``apply_tp``) on the inputs' device.
+        input_ids: ``(B, P)`` left-padded prompt ids.
+        attention_mask: ``(B, P)``.
+        params: sampling parameters.
+        pad_token_id: written into responses after a row's stop token.
+        generator: random source (used on tp rank 0 only).
+        tp_group: the tensor-parallel group when the model is split; every rank of it calls
+            this function with the same prompts.
+
+    Returns:
+        ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` with rows interleaved by
+        prompt; int64, int64, float32.
+    """
+    n, max_new = params.n, params.max_new_tokens
+    num_rows, device = input_ids.shape[0] * n, input_ids.device
+    responses = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
+    old_logp = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
+    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+    temperature = 1.0 if params.greedy else params.temperature
+
+    cache = DynamicCache(config=model.config)
+    logits = _next_logits(model, input_ids, attention_mask, position_ids_from_mask(attention_mask), cache)
+    if n > 1:  # one prefill per prompt, then n copies of its cache
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+    rows = torch.arange(num_rows, device=device)  # output row of each decoding row
+    alive = torch.ones(num_rows, dtype=torch.bool, device=device)
+    mask = attention_mask.repeat_interleave(n, dim=0)
+    next_pos = mask.sum(dim=1)
+    for step in range(max_new):
+        tokens = _choose_synced(logits, params, generator, tp_group)
+        # Finished rows not yet pruned keep decoding; their tokens are discarded here.
+        out_rows = rows[alive]
+        responses[out_rows, step] = tokens[alive]
+        response_mask[out_rows, step] = 1
+        old_logp[out_rows, step] = token_logprobs(logits[alive], tokens[alive], temperature)
+        alive &= ~torch.isin(tokens, stop_ids)
+        num_alive = int(alive.sum())
+        if num_alive == 0 or step == max_new - 1:
+            break
+        if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
+            keep = alive.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, alive, mask, next_pos, tokens = rows[keep], alive[keep], mask[keep], next_pos[keep], tokens[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        logits = _next_logits(model, tokens.unsqueeze(1), mask, next_pos.unsqueeze(1), cache)
+        next_pos = next_pos + 1
+    return responses, response_mask, old_logp
+
+
+def _mesh_coords(device_mesh: DeviceMesh | None) -> tuple[int, dist.ProcessGroup | None, DeviceMesh | None]:
+    """``(dp_rank, tp_group, tp_mesh)`` of this rank; validates the ``("pp", "dp", "tp")`` mesh."""
+    if device_mesh is None:
+        return 0, None, None
+    if tuple(device_mesh.mesh_dim_names or ()) != _MESH_DIMS:
+        raise ValueError(f"device_mesh dims must be {_MESH_DIMS}, got {device_mesh.mesh_dim_names}")
+    if device_mesh["pp"].size() != 1:
+        raise ValueError(f"the hf rollout engine does not support pipeline parallelism (pp={device_mesh['pp'].size()})")
+    tp_mesh = device_mesh["tp"]
+    tp_group = tp_mesh.get_group() if tp_mesh.size() > 1 else None
+    return device_mesh["dp"].get_local_rank(), tp_group, tp_mesh
+
+
+def _local_part(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The part of ``tensor`` (full or already this rank's shard) that ``param`` holds here."""
+    if isinstance(tensor, DTensor):
+        same_layout = (
+            isinstance(param, DTensor)
+            and tensor.device_mesh == param.device_mesh
+            and tensor.placements == param.placements
+        )
+        tensor = tensor.to_local() if same_layout else tensor.full_tensor()
+    if not isinstance(param, DTensor):
+        if tensor.shape != param.shape:
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+        return tensor
+    local = param.to_local()
+    if tensor.shape == local.shape:  # already this rank's shard (what the reshard executor sends)
+        return tensor
+    if tensor.shape != param.shape:
+        raise ValueError(
+            f"update_weights: {name!r} is {tuple(param.shape)} (local shard {tuple(local.shape)}), "
+            f"got {tuple(tensor.shape)}"
+        )
+    for mesh_dim, placement in enumerate(param.placements):  # a full tensor: cut out our shard
+        if isinstance(placement, Shard):
+            num_chunks, index = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
+            tensor = torch.chunk(tensor, num_chunks, dim=placement.dim)[index]
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"update_weights: {name!r} has unsupported placement {placement}")
+    return tensor
+
+
+@register_rollout_engine("hf", RolloutCapabilities(dp=True, tp=True, pp=False, requires_gpu=False))
+class HFRolloutEngine:
+    """Rollout engine over an HF causal LM, on CPU or GPU, under dp × tp.
+
+    Args:
+        model: an HF causal LM (Llama/Qwen2 family for tp > 1) on this rank's device. It is
+            split in place with ``apply_tp`` when the mesh has tp > 1 and the model is not
+            split yet.
+        device_mesh: this call's torch mesh with dims ``("pp", "dp", "tp")``; pp must be 1.
+            None for a single process.
+        pad_token_id: written after a row's stop token; defaults to the model config's
+            ``pad_token_id``, else 0.
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                      num_attention_heads=2, num_key_value_heads=1)
+    >>> engine = HFRolloutEngine(LlamaForCausalLM(config))
+    >>> ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    >>> out = engine.generate((ids, mask), SamplingParams(n=2, max_new_tokens=4, seed=0))
+    >>> tuple(out["responses"].shape), tuple(out["input_ids"].shape)
+    ((4, 4), (4, 7))
+    """
+
+    def __init__(self, model: nn.Module, device_mesh: DeviceMesh | None = None, *, pad_token_id: int | None = None):
+        self._dp_rank, self._tp_group, tp_mesh = _mesh_coords(device_mesh)
+        if tp_mesh is not None and tp_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+            from rlflow.parallel.tensor_parallel import apply_tp
+
+            apply_tp(model, tp_mesh)
+        if pad_token_id is None:
+            pad_token_id = getattr(model.config, "pad_token_id", None)
+        self._pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
+        self._model = model.eval()
+
+    @property
+    def module(self) -> nn.Module:
+        return self._model
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad_token_id
+
+    def _generator(self, seed: int | None, device: torch.device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:  # distinct, reproducible streams per dp rank
+            generator.manual_seed((seed + 0x9E3779B1 * self._dp_rank) % 2**63)
+        return generator
+
+    def generate(self, prompts: Prompts, params: SamplingParams) -> DataProto | dict[str, torch.Tensor]:
+        """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate`. Outputs on the prompts' device."""
+        input_ids, attention_mask, source = split_prompts(prompts)
+        device = next(self._model.parameters()).device
+        responses, response_mask, old_logp = sample_responses(
+            self._model,
+            input_ids.to(device),
+            attention_mask.to(device),
+            params,
+            pad_token_id=self._pad_token_id,
+            generator=self._generator(params.seed, device),
+            tp_group=self._tp_group,
+        )
+        out_device = input_ids.device
+        return assemble_rollout(
+            input_ids,
+            attention_mask,
+            responses.to(out_device),
+            response_mask.to(out_device),
+            old_logp.to(out_device),
+            params.n,
+            source,
+        )
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Copy tensors into the parameters named like HF's ``named_parameters()``.
+
+        Each tensor may be the full parameter (this rank cuts its tp shard out) or exactly this
+        rank's shard. Tied parameters may be given under either name.
+
+        Raises:
+            KeyError: an unknown name (the message shows a few known ones).
+            ValueError: a shape that is neither the full nor the local shape.
+        """
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        for name, tensor in items:
+            if name not in params:
+                raise KeyError(f"update_weights: no parameter {name!r}; known e.g. {sorted(params)[:4]}")
+            param = params[name]
+            target = param.to_local() if isinstance(param, DTensor) else param
+            target.copy_(_local_part(param, tensor, name))

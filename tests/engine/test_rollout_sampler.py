@@ -1,0 +1,248 @@
+"""The built-in HF sampler on one process: exactness against references, filters, layout, stops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from rollout_helpers import PAD, VOCAB, left_padded_prompts, naive_greedy, tiny_model
+
+from rlflow.engine.rollout import (
+    ROLLOUT_CAPABILITIES,
+    HFRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+    build_rollout_engine,
+    register_rollout_engine,
+    rollout_engine_names,
+)
+from rlflow.engine.rollout.hf_sampler import apply_top_k, apply_top_p, choose_tokens
+from rlflow.planner.mesh import ParallelStrategy
+from rlflow.protocol import DataProto
+
+torch.set_num_threads(1)
+
+LENGTHS = [5, 9, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return build_rollout_engine("hf", model)
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_naive_full_recompute(arch):
+    model = tiny_model(arch, seed=1)
+    ids, mask = left_padded_prompts(LENGTHS, seed=1)
+    out = HFRolloutEngine(model).generate((ids, mask), SamplingParams(greedy=True, max_new_tokens=12))
+    assert torch.equal(out["responses"], naive_greedy(model, ids, mask, 12))
+    assert out["response_mask"].all()
+
+
+def test_greedy_with_stop_tokens_equals_naive(model, engine):
+    ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6, 2, 7], seed=2)
+    free = naive_greedy(model, ids, mask, 10)
+    # Stop on tokens that several rows emit early, so rows finish at different steps and the
+    # sampler prunes finished rows from its batch (and KV cache) on the way.
+    stops = tuple(free[:, :3].flatten().unique()[:4].tolist())
+    out = engine.generate((ids, mask), SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=stops))
+    expected = naive_greedy(model, ids, mask, 10, stop_token_ids=stops)
+    assert torch.equal(out["responses"], expected)
+    lengths = out["response_mask"].sum(1)
+    assert len(set(lengths.tolist())) > 1, "test needs rows finishing at different steps"
+    for row, length in enumerate(lengths.tolist()):
+        assert out["response_mask"][row, :length].all() and not out["response_mask"][row, length:].any()
+        assert (out["responses"][row, length:] == PAD).all()
+        assert (out["old_logp"][row, length:] == 0).all()
+        if length < 10:  # finished on a stop token, which stays in the response
+            assert out["responses"][row, length - 1].item() in stops
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_old_logp_equals_teacher_forced_forward(model, engine, greedy):
+    ids, mask = left_padded_prompts(LENGTHS, seed=3)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, n=2, max_new_tokens=9, seed=5, greedy=greedy)
+    out = engine.generate((ids, mask), params)
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"],
+            attention_mask=out["attention_mask"],
+            position_ids=out["position_ids"],
+            use_cache=False,
+        ).logits
+    prompt_len = ids.shape[1]
+    temperature = 1.0 if greedy else params.temperature
+    logp = torch.log_softmax(logits[:, prompt_len - 1 : -1].float() / temperature, dim=-1)
+    expected = logp.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1) * out["response_mask"]
+    torch.testing.assert_close(out["old_logp"], expected, atol=1e-5, rtol=0)
+
+
+def test_left_padding_does_not_change_the_continuation(model, engine):
+    ids, mask = left_padded_prompts([6, 4], seed=4)
+    wide_ids, wide_mask = left_padded_prompts([6, 4], seed=4, width=15)
+    params = SamplingParams(greedy=True, max_new_tokens=10)
+    narrow = engine.generate((ids, mask), params)
+    wide = engine.generate((wide_ids, wide_mask), params)
+    alone = engine.generate((ids[1:, 2:], mask[1:, 2:]), params)  # row 1 without any padding
+    assert torch.equal(narrow["responses"], wide["responses"])
+    assert torch.equal(narrow["responses"][1:], alone["responses"])
+    torch.testing.assert_close(narrow["old_logp"], wide["old_logp"], atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- output layout
+
+
+def test_n_samples_are_interleaved_by_prompt(engine):
+    ids, mask = left_padded_prompts(LENGTHS, seed=5)
+    out = engine.generate((ids, mask), SamplingParams(n=3, max_new_tokens=6, seed=0))
+    num_rows, prompt_len = len(LENGTHS) * 3, ids.shape[1]
+    assert out["responses"].shape == (num_rows, 6) and out["input_ids"].shape == (num_rows, prompt_len + 6)
+    assert torch.equal(out["prompts"], ids.repeat_interleave(3, dim=0))
+    assert torch.equal(out["input_ids"][:, :prompt_len], out["prompts"])
+    assert torch.equal(out["input_ids"][:, prompt_len:], out["responses"])
+    assert torch.equal(out["attention_mask"][:, prompt_len:], out["response_mask"])
+    groups = out["responses"].view(len(LENGTHS), 3, 6)
+    assert any(not torch.equal(g[0], g[1]) or not torch.equal(g[0], g[2]) for g in groups)
+    # positions continue from the prompt's last real token
+    first = out["position_ids"][:, prompt_len]
+    assert torch.equal(first, mask.sum(1).repeat_interleave(3))
+
+
+def test_greedy_samples_are_identical_copies(engine):
+    ids, mask = left_padded_prompts(LENGTHS, seed=6)
+    one = engine.generate((ids, mask), SamplingParams(greedy=True, max_new_tokens=5))
+    three = engine.generate((ids, mask), SamplingParams(greedy=True, n=3, max_new_tokens=5))
+    assert torch.equal(three["responses"], one["responses"].repeat_interleave(3, dim=0))
+
+
+def test_seed_reproduces_samples(engine):
+    ids, mask = left_padded_prompts(LENGTHS, seed=7)
+    a = engine.generate((ids, mask), SamplingParams(n=2, max_new_tokens=8, seed=11))
+    b = engine.generate((ids, mask), SamplingParams(n=2, max_new_tokens=8, seed=11))
+    c = engine.generate((ids, mask), SamplingParams(n=2, max_new_tokens=8, seed=12))
+    assert torch.equal(a["responses"], b["responses"])
+    assert not torch.equal(a["responses"], c["responses"])
+
+
+def test_dataproto_in_dataproto_out(engine):
+    ids, mask = left_padded_prompts([3, 5], seed=8)
+    prompts = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "uid": torch.tensor([10, 11])},
+        {"answer": ["a", "b"]},
+        {"step": 3},
+    )
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=0))
+    assert isinstance(out, DataProto) and len(out) == 4
+    assert out.non_tensor_batch["answer"].tolist() == ["a", "a", "b", "b"]
+    assert out.batch["uid"].tolist() == [10, 10, 11, 11]
+    assert out.meta_info == {"step": 3}
+    assert out.batch["input_ids"].shape == (4, 5 + 4)
+
+
+# --------------------------------------------------------------------------- sampling filters
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.0], [0.0, 3.0, 3.0, -1.0]])
+    kept = apply_top_k(logits, 2)
+    assert torch.isinf(kept[0, [0, 2]]).all() and torch.equal(kept[0, [1, 3]], logits[0, [1, 3]])
+    assert torch.isinf(apply_top_k(logits, 1)[1, [0, 3]]).all()  # a tie at the k-th value keeps both
+    assert torch.equal(apply_top_k(logits, 0), logits) and torch.equal(apply_top_k(logits, 4), logits)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5, 0.3, 0.15, 0.05
+    logits = probs.log().unsqueeze(0)
+    kept = lambda p: (~torch.isinf(apply_top_p(logits, p))).squeeze(0).tolist()  # noqa: E731
+    assert kept(0.7) == [False, True, False, True]  # 0.5 < 0.7, so 0.3 is needed; 0.8 >= 0.7
+    assert kept(0.5) == [False, True, False, False]
+    assert kept(0.81) == [False, True, True, True]
+    assert kept(0.01) == [False, True, False, False]  # the most likely token always survives
+    assert kept(1.0) == [True, True, True, True]
+
+
+def test_sampling_frequencies_follow_the_filtered_tempered_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40_000, 1)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.5, top_k=3)
+    tokens = choose_tokens(logits, params, gen)
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.5]) / 0.5, dim=0)
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert freq[3:].sum() == 0  # filtered tokens are never drawn
+    torch.testing.assert_close(freq[:3], expected, atol=0.01, rtol=0)
+    greedy = choose_tokens(logits[:2], SamplingParams(greedy=True, temperature=0.1), gen)
+    assert greedy.tolist() == [0, 0]
+
+
+# --------------------------------------------------------------------------- weights, registry, errors
+
+
+def test_update_weights_switches_the_policy():
+    source, target = tiny_model(seed=2), tiny_model(seed=3)
+    ids, mask = left_padded_prompts(LENGTHS, seed=9)
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+    engine = HFRolloutEngine(target)
+    engine.update_weights(source.state_dict())
+    assert torch.equal(engine.generate((ids, mask), params)["responses"], naive_greedy(source, ids, mask, 6))
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.update_weights([("nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine.update_weights({"lm_head.weight": torch.zeros(3, 3)})
+
+
+def test_registry_and_capabilities(model):
+    assert {"hf", "vllm"} <= set(rollout_engine_names())
+    assert isinstance(build_rollout_engine("hf", model), RolloutEngine)
+    with pytest.raises(ValueError, match="already registered"):
+        register_rollout_engine("hf")(type("Other", (), {}))
+    with pytest.raises(KeyError, match="registered: .*'hf'"):
+        build_rollout_engine("nope")
+    hf, vllm = ROLLOUT_CAPABILITIES["hf"], ROLLOUT_CAPABILITIES["vllm"]
+    assert hf.supports(ParallelStrategy(dp=2, tp=2), on_gpu=False)
+    assert not hf.supports(ParallelStrategy(pp=2))
+    assert not vllm.supports(ParallelStrategy(), on_gpu=False) and vllm.supports(ParallelStrategy(tp=4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"n": 0}, "n=0"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+    assert SamplingParams(stop_token_ids=[1, 2]).stop_token_ids == (1, 2)
+
+
+def test_bad_prompts_are_rejected(engine):
+    ids, mask = left_padded_prompts([2, 3], seed=0)
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="left-padded"):
+        engine.generate((ids, mask.flip(1)), params)
+    with pytest.raises(ValueError, match="no token"):
+        engine.generate((ids, torch.zeros_like(mask)), params)
+    with pytest.raises(ValueError, match=r"\(B, P\)"):
+        engine.generate((ids, mask[:, :1]), params)
+    with pytest.raises(ValueError, match="lacks"):
+        engine.generate(DataProto.from_dict({"input_ids": ids}), params)
+
+
+def test_probabilities_are_normalised(engine):
+    ids, mask = left_padded_prompts([4], seed=10)
+    out = engine.generate((ids, mask), SamplingParams(max_new_tokens=3, seed=0))
+    assert (out["old_logp"] <= 0).all() and (out["old_logp"] > -math.log(VOCAB) * 10).all()
