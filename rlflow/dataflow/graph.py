@@ -1,0 +1,153 @@
+"""Dataflow graphs: MFCs joined by the keys they exchange, unrolled over iterations.
+
+``build_graph`` turns a list of :class:`MFCDef` into a ``networkx.DiGraph`` whose nodes are MFC
+names (attribute ``"mfc"``) and whose edges carry the keys flowing along them (attribute
+``"keys"``). Keys that no MFC produces come from the dataset (``graph.graph["dataset_keys"]``).
+
+Across iterations, weights carry versions: the first call on model X in iteration t waits for
+the last call on X in iteration t-1 (:func:`version_edges`). :func:`unroll_graph` materialises
+``num_iterations`` copies of the graph joined by those edges, the graph the planner's simulator
+schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+
+from rlflow.dataflow.mfc import MFCDef
+
+
+def build_graph(mfcs: Sequence[MFCDef]) -> nx.DiGraph:
+    """Build and validate the dataflow graph of one iteration.
+
+    Args:
+        mfcs: the MFCs, in any order.
+
+    Returns:
+        A DAG with one node per MFC name (attribute ``"mfc"``), an edge ``producer -> consumer``
+        per pair exchanging keys (attribute ``"keys"``: tuple, in the consumer's order), and
+        ``graph.graph["dataset_keys"]`` (keys read but produced by no MFC, first-use order) and
+        ``graph.graph["models"]`` (model names in first-use order).
+
+    Raises:
+        ValueError: no MFCs, a duplicate MFC name, a key produced by two MFCs, a cycle, or a
+            hook reading a model no MFC of the graph runs on.
+
+    >>> from rlflow.dataflow.mfc import MFCDef
+    >>> g = build_graph([MFCDef("gen", "actor", "generate", ("prompts",), ("input_ids",)),
+    ...                  MFCDef("train", "actor", "train_step", ("input_ids",))])
+    >>> list(g.edges(data="keys")), g.graph["dataset_keys"]
+    ([('gen', 'train', ('input_ids',))], ('prompts',))
+    """
+    if not mfcs:
+        raise ValueError("a dataflow graph needs at least one MFC")
+    graph = nx.DiGraph()
+    producer: dict[str, str] = {}
+    for mfc in mfcs:
+        if not isinstance(mfc, MFCDef):
+            raise TypeError(f"expected MFCDef, got {type(mfc).__name__}")
+        if mfc.name in graph:
+            raise ValueError(f"duplicate MFC name {mfc.name!r}")
+        graph.add_node(mfc.name, mfc=mfc)
+        for key in mfc.output_keys:
+            if key in producer:
+                raise ValueError(f"key {key!r} is produced by both {producer[key]!r} and {mfc.name!r}")
+            producer[key] = mfc.name
+    dataset_keys: list[str] = []
+    for mfc in mfcs:
+        for key in mfc.input_keys:
+            src = producer.get(key)
+            if src is None:
+                if key not in dataset_keys:
+                    dataset_keys.append(key)
+            elif graph.has_edge(src, mfc.name):
+                graph.edges[src, mfc.name]["keys"] += (key,)
+            else:
+                graph.add_edge(src, mfc.name, keys=(key,))
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = " -> ".join(u for u, _ in nx.find_cycle(graph))
+        raise ValueError(f"the dataflow graph has a cycle: {cycle}")
+    models = list(dict.fromkeys(m.model_name for m in mfcs))
+    for mfc in mfcs:
+        for source in mfc.hook_sources:
+            if source not in models:
+                raise ValueError(
+                    f"MFC {mfc.name!r} has a hook reading model {source!r}; the graph's models are {models}"
+                )
+    graph.graph["dataset_keys"] = tuple(dataset_keys)
+    graph.graph["models"] = tuple(models)
+    return graph
+
+
+def mfcs_of(graph: nx.DiGraph) -> list[MFCDef]:
+    """The graph's MFCs in a deterministic topological order (ties by insertion order)."""
+    order = {name: i for i, name in enumerate(graph.nodes)}
+    return [graph.nodes[n]["mfc"] for n in nx.lexicographical_topological_sort(graph, key=order.__getitem__)]
+
+
+def model_calls(graph: nx.DiGraph) -> dict[str, list[str]]:
+    """Model name -> names of the MFCs running on it, in topological order."""
+    calls: dict[str, list[str]] = {}
+    for mfc in mfcs_of(graph):
+        calls.setdefault(mfc.model_name, []).append(mfc.name)
+    return calls
+
+
+def _first_and_last(graph: nx.DiGraph, calls: list[str]) -> tuple[list[str], list[str]]:
+    """Calls with no earlier / no later call of the same set along the data edges."""
+    members = set(calls)
+    first = [c for c in calls if not (nx.ancestors(graph, c) & members)]
+    last = [c for c in calls if not (nx.descendants(graph, c) & members)]
+    return first, last
+
+
+def version_edges(graph: nx.DiGraph) -> list[tuple[str, str]]:
+    """Parameter-version edges ``(a, b)``: call ``b`` of iteration t waits for call ``a`` of t-1.
+
+    For every model X, the calls on X (plus the calls whose hooks read X's weights) that have
+    no earlier such call are its *first* calls, those with no later one its *last* calls; every
+    last call links to every first call. A model with a single call links it to itself.
+
+    >>> from rlflow.dataflow.algorithms import algorithm_graph
+    >>> sorted(version_edges(algorithm_graph("ppo")))[:2]
+    [('actor_train', 'actor_gen'), ('critic_train', 'critic_inf')]
+    """
+    readers: dict[str, list[str]] = {}
+    for mfc in mfcs_of(graph):
+        readers.setdefault(mfc.model_name, []).append(mfc.name)
+        for source in mfc.hook_sources:
+            readers.setdefault(source, []).append(mfc.name)
+    edges: list[tuple[str, str]] = []
+    for calls in readers.values():
+        first, last = _first_and_last(graph, list(dict.fromkeys(calls)))
+        edges += [(a, b) for a in last for b in first if (a, b) not in edges]
+    return edges
+
+
+def unroll_graph(graph: nx.DiGraph, num_iterations: int) -> nx.DiGraph:
+    """``num_iterations`` copies of ``graph`` joined by parameter-version edges.
+
+    Args:
+        graph: a graph from :func:`build_graph`.
+        num_iterations: number of iterations, >= 1.
+
+    Returns:
+        A DAG with nodes ``(t, name)`` (attributes ``"mfc"``, ``"iteration"``). Edges have
+        ``kind="data"`` (with ``"keys"``, inside one iteration) or ``kind="version"`` (from
+        iteration t-1 to t).
+    """
+    if num_iterations < 1:
+        raise ValueError(f"num_iterations={num_iterations} must be >= 1")
+    unrolled = nx.DiGraph(**graph.graph, num_iterations=num_iterations)
+    versions = version_edges(graph)
+    for t in range(num_iterations):
+        for name, attrs in graph.nodes(data=True):
+            unrolled.add_node((t, name), mfc=attrs["mfc"], iteration=t)
+        for u, v, keys in graph.edges(data="keys"):
+            unrolled.add_edge((t, u), (t, v), kind="data", keys=keys)
+        if t > 0:
+            for u, v in versions:
+                unrolled.add_edge((t - 1, u), (t, v), kind="version", keys=())
+    return unrolled

@@ -1,0 +1,204 @@
+"""``build_problem``: dataflow graph + model shapes + cluster + workload -> :class:`PlanProblem`.
+
+For every MFC placed on devices it enumerates the options of the search space, prices each
+with the cost model (one estimate per mesh *shape* and strategy: a call's own time does not
+depend on where the mesh sits), and drops options that cannot fit in device memory even
+alone. Then it fills the transfer tables the simulator reads: data edges, reallocation of
+trainable models from their home (train) option, and reloads of frozen models.
+
+Calls with ``runs_on_host`` (rule-based rewards) take no devices: they are left out, and
+their producers are linked to their consumers so that the order of the graph is kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import numpy as np
+
+from rlflow.dataflow.graph import mfcs_of, version_edges
+from rlflow.dataflow.mfc import MFCDef
+from rlflow.planner.cluster import ClusterSpec
+from rlflow.planner.cost import CallCost, Rates, Workload, call_cost
+from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.problem import CallOption, ModelEntry, PlanProblem
+from rlflow.planner.space import RuntimeCapabilities, enumerate_options
+from rlflow.planner.transfer import data_time_table, key_bytes, realloc_time_table, reload_time
+
+__all__ = ["Workload", "build_problem", "device_graph", "mfc_options"]
+
+
+def device_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """The graph restricted to MFCs that run on devices.
+
+    Host MFCs are removed; each of their device-side producers gets an edge to each of their
+    device-side consumers (keys ``()`` unless a direct edge already carries some).
+    """
+    out = nx.DiGraph(graph)
+    for name in [n for n in graph.nodes if graph.nodes[n]["mfc"].runs_on_host]:
+        preds, succs = list(out.predecessors(name)), list(out.successors(name))
+        out.remove_node(name)
+        for p, s in itertools.product(preds, succs):
+            if not out.has_edge(p, s):
+                out.add_edge(p, s, keys=())
+    return out
+
+
+def mfc_options(
+    mfc: MFCDef,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    workload: Workload,
+    capabilities: RuntimeCapabilities | None = None,
+    rates: Rates | None = None,
+) -> tuple[list[CallOption], list[CallCost]]:
+    """Every option of one MFC with its estimated cost, before any filtering."""
+    rates = rates or Rates(cluster)
+    pairs = enumerate_options(
+        mfc,
+        model,
+        cluster.num_nodes,
+        cluster.devices_per_node,
+        workload.n_seqs(mfc),
+        workload.n_minibatches(mfc),
+        capabilities,
+    )
+    cache: dict[tuple, CallCost] = {}
+    options, costs = [], []
+    for mesh, strategy in pairs:
+        key = (mesh.shape, strategy)
+        if key not in cache:
+            cache[key] = call_cost(mfc, model, strategy, mesh, cluster, workload, rates)
+        c = cache[key]
+        options.append(CallOption(mesh, strategy, c.time_s, c.act_bytes, c.weight_bytes, c.train_state_bytes))
+        costs.append(c)
+    return options, costs
+
+
+def _select(options: list[CallOption], costs: list[CallCost], memory: float, limit: int | None):
+    """Drop options that overflow memory on their own (unless none fits), then keep the ``limit`` fastest."""
+    need = [o.act_bytes + o.weight_bytes + o.train_state_bytes for o in options]
+    keep = [j for j in range(len(options)) if need[j] <= memory] or list(range(len(options)))
+    if limit is not None and len(keep) > limit:
+        keep = sorted(sorted(keep, key=lambda j: options[j].time_s)[:limit])
+    return [options[j] for j in keep], [costs[j] for j in keep]
+
+
+def _models(
+    device_mfcs: list[MFCDef], models: dict[str, ModelSpec], trainable: set[str] | None
+) -> dict[str, int | None]:
+    """Model name -> index of its train MFC (``None`` for frozen models), after validation."""
+    names = list(dict.fromkeys(m.model_name for m in device_mfcs))
+    missing = [n for n in names if n not in models]
+    if missing:
+        raise ValueError(f"no ModelSpec for model(s) {missing}; `models` has {sorted(models)}")
+    trains: dict[str, list[int]] = {}
+    for i, m in enumerate(device_mfcs):
+        if m.is_train:
+            trains.setdefault(m.model_name, []).append(i)
+    trainable = set(trains) if trainable is None else set(trainable)
+    for name in trainable:
+        if len(trains.get(name, [])) != 1:
+            found = [device_mfcs[i].name for i in trains.get(name, [])]
+            raise ValueError(
+                f"trainable model {name!r} needs exactly one train_step MFC (its home layout), found {found}"
+            )
+    frozen_trained = sorted(set(trains) - trainable)
+    if frozen_trained:
+        raise ValueError(f"model(s) {frozen_trained} have train_step MFCs but are not in trainable={sorted(trainable)}")
+    return {n: (trains[n][0] if n in trainable else None) for n in names}
+
+
+def _data_tables(dgraph: nx.DiGraph, index: dict[str, int], options, cluster: ClusterSpec, workload: Workload):
+    """Data edges as MFC index pairs and their ``(n_src, n_dst)`` transfer-time tables."""
+    edges, tables = [], []
+    for u, v, keys in dgraph.edges(data="keys"):
+        n = workload.n_seqs(dgraph.nodes[u]["mfc"])
+        nbytes = sum(key_bytes(k, n, workload.seq_len, workload.prompt_len) for k in keys)
+        src, dst = index[u], index[v]
+        pairs = [(o.mesh, o.strategy) for o in options[src]], [(o.mesh, o.strategy) for o in options[dst]]
+        edges.append((src, dst))
+        tables.append(data_time_table(nbytes, *pairs, cluster))
+    return edges, tables
+
+
+def _weight_tables(mfcs: list[MFCDef], models, homes: dict[str, int | None], options, costs, cluster: ClusterSpec):
+    """Reallocation tables ``(home, i)`` of trained models and reload times of frozen ones."""
+    realloc, reload = {}, {}
+    for i, m in enumerate(mfcs):
+        home, model = homes[m.model_name], models[m.model_name]
+        if home is not None and home != i:
+            src = [(o.mesh, o.strategy) for o in options[home]]
+            realloc[(home, i)] = realloc_time_table(model, src, [(o.mesh, o.strategy) for o in options[i]], cluster)
+        elif home is None:
+            weights = np.array([o.weight_bytes for o in options[i]])
+            first = np.array([c.first_pass_s for c in costs[i]])
+            reload[i] = reload_time(weights, first, model.num_layers, cluster)
+    return realloc, reload
+
+
+def build_problem(
+    graph: nx.DiGraph,
+    models: dict[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: Workload,
+    capabilities: RuntimeCapabilities | None = None,
+    trainable: set[str] | None = None,
+    profile=None,
+    num_iterations: int = 3,
+    max_options_per_mfc: int | None = None,
+) -> PlanProblem:
+    """Price every placement of every MFC of ``graph`` and the transfers between them.
+
+    Args:
+        graph: a dataflow graph (``rlflow.dataflow.build_graph`` / ``algorithm_graph``).
+        models: ``ModelSpec`` of every model a device MFC runs on (critics and reward models
+            with ``value_head=True``).
+        cluster: the hardware.
+        workload: batch and sequence lengths of one iteration.
+        capabilities: what the engines support (default: no pipelined generation).
+        trainable: models trained by the graph; default: every model with a train_step MFC.
+        profile: measured profile (dict or JSON path) replacing the analytic roofline.
+        num_iterations: iterations the simulator unrolls.
+        max_options_per_mfc: keep only the fastest options of each MFC (after the memory filter).
+
+    Returns:
+        The :class:`PlanProblem`; MFC ``i`` is the ``i``-th device MFC in topological order.
+    """
+    rates = Rates(cluster)
+    if profile is not None:
+        from rlflow.planner.profile import ProfiledRates
+
+        rates = ProfiledRates.from_profile(profile, cluster)
+    mfcs = [m for m in mfcs_of(graph) if not m.runs_on_host]
+    index = {m.name: i for i, m in enumerate(mfcs)}
+    homes = _models(mfcs, models, trainable)
+    model_names = list(homes)
+    options, costs = [], []
+    for m in mfcs:
+        opts, cs = mfc_options(m, models[m.model_name], cluster, workload, capabilities, rates)
+        opts, cs = _select(opts, cs, cluster.device_memory_bytes, max_options_per_mfc)
+        if not opts:
+            raise ValueError(
+                f"MFC {m.name!r} has no valid (mesh, strategy) on a {cluster.num_nodes}x{cluster.devices_per_node} cluster"
+            )
+        options.append(opts)
+        costs.append(cs)
+    data_edges, data_time = _data_tables(device_graph(graph), index, options, cluster, workload)
+    realloc, reload = _weight_tables(mfcs, models, homes, options, costs, cluster)
+    return PlanProblem(
+        num_nodes=cluster.num_nodes,
+        devices_per_node=cluster.devices_per_node,
+        device_memory_bytes=cluster.device_memory_bytes,
+        mfc_names=[m.name for m in mfcs],
+        mfc_models=[model_names.index(m.model_name) for m in mfcs],
+        options=options,
+        models=[ModelEntry(n, homes[n] is not None, homes[n]) for n in model_names],
+        data_edges=data_edges,
+        data_time=data_time,
+        version_edges=[(index[a], index[b]) for a, b in version_edges(graph) if a in index and b in index],
+        realloc_time=realloc,
+        reload_time=reload,
+        num_iterations=num_iterations,
+    )

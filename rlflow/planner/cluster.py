@@ -1,0 +1,182 @@
+"""Hardware description the cost model prices plans against.
+
+All figures are SI: bytes, seconds, FLOP/s, bytes/s. Bandwidths are per device and per
+direction: ``intra_host_bandwidth`` is what one device sends to a peer on its host (NVLink),
+``inter_host_bandwidth`` what one device sends to another host (one NIC per device, as on DGX
+machines), ``host_device_bandwidth`` its host<->device copy rate (PCIe).
+
+Latencies follow NCCL's own tuning model (``src/graph/tuning.cc``, ring algorithm, LL
+protocol): a collective costs a base latency of 6.6 us plus 0.6 us per NVLink step or
+2.7 us per network step. The sustained-efficiency factors come from measurements on an H100
+lent to this project (docs/reference: 798 TFLOP/s on an 8192^3 bf16 matmul against 989 peak;
+3.0 TB/s device-to-device copy against 3.35 TB/s); they are applied to every GPU preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GiB = 1024**3
+GB = 1e9
+
+# NCCL tuning model (src/graph/tuning.cc): Ring/LL base latency, per-step NVLink and network latencies.
+NCCL_BASE_LATENCY_S = 6.6e-6
+NCCL_NVLINK_STEP_S = 0.6e-6
+NCCL_NET_STEP_S = 2.7e-6
+
+# Measured on an H100 SXM here (see module docstring): sustained / peak.
+H100_MATMUL_EFFICIENCY = 798.0 / 989.0
+H100_MEMORY_EFFICIENCY = 3.0 / 3.35
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster: ``num_nodes`` hosts of ``devices_per_node`` devices.
+
+    Attributes:
+        num_nodes, devices_per_node: shape of the cluster.
+        device_memory_bytes: memory of one device.
+        peak_flops: dense bf16 FLOP/s of one device (vendor peak).
+        mem_bandwidth: device memory bandwidth, bytes/s.
+        intra_host_bandwidth / inter_host_bandwidth / host_device_bandwidth: bytes/s per device
+            and direction (see module docstring).
+        collective_latency_s: fixed cost of launching one collective or transfer.
+        intra_host_latency_s / inter_host_latency_s: extra latency per ring step inside a host /
+            across hosts.
+        matmul_efficiency / memory_efficiency: sustained fraction of ``peak_flops`` /
+            ``mem_bandwidth`` the roofline uses.
+        name: preset name, for reports.
+    """
+
+    num_nodes: int
+    devices_per_node: int
+    device_memory_bytes: float
+    peak_flops: float
+    mem_bandwidth: float
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    host_device_bandwidth: float
+    collective_latency_s: float = NCCL_BASE_LATENCY_S
+    intra_host_latency_s: float = NCCL_NVLINK_STEP_S
+    inter_host_latency_s: float = NCCL_NET_STEP_S
+    matmul_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for attr in ("num_nodes", "devices_per_node"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be >= 1")
+        for attr in (
+            "device_memory_bytes", "peak_flops", "mem_bandwidth", "intra_host_bandwidth",
+            "inter_host_bandwidth", "host_device_bandwidth",
+        ):  # fmt: skip
+            if not getattr(self, attr) > 0:
+                raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be > 0")
+        for attr in ("collective_latency_s", "intra_host_latency_s", "inter_host_latency_s"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be >= 0")
+        for attr in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, attr) <= 1:
+                raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be in (0, 1]")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def flops(self) -> float:
+        """Sustained matmul FLOP/s of one device."""
+        return self.peak_flops * self.matmul_efficiency
+
+    @property
+    def bandwidth(self) -> float:
+        """Sustained device-memory bytes/s of one device."""
+        return self.mem_bandwidth * self.memory_efficiency
+
+    def with_shape(self, num_nodes: int, devices_per_node: int | None = None) -> ClusterSpec:
+        """The same hardware with another number of hosts (and devices per host)."""
+        return replace(self, num_nodes=num_nodes, devices_per_node=devices_per_node or self.devices_per_node)
+
+
+# Vendor specifications (dense bf16, SXM parts; NVIDIA A100/H100/H200 datasheets). NVLink is
+# per direction; InfiniBand HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s per device NIC;
+# PCIe Gen4 x16 = 32 GB/s, Gen5 x16 = 64 GB/s per direction.
+_GPU_PRESETS: dict[str, dict[str, float]] = {
+    "a100-80g": dict(
+        device_memory_bytes=80 * GiB, peak_flops=312e12, mem_bandwidth=2.0e12,
+        intra_host_bandwidth=300 * GB, inter_host_bandwidth=25 * GB, host_device_bandwidth=32 * GB,
+    ),
+    "h100-80g": dict(
+        device_memory_bytes=80 * GiB, peak_flops=989e12, mem_bandwidth=3.35e12,
+        intra_host_bandwidth=450 * GB, inter_host_bandwidth=50 * GB, host_device_bandwidth=64 * GB,
+    ),
+    "h200": dict(
+        device_memory_bytes=141 * GB, peak_flops=989e12, mem_bandwidth=4.8e12,
+        intra_host_bandwidth=450 * GB, inter_host_bandwidth=50 * GB, host_device_bandwidth=64 * GB,
+    ),
+}  # fmt: skip
+
+PRESETS = (*_GPU_PRESETS, "cpu")
+
+
+def cluster_preset(
+    name: str, num_nodes: int = 1, devices_per_node: int = 8, profile: str | Path | dict | None = None
+) -> ClusterSpec:
+    """A cluster of a known device type.
+
+    Args:
+        name: ``"a100-80g"``, ``"h100-80g"``, ``"h200"``, or ``"cpu"`` (CPU worker processes,
+            priced from a measured hardware profile).
+        num_nodes: hosts.
+        devices_per_node: devices (or CPU worker processes) per host.
+        profile: for ``"cpu"``: a profile dict or the path of a JSON written by
+            ``rlflow profile``; ``None`` loads the default profile of this host when present and
+            otherwise measures the hardware now (about a second).
+
+    >>> c = cluster_preset("a100-80g", num_nodes=2)
+    >>> c.num_devices, c.peak_flops
+    (16, 312000000000000.0)
+    """
+    if name in _GPU_PRESETS:
+        return ClusterSpec(
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            matmul_efficiency=H100_MATMUL_EFFICIENCY,
+            memory_efficiency=H100_MEMORY_EFFICIENCY,
+            name=name,
+            **_GPU_PRESETS[name],
+        )
+    if name == "cpu":
+        return _cpu_cluster(num_nodes, devices_per_node, profile)
+    raise ValueError(f"unknown cluster preset {name!r}; expected one of {PRESETS}")
+
+
+def _cpu_cluster(num_nodes: int, devices_per_node: int, profile: str | Path | dict | None) -> ClusterSpec:
+    from rlflow.planner.profile import default_profile_path, load_profile, measure_hardware
+
+    if isinstance(profile, dict):
+        hw = profile.get("hardware", profile)
+    elif profile is not None:
+        hw = load_profile(profile)["hardware"]
+    elif default_profile_path().exists():
+        hw = load_profile(default_profile_path())["hardware"]
+    else:
+        hw = measure_hardware()
+    # Each "device" is one worker process with one thread: it gets the measured single-thread
+    # rates and an equal share of the host's memory. Gloo moves data over loopback TCP.
+    return ClusterSpec(
+        num_nodes=num_nodes,
+        devices_per_node=devices_per_node,
+        device_memory_bytes=hw["host_memory_bytes"] / devices_per_node,
+        peak_flops=hw["matmul_flops"],
+        mem_bandwidth=hw["memcpy_bandwidth"],
+        intra_host_bandwidth=hw["loopback_bandwidth"],
+        inter_host_bandwidth=hw["loopback_bandwidth"],
+        host_device_bandwidth=hw["memcpy_bandwidth"],
+        collective_latency_s=hw["loopback_latency_s"],
+        intra_host_latency_s=hw["loopback_latency_s"],
+        inter_host_latency_s=hw["loopback_latency_s"],
+        name="cpu",
+    )

@@ -1,0 +1,301 @@
+"""``rlflow profile``: measure this machine so the cost model can price plans for it.
+
+A profile holds (1) hardware rates — matmul FLOP/s, device memory-copy bandwidth, loopback TCP
+bandwidth and latency (what gloo uses between CPU workers), host memory — and (2) timings of
+one real HF Llama decoder layer for a few (batch, sequence) sizes: forward, backward, and one
+decode step against a KV cache. On CPU the layer is small and runs in fp32 on one thread (as
+each CPU worker does); with CUDA it is a LLaMA-2-7B layer in bf16.
+
+The cost model turns the layer timings into *effective* FLOP/s as a function of the tokens
+in a pass (analytic FLOPs of the profiled layer / measured seconds), and prices another
+model's layers by their own analytic FLOPs at the interpolated rate (:class:`ProfiledRates`):
+measured efficiency, scaled by model dimensions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rlflow.planner.cluster import ClusterSpec
+from rlflow.planner.cost import BACKWARD_FLOPS_FACTOR, Rates, layer_flops_bytes
+from rlflow.planner.model_spec import ModelSpec
+
+PROFILE_VERSION = 1
+
+# Layer shapes and sizes profiled per device kind: (batch, seq) for forward/backward,
+# (batch, context) for decode steps. CPU sizes keep the whole profile well under 30 s.
+_CPU_LAYER = dict(num_layers=1, hidden_size=256, intermediate_size=688, num_heads=8, num_kv_heads=8, vocab_size=256)
+_CPU_PASSES = ((1, 64), (4, 128), (4, 256))
+_CPU_DECODE = ((1, 128), (8, 128), (32, 128))
+_CUDA_LAYER = dict(
+    num_layers=1, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32, vocab_size=32000
+)
+_CUDA_PASSES = ((1, 512), (4, 1024), (16, 1024), (32, 2048))
+_CUDA_DECODE = ((1, 1024), (16, 1024), (64, 1024), (256, 1024))
+
+
+def default_profile_path() -> Path:
+    """``~/.cache/rlflow/profile-<host>.json`` (``RLFLOW_CACHE`` overrides the directory)."""
+    root = Path(os.environ.get("RLFLOW_CACHE", Path.home() / ".cache" / "rlflow"))
+    return root / f"profile-{socket.gethostname()}.json"
+
+
+# ----------------------------------------------------------------------------- hardware rates
+
+
+def _timed(fn, repeat: int, sync) -> float:
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeat
+
+
+def _loopback(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
+    """Bandwidth (bytes/s) and one-way latency (s) of a local TCP connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(pings):
+                conn.sendall(conn.recv(1))
+            received = 0
+            while received < nbytes:
+                received += len(conn.recv(1 << 20))
+            conn.sendall(b"k")
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.perf_counter()
+        for _ in range(pings):
+            client.sendall(b"p")
+            client.recv(1)
+        latency = (time.perf_counter() - start) / pings / 2
+        payload = bytes(1 << 20)
+        start = time.perf_counter()
+        for _ in range(nbytes >> 20):
+            client.sendall(payload)
+        client.recv(1)
+        bandwidth = nbytes / (time.perf_counter() - start)
+    thread.join()
+    server.close()
+    return bandwidth, latency
+
+
+def measure_hardware(device: str = "cpu") -> dict[str, float]:
+    """Matmul FLOP/s, memory-copy bandwidth, loopback bandwidth/latency and host memory (about a second)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    n = 8192 if cuda else 384
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    matmul_s = _timed(lambda: a @ b, 10 if cuda else 3, sync)
+    src = torch.empty(256 << 20 if cuda else 32 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), 10 if cuda else 3, sync)
+    loop_bw, loop_lat = _loopback()
+    return {
+        "matmul_flops": 2.0 * n**3 / matmul_s,
+        "memcpy_bandwidth": 2.0 * src.numel() / copy_s,  # read + write
+        "loopback_bandwidth": loop_bw,
+        "loopback_latency_s": loop_lat,
+        "host_memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+    }
+
+
+# ----------------------------------------------------------------------------- layer timings
+
+
+def _build_layer(spec: ModelSpec, device: str, dtype):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        num_hidden_layers=1,
+        vocab_size=spec.vocab_size,
+    )
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=dtype)
+    return config, layer, LlamaRotaryEmbedding(config).to(device)
+
+
+def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> float:
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    config, layer, rope = parts
+    h = config.hidden_size
+    x = torch.randn(batch, seq, h, device=device, dtype=dtype, requires_grad=kind == "backward")
+    pe = rope(x, torch.arange(seq, device=device)[None].expand(batch, -1))
+    if kind == "forward":
+        with torch.no_grad():
+            return _timed(lambda: layer(x, position_embeddings=pe), 3, sync)
+    if kind == "backward":
+
+        def step():
+            layer(x, position_embeddings=pe).sum().backward()
+
+        # Forward + backward, minus a forward: the backward alone.
+        with torch.no_grad():
+            fwd = _timed(lambda: layer(x, position_embeddings=pe), 2, sync)
+        return max(_timed(step, 2, sync) - fwd, 1e-9)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        layer(x, position_embeddings=pe, past_key_values=cache, use_cache=True)
+        new = torch.randn(batch, 1, h, device=device, dtype=dtype)
+        pe1 = rope(new, torch.full((batch, 1), seq, device=device))
+
+        def decode():
+            layer(new, position_embeddings=pe1, past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
+
+        return _timed(decode, 5, sync)
+
+
+def run_profile(
+    path: str | Path | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    passes: tuple[tuple[int, int], ...] | None = None,
+    decodes: tuple[tuple[int, int], ...] | None = None,
+) -> dict:
+    """Measure this machine and write the profile JSON.
+
+    Args:
+        path: where to write; ``None``: :func:`default_profile_path`.
+        device: ``"cpu"`` or ``"cuda"``; ``None``: CUDA when available.
+        progress: show a tqdm bar.
+        passes: ``(batch, seq)`` sizes of the forward/backward timings (default per device kind).
+        decodes: ``(batch, context)`` sizes of the decode-step timings.
+
+    Returns:
+        The profile dict (also written to ``path``; ``profile["path"]`` says where).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spec = ModelSpec(**(_CUDA_LAYER if cuda else _CPU_LAYER), bytes_per_param=2 if cuda else 4, name="profile-layer")
+    passes = passes or (_CUDA_PASSES if cuda else _CPU_PASSES)
+    decodes = decodes or (_CUDA_DECODE if cuda else _CPU_DECODE)
+    jobs = (
+        [("forward", b, s) for b, s in passes]
+        + [("backward", b, s) for b, s in passes]
+        + [("decode", b, c) for b, c in decodes]
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
+    start = time.perf_counter()
+    try:
+        bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=not progress)
+        hardware = measure_hardware(device)
+        bar.update()
+        parts = _build_layer(spec, device, dtype)
+        samples: dict[str, list] = {"forward": [], "backward": [], "decode": []}
+        for kind, batch, seq in jobs:
+            seconds = _time_layer(kind, batch, seq, parts, device, dtype, sync)
+            samples[kind].append({"batch": batch, "seq": seq, "seconds": seconds})
+            bar.update()
+        bar.close()
+    finally:
+        torch.set_num_threads(threads)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    profile = {
+        "version": PROFILE_VERSION,
+        "host": socket.gethostname(),
+        "device": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "hardware": hardware,
+        "layer": {
+            k: getattr(spec, k)
+            for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "bytes_per_param")
+        },
+        **samples,
+        "elapsed_s": time.perf_counter() - start,
+    }
+    out = Path(path) if path is not None else default_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1))
+    return {**profile, "path": str(out)}
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read a profile written by :func:`run_profile`, checking its version and fields."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no profile at {path}; create one with `rlflow profile --out {path}`")
+    profile = json.loads(path.read_text())
+    if profile.get("version") != PROFILE_VERSION:
+        raise ValueError(f"profile {path} has version {profile.get('version')!r}, expected {PROFILE_VERSION}")
+    missing = [k for k in ("hardware", "layer", "forward", "backward", "decode") if k not in profile]
+    if missing:
+        raise ValueError(f"profile {path} lacks {missing}")
+    return profile
+
+
+# ----------------------------------------------------------------------------- rates from a profile
+
+
+class ProfiledRates(Rates):
+    """Device rates read off a profile: FLOP/s interpolated (log-log) in the tokens of a pass."""
+
+    def __init__(self, profile: dict, cluster: ClusterSpec):
+        super().__init__(cluster)
+        layer = profile["layer"]
+        spec = ModelSpec(num_layers=1, vocab_size=1, **layer)
+        fwd_tokens, fwd_rate, self.bandwidth = [], [], 0.0
+        samples = [(s, False) for s in profile["forward"]] + [(s, True) for s in profile["decode"]]
+        for s, decode in samples:
+            new, pairs = (1, s["seq"] + 1) if decode else (s["seq"], s["seq"] * (s["seq"] + 1) / 2)
+            flops, nbytes = layer_flops_bytes(spec, 1, s["batch"], new, pairs, s["seq"] if decode else 0)
+            fwd_tokens.append(s["batch"] * new)
+            fwd_rate.append(float(flops) / s["seconds"])
+            if decode:
+                self.bandwidth = max(self.bandwidth, float(nbytes) / s["seconds"])
+        bwd_tokens, bwd_rate = [], []
+        for s in profile["backward"]:
+            flops, _ = layer_flops_bytes(spec, 1, s["batch"], s["seq"], s["seq"] * (s["seq"] + 1) / 2)
+            bwd_tokens.append(s["batch"] * s["seq"])
+            bwd_rate.append(BACKWARD_FLOPS_FACTOR * float(flops) / s["seconds"])
+        self._fwd = self._table(fwd_tokens, fwd_rate)
+        self._bwd = self._table(bwd_tokens, bwd_rate)
+        self.bandwidth = self.bandwidth or profile["hardware"]["memcpy_bandwidth"]
+
+    @staticmethod
+    def _table(tokens, rates) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(tokens)
+        return np.log(np.asarray(tokens, dtype=np.float64)[order]), np.log(np.asarray(rates)[order])
+
+    def flops_rate(self, tokens, backward: bool = False):
+        """Effective FLOP/s of a pass over ``tokens`` tokens (clamped to the profiled range)."""
+        x, y = self._bwd if backward else self._fwd
+        return np.exp(np.interp(np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)), x, y))
+
+    def compute_s(self, flops, nbytes, tokens, backward: bool = False):
+        return np.maximum(np.asarray(flops) / self.flops_rate(tokens, backward), np.asarray(nbytes) / self.bandwidth)
+
+    @classmethod
+    def from_profile(cls, profile: dict | str | Path, cluster: ClusterSpec) -> ProfiledRates:
+        return cls(profile if isinstance(profile, dict) else load_profile(profile), cluster)

@@ -1,0 +1,225 @@
+"""Transfer costs between the options of MFCs (seconds): weights, data and offloaded models.
+
+Parameter reallocation (trained model: home layout -> a call's layout). The home layout is a
+training layout: pipeline stage -> tp shard -> FSDP shard over dp, so every byte of the model
+lives on exactly one home device. A call's layout replicates the stage's tp shard on every dp
+rank. Every destination device needs ``P_stage / tp`` bytes; what it already holds is free,
+what sits on a device of its own host comes at the intra-host bandwidth, the rest at the
+inter-host bandwidth (both summed: conservative). Destinations receive in parallel (a source
+slice wanted by several dp replicas is broadcast), so the reallocation takes as long as the
+slowest destination. This is computed analytically per (stage, tp shard) block — a block's
+bytes are spread evenly over its FSDP shards — for whole tables of option pairs at once.
+
+Data transfer of an edge's keys: results leave the producer's dp ranks through host memory
+(Ray's object store) and reach the consumer's dp ranks: ``D2H + link + H2D``.
+
+Reload of a frozen model offloaded to host memory: ``weight_bytes / host_device_bandwidth``,
+streamed layer by layer under the call's first forward pass, so only what that pass cannot hide
+(and at least one layer's share) is paid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from rlflow.planner.cluster import ClusterSpec
+from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.model_spec import ModelSpec
+
+Option = tuple[DeviceMesh, ParallelStrategy]
+
+
+# ----------------------------------------------------------------------------- data keys
+
+
+def key_bytes(key: str, n_seqs: int, seq_len: int, prompt_len: int) -> float:
+    """Bytes of one dataflow key for ``n_seqs`` sequences.
+
+    Token ids are int64, masks one byte per token, per-sequence rewards one fp32, every other
+    key (log-probs, values, advantages, …) one fp32 per token; prompt keys span the prompt only.
+
+    >>> key_bytes("input_ids", 2, 10, 4), key_bytes("greedy_rewards", 2, 10, 4), key_bytes("old_logp", 2, 10, 4)
+    (160.0, 8.0, 80.0)
+    """
+    base = key.removeprefix("greedy_")
+    if base in ("prompts", "prompt_mask"):
+        return float(n_seqs * prompt_len * (8 if base == "prompts" else 1))
+    if base.endswith("rewards") or base == "answers":
+        return 4.0 * n_seqs
+    if base.endswith("_ids"):
+        return 8.0 * n_seqs * seq_len
+    if base.endswith("mask"):
+        return 1.0 * n_seqs * seq_len
+    return 4.0 * n_seqs * seq_len
+
+
+def _option_arrays(options: Sequence[Option]) -> dict[str, np.ndarray]:
+    meshes = [m for m, _ in options]
+    return {
+        "first": np.array([m.first_device for m in meshes]),
+        "size": np.array([m.size for m in meshes]),
+        "node_lo": np.array([m.node_start for m in meshes]),
+        "nodes": np.array([m.num_nodes for m in meshes]),
+        "dp": np.array([s.dp for _, s in options]),
+        "tp": np.array([s.tp for _, s in options]),
+        "pp": np.array([s.pp for _, s in options]),
+    }
+
+
+def _same_layout(a: dict, b: dict) -> np.ndarray:
+    """``(len(a), len(b))``: equal mesh and strategy."""
+    keys = ("first", "size", "dp", "tp", "pp")
+    return np.logical_and.reduce([a[k][:, None] == b[k][None, :] for k in keys])
+
+
+def data_time_table(nbytes: float, src: Sequence[Option], dst: Sequence[Option], cluster: ClusterSpec) -> np.ndarray:
+    """Seconds to move ``nbytes`` of an edge's keys, shape ``(len(src), len(dst))``; 0 on equal layouts."""
+    a, b = _option_arrays(src), _option_arrays(dst)
+    lo = np.minimum(a["node_lo"][:, None], b["node_lo"][None, :])
+    hi = np.maximum((a["node_lo"] + a["nodes"])[:, None], (b["node_lo"] + b["nodes"])[None, :])
+    link = np.where(hi - lo == 1, cluster.intra_host_bandwidth, cluster.inter_host_bandwidth)
+    send = nbytes / a["dp"][:, None] / cluster.host_device_bandwidth
+    recv = nbytes / b["dp"][None, :]
+    t = cluster.collective_latency_s + send + recv / link + recv / cluster.host_device_bandwidth
+    return np.where(_same_layout(a, b), 0.0, t) if nbytes > 0 else np.zeros(t.shape)
+
+
+# ----------------------------------------------------------------------------- reallocation
+
+
+def _stage_table(model: ModelSpec, pps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Item bounds of every stage for each pp: ``start, stop`` of shape ``(len(pps), max pp)``."""
+    width = int(pps.max())
+    start, stop = np.zeros((len(pps), width), dtype=np.int64), np.zeros((len(pps), width), dtype=np.int64)
+    for pp in np.unique(pps):
+        rows = pps == pp
+        ranges = model.stages(int(pp))
+        start[rows, :pp] = [r.start for r in ranges]
+        stop[rows, :pp] = [r.stop for r in ranges]
+    return start, stop
+
+
+def _node_holdings(model: ModelSpec, home: dict, start, stop, num_nodes: int, dpn: int) -> np.ndarray:
+    """``cum[h, n, k]``: bytes of items ``< k`` that home option ``h`` holds on node ``n``.
+
+    Each (stage, dp rank) tp group holds ``1/dp`` of its stage's items (all tp shards of it),
+    and tp groups never straddle hosts.
+    """
+    item_bytes = model.item_params.astype(np.float64) * model.bytes_per_param
+    n_items = len(item_bytes)
+    cum = np.zeros((len(home["first"]), num_nodes, n_items + 1))
+    for h in range(len(cum)):
+        dp, tp, pp, first = int(home["dp"][h]), int(home["tp"][h]), int(home["pp"][h]), int(home["first"][h])
+        groups = np.arange(dp * pp)
+        counts = np.zeros((num_nodes, pp))
+        np.add.at(counts, ((first + groups * tp) // dpn, groups // dp), 1.0)
+        stage_of_item = np.repeat(np.arange(pp), stop[h, :pp] - start[h, :pp])
+        held = counts[:, stage_of_item] / dp * item_bytes
+        cum[h, :, 1:] = np.cumsum(held, axis=1)
+    return cum
+
+
+def _interval_overlap(a_lo, a_hi, b_lo, b_hi):
+    return np.clip(np.minimum(a_hi, b_hi) - np.maximum(a_lo, b_lo), 0, None)
+
+
+def _target_columns(t: dict, start, stop) -> dict[str, np.ndarray]:
+    """One column per (target option, rank): its device, tp rank and degree, and stage item bounds."""
+    sizes = t["size"]
+    opt = np.repeat(np.arange(len(sizes)), sizes)
+    rank = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    dp, tp = t["dp"][opt], t["tp"][opt]
+    stage = rank // (dp * tp)
+    return {
+        "device": t["first"][opt] + rank,
+        "tp": tp,
+        "r": rank % tp,
+        "s": start[opt, stage],
+        "e": stop[opt, stage],
+        "segments": np.cumsum(sizes) - sizes,
+    }
+
+
+def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict, sl: slice) -> np.ndarray:
+    """Receive time ``(len(home), n_columns)`` of every destination device in ``cols[sl]``."""
+    b, dpn = model.bytes_per_param, cluster.devices_per_node
+    cum = np.concatenate([[0.0], np.cumsum(model.item_params.astype(np.float64) * b)])
+    tensors = np.concatenate([[0], np.cumsum(model.item_tensors)])
+    device, tp, r, s_j, e_j = (cols[k][sl] for k in ("device", "tp", "r", "s", "e"))
+    node = device // dpn
+    total = (cum[e_j] - cum[s_j]) / tp
+    on_node = (holdings[:, node, e_j] - holdings[:, node, s_j]) / tp
+    # What the destination device itself holds in the home layout: the overlap of its home
+    # (stage, tp shard) block with the block it needs, over the home's dp (FSDP) degree.
+    h_first, h_size, h_dp, h_tp = (h[k][:, None] for k in ("first", "size", "dp", "tp"))
+    rho = device[None, :] - h_first
+    inside = (rho >= 0) & (rho < h_size)
+    rho = np.where(inside, rho, 0)
+    q, i = rho % h_tp, rho // (h_tp * h_dp)
+    lo = np.maximum(np.take_along_axis(h_start, i, axis=1), s_j)
+    hi = np.minimum(np.take_along_axis(h_stop, i, axis=1), e_j)
+    shared = cum[np.maximum(hi, lo)] - cum[lo]
+    tp_part = _interval_overlap(q / h_tp, (q + 1) / h_tp, r / tp, (r + 1) / tp)
+    local = np.where(inside, shared * tp_part / h_dp, 0.0)
+    seconds = (on_node - local) / cluster.intra_host_bandwidth + (total - on_node) / cluster.inter_host_bandwidth
+    # One broadcast per parameter tensor of the destination stage.
+    return seconds + (tensors[e_j] - tensors[s_j]) * cluster.collective_latency_s
+
+
+def realloc_time_table(
+    model: ModelSpec, home: Sequence[Option], targets: Sequence[Option], cluster: ClusterSpec, chunk: int = 1 << 21
+) -> np.ndarray:
+    """Seconds to reallocate ``model`` from each home (training) option to each target option.
+
+    Args:
+        model: the model moved.
+        home: training options (FSDP layouts).
+        targets: call options (dp-replicated layouts).
+        cluster: bandwidths and latencies.
+        chunk: table cells computed at once (bounds the temporary memory).
+
+    Returns:
+        Array ``(len(home), len(targets))``: the slowest destination device's receive time;
+        0 where mesh and strategy are equal.
+    """
+    h, t = _option_arrays(home), _option_arrays(targets)
+    h_start, h_stop = _stage_table(model, h["pp"])
+    t_start, t_stop = _stage_table(model, t["pp"])
+    holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, cluster.devices_per_node)
+    cols = _target_columns(t, t_start, t_stop)
+    # Many (option, rank) columns describe the same destination: same device, tp shard and stage.
+    keys = np.stack([cols[k] for k in ("device", "tp", "r", "s", "e")], axis=1)
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    ucols = dict(zip(("device", "tp", "r", "s", "e"), unique.T))
+    costs = np.empty((len(home), len(unique)))
+    step = max(1, chunk // max(1, len(home)))
+    for lo in range(0, len(unique), step):
+        sl = slice(lo, min(len(unique), lo + step))
+        costs[:, sl] = _column_costs(model, cluster, h, h_start, h_stop, holdings, ucols, sl)
+    table = np.maximum.reduceat(costs[:, inverse], cols["segments"], axis=1)
+    return np.where(_same_layout(h, t), 0.0, table)
+
+
+def realloc_time(model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec) -> float:
+    """Seconds to reallocate ``model`` from the training layout ``src`` to the call layout ``dst``."""
+    return float(realloc_time_table(model, [src], [dst], cluster)[0, 0])
+
+
+# ----------------------------------------------------------------------------- offload
+
+
+def reload_time(
+    weight_bytes: np.ndarray, first_pass_s: np.ndarray, num_layers: int, cluster: ClusterSpec
+) -> np.ndarray:
+    """Seconds a reload from host memory adds before a call, per option.
+
+    Args:
+        weight_bytes: weights per device of each option.
+        first_pass_s: the call's first forward pass per option (the reload streams under it).
+        num_layers: layers of the model (the first one cannot be hidden).
+    """
+    load = np.asarray(weight_bytes, dtype=np.float64) / cluster.host_device_bandwidth
+    return np.maximum(load / max(1, num_layers), load - np.asarray(first_pass_s, dtype=np.float64))

@@ -1,0 +1,25 @@
+"""Drawing dataflow graphs to PNG and SVG."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from rlflow.dataflow import algorithm_graph, draw, unroll_graph
+
+
+def test_draw_writes_a_png_and_an_svg(tmp_path):
+    g = algorithm_graph("ppo")
+    png = draw(g, tmp_path / "ppo.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    svg = draw(unroll_graph(g, 2), tmp_path / "sub" / "ppo.svg", title="PPO, 2 iterations")
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg") and svg.stat().st_size > 20_000
+    # one drawn path per node and edge at least
+    assert sum(1 for el in root.iter() if el.tag.endswith("path")) > 12 + 2 * 11
+
+
+def test_draw_rejects_unknown_formats(tmp_path):
+    with pytest.raises(ValueError, match=r"'g.gif'.*\.png"):
+        draw(algorithm_graph("sft"), tmp_path / "g.gif")

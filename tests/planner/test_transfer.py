@@ -1,0 +1,99 @@
+"""Reallocation, data-transfer and reload costs; the vectorised reallocation table against a
+per-device, per-block reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from rlflow.planner.cluster import cluster_preset
+from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.model_spec import ModelSpec, model_preset
+from rlflow.planner.space import enumerate_meshes
+from rlflow.planner.transfer import data_time_table, key_bytes, realloc_time, realloc_time_table, reload_time
+
+S = ParallelStrategy
+A100 = cluster_preset("a100-80g", num_nodes=2)
+LLAMA7B = model_preset("llama2-7b")
+
+
+def M(nodes, devices, node=0, start=0):
+    return DeviceMesh(nodes, devices, node, start, 8)
+
+
+def test_identical_layouts_are_free_and_others_are_not():
+    home = (M(1, 8), S(dp=8))
+    assert realloc_time(LLAMA7B, home, home, A100) == 0
+    for dst in [(M(1, 8), S(tp=8)), (M(1, 8), S(dp=2, tp=4)), (M(1, 4), S(dp=4)), (M(2, 8), S(dp=16))]:
+        assert realloc_time(LLAMA7B, home, dst, A100) > 0
+
+
+def test_same_host_is_cheaper_than_another_host():
+    home = (M(1, 8), S(dp=8))
+    near = realloc_time(LLAMA7B, home, (M(1, 4, 0, 4), S(tp=4)), A100)
+    far = realloc_time(LLAMA7B, home, (M(1, 4, 1, 4), S(tp=4)), A100)
+    assert 0 < near < far
+    # everything comes over one 25 GB/s NIC: a quarter of the model per device
+    assert far == pytest.approx(LLAMA7B.num_params * 2 / 4 / A100.inter_host_bandwidth, rel=0.02)
+
+
+def _reference(model, src, dst, cluster):
+    """Slowest destination over all (device, item, tp-block) pieces, straight from the definitions."""
+    (hm, hs), (tm, ts) = src, dst
+    if (hm, hs) == (tm, ts):
+        return 0.0
+    b, dpn = model.bytes_per_param, cluster.devices_per_node
+    home_stage = {i: k for k, r in enumerate(model.stages(hs.pp)) for i in r}
+    worst = 0.0
+    for rank, d in enumerate(tm.device_ids):
+        pp_rank, _, r = ts.coords(rank)
+        need = model.stages(ts.pp)[pp_rank]
+        seconds = sum(model.item_tensors[i] for i in need) * cluster.collective_latency_s
+        for item in need:
+            for g_rank, g in enumerate(hm.device_ids):
+                g_stage, _, q = hs.coords(g_rank)
+                if g_stage != home_stage[item] or g == d:
+                    continue
+                lo, hi = max(q / hs.tp, r / ts.tp), min((q + 1) / hs.tp, (r + 1) / ts.tp)
+                piece = max(0.0, hi - lo) * model.item_params[item] * b / hs.dp
+                bw = cluster.intra_host_bandwidth if g // dpn == d // dpn else cluster.inter_host_bandwidth
+                seconds += piece / bw
+        worst = max(worst, seconds)
+    return worst
+
+
+def test_vectorised_table_matches_the_reference():
+    model = ModelSpec(num_layers=5, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4, vocab_size=300)
+    cluster = cluster_preset("a100-80g", num_nodes=2)
+    options = [
+        (m, S(dp, tp, pp))
+        for m in enumerate_meshes(2, 8)
+        for tp in (1, 2, 4)
+        for pp in (1, 2, 4)
+        if m.num_devices % tp == 0 and m.size % (tp * pp) == 0
+        for dp in [m.size // (tp * pp)]
+    ]
+    rng = np.random.default_rng(0)
+    homes = [options[i] for i in rng.choice(len(options), 12, replace=False)]
+    targets = [options[i] for i in rng.choice(len(options), 25, replace=False)] + homes[:3]
+    table = realloc_time_table(model, homes, targets, cluster, chunk=97)
+    for (h, src), (t, dst) in itertools.product(enumerate(homes), enumerate(targets)):
+        assert table[h, t] == pytest.approx(_reference(model, src, dst, cluster), rel=1e-9, abs=1e-15), (src, dst)
+
+
+def test_data_transfers():
+    gen, train = [(M(1, 8), S(dp=8)), (M(1, 4), S(dp=4))], [(M(1, 8), S(dp=8)), (M(1, 4, 1, 0), S(dp=2, tp=2))]
+    t = data_time_table(1e6, gen, train, A100)
+    assert t.shape == (2, 2) and t[0, 0] == 0 and (t[0, 1] > 0) and t[1, 0] > 0
+    assert t[1, 1] > t[1, 0]  # other host and fewer receiving ranks
+    assert not data_time_table(0, gen, train, A100).any()
+    assert key_bytes("input_ids", 4, 10, 3) == 320 and key_bytes("prompts", 4, 10, 3) == 96
+    assert key_bytes("response_mask", 4, 10, 3) == 40 and key_bytes("rewards", 4, 10, 3) == 16
+
+
+def test_reload_hides_under_the_first_forward_pass():
+    load = 16e9 / A100.host_device_bandwidth
+    t = reload_time(np.array([16e9, 16e9, 16e9]), np.array([0.0, load / 2, 10 * load]), 32, A100)
+    assert t.tolist() == pytest.approx([load, load / 2, load / 32])
