@@ -20,9 +20,9 @@ Choices every caller can rely on:
   Only :meth:`DataProto.pop` mutates its receiver.
 * :meth:`DataProto.save` writes one safetensors file whose header carries the non-tensor
   columns and ``meta_info`` as JSON; nothing is ever unpickled on load.
-* Pickling (how Ray moves a DataProto between processes) uses TensorDict's own pickling:
-  measured as fast as pickling a plain dict of the same tensors, so no custom
-  ``__getstate__`` is kept.
+* Pickling (how Ray moves a DataProto between processes) uses TensorDict's own pickling
+  (measured as fast as a plain dict of the same tensors), after copying tensors that are
+  views into a larger storage: a row slice would otherwise ship its whole parent batch.
 """
 
 from __future__ import annotations
@@ -153,6 +153,18 @@ class DataProto:
 
     def _items(self) -> Iterable[tuple[str, torch.Tensor]]:
         return [] if self.batch is None else self.batch.items()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.batch is not None:
+            views = {k for k, t in self._items() if t.untyped_storage().nbytes() > t.numel() * t.element_size()}
+            if views:
+                tensors = {k: (t.clone() if k in views else t) for k, t in self._items()}
+                state["batch"] = TensorDict(tensors, batch_size=self.batch.batch_size, device=self.batch.device)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def _with(
         self, tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray], num_rows: int, meta: dict

@@ -424,3 +424,10 @@ def test_balanced_split_by_attention_mask_and_restore_order():
         d.balanced_split(k, "nope")
     with pytest.raises(ValueError, match="permutation of range"):
         restore_order(parts, [indices[0], indices[0], indices[2]])
+
+
+def test_pickling_a_row_slice_does_not_ship_the_parent_batch():
+    big = DataProto.from_dict({"x": torch.zeros(1000, 256, dtype=torch.int64)})
+    part = big[:10]
+    assert len(pickle.dumps(part)) < len(pickle.dumps(big)) / 20
+    assert torch.equal(pickle.loads(pickle.dumps(part)).batch["x"], big.batch["x"][:10])

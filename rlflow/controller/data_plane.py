@@ -194,18 +194,28 @@ class RowSplit:
     sizes: Callable[[], list[int]]
 
 
-def even_sizes(total: int, n: int) -> list[int]:
-    """``n`` sizes summing to ``total`` that differ by at most one, larger ones first."""
-    base, extra = divmod(total, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
+def even_sizes(total: int, n: int, group_size: int = 1) -> list[int]:
+    """``n`` sizes summing to ``total`` that differ by at most one group, larger ones first.
+
+    >>> even_sizes(10, 3), even_sizes(12, 2, group_size=4)
+    ([4, 3, 3], [8, 4])
+    """
+    if total % group_size:
+        raise ValueError(f"{total} rows do not form whole groups of {group_size} rows")
+    base, extra = divmod(total // group_size, n)
+    return [(base + (1 if i < extra else 0)) * group_size for i in range(n)]
 
 
-def split_rows(value: DataProto | DataFuture, n: int, like: RowSplit | None = None) -> RowSplit:
-    """Splits one DataProto argument into ``n`` dp parts; ``like`` is the first argument's split to follow."""
+def split_rows(value: DataProto | DataFuture, n: int, like: RowSplit | None = None, group_size: int = 1) -> RowSplit:
+    """Splits one DataProto argument into ``n`` dp parts; ``like`` is the first argument's split to follow.
+
+    With ``group_size > 1`` every part holds whole groups of consecutive rows (token balancing
+    then does not apply).
+    """
     if isinstance(value, DataFuture) and value.part_index is None:
         value = value.get()  # not rows: the driver must materialise it
     if isinstance(value, DataFuture):
-        split = _split_future(value, n)
+        split = _split_future(value, n, group_size)
         if like is not None and not _same_order(split.order, like.order):
             raise ValueError("DataProto arguments of one call are split differently; pass one batch or union them")
         return split
@@ -216,11 +226,11 @@ def split_rows(value: DataProto | DataFuture, n: int, like: RowSplit | None = No
             return RowSplit([value[o] for o in like.order], like.order, like.sizes)
         return RowSplit(value.split(like.sizes()), None, like.sizes)
     key = value.meta_info.get(BALANCE_BY)
-    if key is not None:
+    if key is not None and group_size == 1:
         parts, groups = value.balanced_split(n, key)
         order = [np.asarray(g, dtype=np.int64) for g in groups]
         return RowSplit(parts, order, lambda: [len(o) for o in order])
-    sizes = even_sizes(len(value), n)
+    sizes = even_sizes(len(value), n, group_size)
     return RowSplit(value.split(sizes), None, lambda: sizes)
 
 
@@ -230,13 +240,13 @@ def _same_order(a: list[np.ndarray] | None, b: list[np.ndarray] | None) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def _split_future(fut: DataFuture, n: int) -> RowSplit:
+def _split_future(fut: DataFuture, n: int, group_size: int = 1) -> RowSplit:
     parts = fut.parts
     if len(parts) == n:
         # Same dp size: each rank keeps the rows the previous call's rank produced.
         return RowSplit([RemoteRows(((ref, 0, None),)) for ref in parts], fut.positions(), fut.part_sizes)
     sizes, positions = fut.part_sizes(), fut.positions()
-    targets = even_sizes(sum(sizes), n)
+    targets = even_sizes(sum(sizes), n, group_size)
     starts = np.cumsum([0, *sizes])
     pieces, begin = [], 0
     for size in targets:

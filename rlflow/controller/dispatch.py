@@ -23,6 +23,7 @@ from rlflow.protocol import DataProto
 class GroupShape(Protocol):
     world_size: int
     strategy: ParallelStrategy
+    row_group_size: int
 
 
 @dataclass
@@ -59,15 +60,19 @@ def dispatch(group: GroupShape, spec: MethodSpec, args: tuple, kwargs: dict) -> 
         strategy = group.strategy
         dp_of_rank = [strategy.coords(r)[1] for r in range(world)]
         last_stage = [strategy.rank_of(strategy.pp - 1, d, 0) for d in range(strategy.dp)]
-        return _dispatch_rows(args, kwargs, strategy.dp, dp_of_rank, last_stage)
+        return _dispatch_rows(args, kwargs, strategy.dp, dp_of_rank, last_stage, _group_size(group))
     if mode is Dispatch.DP_COMPUTE_PROTO_WITH_FUNC:
         if not args or not callable(args[0]):
             raise TypeError("DP_COMPUTE_PROTO_WITH_FUNC needs a function as the first argument")
-        call = _dispatch_rows(args[1:], kwargs, world, list(range(world)), list(range(world)))
+        call = _dispatch_rows(args[1:], kwargs, world, list(range(world)), list(range(world)), _group_size(group))
         call.args = [(args[0], *a) for a in call.args]
         return call
     # DP_COMPUTE_PROTO and DP_COMPUTE_METRIC: every rank is a dp rank.
-    return _dispatch_rows(args, kwargs, world, list(range(world)), list(range(world)))
+    return _dispatch_rows(args, kwargs, world, list(range(world)), list(range(world)), _group_size(group))
+
+
+def _group_size(group: GroupShape) -> int:
+    return getattr(group, "row_group_size", 1)
 
 
 def collect(group: GroupShape, spec: MethodSpec, call: Dispatched, outputs: list) -> Any:
@@ -94,18 +99,24 @@ def _is_rows(value: Any) -> bool:
 
 
 def _dispatch_rows(
-    args: Sequence, kwargs: dict, num_parts: int, part_of_rank: list[int], part_index: list[int]
+    args: Sequence,
+    kwargs: dict,
+    num_parts: int,
+    part_of_rank: list[int],
+    part_index: list[int],
+    group_size: int = 1,
 ) -> Dispatched:
     """Splits DataProto/DataFuture arguments into ``num_parts`` parts; rank ``r`` gets part ``part_of_rank[r]``.
 
     Other arguments go to every rank unchanged. The first DataProto argument decides the split
     (even, or balanced by ``meta_info["balance_by"]``); the others follow it row for row.
+    With ``group_size > 1`` parts hold whole groups of that many consecutive rows.
     """
     lead: RowSplit | None = None
     split_args: list[Any] = []
     for value in [*args, *kwargs.values()]:
         if _is_rows(value):
-            split = split_rows(value, num_parts, like=lead)
+            split = split_rows(value, num_parts, like=lead, group_size=group_size)
             lead = lead or split
             split_args.append(split.parts)
         else:

@@ -82,13 +82,30 @@ class RayWorkerGroup:
         self._setup(actors, list(range(resource_pool.world_size)), None, bound)
 
     @classmethod
-    def _over(cls, actors: _Actors, ranks: list[int], strategy: ParallelStrategy | None, role: str | None):
+    def _over(
+        cls,
+        actors: _Actors,
+        ranks: list[int],
+        strategy: ParallelStrategy | None,
+        role: str | None,
+        row_group_size: int = 1,
+    ):
         group = cls.__new__(cls)
-        group._setup(actors, ranks, strategy, role)
+        group._setup(actors, ranks, strategy, role, row_group_size)
         return group
 
-    def _setup(self, actors: _Actors, ranks: list[int], strategy: ParallelStrategy | None, role: str | None) -> None:
+    def _setup(
+        self,
+        actors: _Actors,
+        ranks: list[int],
+        strategy: ParallelStrategy | None,
+        role: str | None,
+        row_group_size: int = 1,
+    ) -> None:
+        if row_group_size < 1:
+            raise ValueError(f"row_group_size={row_group_size} must be >= 1")
         self._actors, self._ranks, self._role = actors, ranks, role
+        self.row_group_size = row_group_size
         self.strategy = strategy or ParallelStrategy(dp=len(ranks))
         if self.strategy.world_size != len(ranks):
             raise ValueError(
@@ -127,20 +144,24 @@ class RayWorkerGroup:
         """Driver-side methods built from ``@register``."""
         return sorted(self._methods)
 
-    def view(self, ranks: Sequence[int], strategy: ParallelStrategy | None = None) -> RayWorkerGroup:
+    def view(
+        self, ranks: Sequence[int], strategy: ParallelStrategy | None = None, row_group_size: int = 1
+    ) -> RayWorkerGroup:
         """A group over some of this group's ranks (positions in this group), arranged as ``strategy``.
 
         Rank ``i`` of the view is ``ranks[i]``; with ``strategy`` its coordinates follow
         ``rank = (pp_rank*dp + dp_rank)*tp + tp_rank`` (see ``rlflow/planner/mesh.py``).
+        ``row_group_size`` keeps that many consecutive rows on one dp rank when DataProto
+        arguments are split (the samples of one prompt, for group-relative advantages).
         """
         ranks = list(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise ValueError(f"view ranks {ranks} must be distinct positions in [0, {self.world_size})")
-        return self._over(self._actors, [self._ranks[r] for r in ranks], strategy, self._role)
+        return self._over(self._actors, [self._ranks[r] for r in ranks], strategy, self._role, row_group_size)
 
     def spawn(self) -> dict[str, RayWorkerGroup]:
         """One plain group per role of a colocated group, sharing its actors (and shape)."""
-        return {r: self._over(self._actors, self._ranks, self.strategy, r) for r in self.roles}
+        return {r: self._over(self._actors, self._ranks, self.strategy, r, self.row_group_size) for r in self.roles}
 
     # ----------------------------------------------------------------- calls
     def _call(self, role: str, method: str, spec: MethodSpec, *args: Any, **kwargs: Any) -> Any:
