@@ -1,0 +1,132 @@
+"""Parallelisms as small functions applied in one order to a plain pipeline stage.
+
+The training engine turns an HF model into this rank's part of a ``(pp, dp, tp)`` strategy
+by applying, in this order:
+
+1. **pipeline split** (:func:`rlflow.engine.pipeline.build_stage`) — everything after works on
+   one stage, so each stage is parallelized on its own, as torchtitan does;
+2. **tensor parallelism** (:func:`rlflow.parallel.tensor_parallel.apply_tp`) — before FSDP,
+   because FSDP2 shards the *tp-local* tensors (a TP ``DTensor`` becomes a 2-D
+   ``(dp, tp)`` DTensor), and DTensor TP cannot be applied to already FSDP-sharded params;
+3. **activation checkpointing** (:func:`apply_ac`) — HF's per-layer checkpointing wraps the
+   layer's ``forward``, inside the FSDP hooks: the recomputation then re-runs the TP
+   collectives of the layer but not FSDP's all-gather, which happens once in the
+   pre-backward hook;
+4. **FSDP2** (:func:`apply_fsdp`) — last, so it sees the final parameters (``DTensor`` s on
+   the tp mesh) and its unshard/reshard hooks are the outermost ones.
+
+:class:`ParallelDims` validates the strategy against the mesh once, up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlflow.parallel.tensor_parallel import check_tp_degree
+
+__all__ = ["MESH_AXES", "ParallelDims", "apply_ac", "apply_fsdp", "mixed_precision_dtype"]
+
+MESH_AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """A validated ``(dp, tp, pp)`` strategy of one engine.
+
+    Args:
+        dp: data-parallel (FSDP) degree.
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
+        """Read the degrees of a ``("pp", "dp", "tp")`` mesh, rejecting any other layout."""
+        if tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
+            raise ValueError(f"mesh_dim_names={mesh.mesh_dim_names}; expected {MESH_AXES}")
+        pp, dp, tp = mesh.shape
+        return cls(dp=dp, tp=tp, pp=pp)
+
+    def check_model(self, config) -> None:
+        """Raise ``ValueError`` if the model cannot be split this way (heads by tp, items by pp)."""
+        check_tp_degree(config, self.tp)
+        num_items = config.num_hidden_layers + 3  # embed, layers, norm, head
+        if self.pp > num_items:
+            raise ValueError(
+                f"pp={self.pp} exceeds the {num_items} pipeline items of a {config.num_hidden_layers}-layer model"
+            )
+
+
+def mixed_precision_dtype(device: torch.device, mixed_precision: str) -> torch.dtype:
+    """Compute dtype: ``"auto"`` is bf16 on CUDA and fp32 on CPU; ``"bf16"``/``"fp32"`` force it."""
+    if mixed_precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if mixed_precision == "bf16":
+        return torch.bfloat16
+    if mixed_precision == "fp32":
+        return torch.float32
+    raise ValueError(f"mixed_precision={mixed_precision!r}; expected 'auto', 'bf16' or 'fp32'")
+
+
+def _layers(stage: nn.Module) -> list[nn.Module]:
+    return list(stage.model.layers.values())
+
+
+def apply_ac(stage: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward instead of storing them.
+
+    Uses HF's ``GradientCheckpointingLayer`` switch (the layer checkpoints its ``forward``,
+    leaving module hooks outside), with non-reentrant ``torch.utils.checkpoint``.
+    """
+    for layer in _layers(stage):
+        if not hasattr(layer, "gradient_checkpointing"):
+            raise ValueError(f"{type(layer).__name__} does not support HF gradient checkpointing")
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
+def apply_fsdp(
+    stage: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reshard_after_forward: bool,
+) -> None:
+    """Shard ``stage`` with FSDP2 along ``dp_mesh``: one group per decoder layer plus the root.
+
+    Args:
+        stage: the (TP-parallelized) stage.
+        dp_mesh: 1-D data-parallel mesh (a sub-mesh of the engine's mesh, so TP DTensors
+            and FSDP compose into 2-D DTensors).
+        param_dtype: dtype of the all-gathered parameters used in compute; gradients are
+            reduced in fp32 and the sharded master weights stay fp32.
+        reshard_after_forward: free each layer's gathered parameters after its forward
+            (ZeRO-3; gathered again in backward). The engine passes ``True`` without pipelining
+            and ``False`` with it: a pipeline runs many micro-batch forwards before their
+            backwards, and resharding would re-gather every layer twice per micro-batch.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in _layers(stage):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root group (embedding, norm, head) is needed first in backward: keep it gathered.
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

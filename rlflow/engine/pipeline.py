@@ -1,0 +1,253 @@
+"""Pipeline stages of an HF decoder and the torch pipelining schedules that run them.
+
+A decoder is the item sequence ``embed, layer.0 … layer.{L-1}, norm, head`` and
+:func:`rlflow.parallel.layout.pipeline_stages` cuts it into ``pp`` contiguous stages
+balanced by parameter count — the same function the reshard planner reads, so a stage here
+holds exactly the parameters the layout says it holds.
+
+:class:`DecoderStage` is one stage as a plain ``nn.Module`` that keeps HF module paths
+(``model.embed_tokens``, ``model.layers.<i>``, ``model.norm``, ``lm_head`` / ``score``; the
+layers sit in a ``ModuleDict`` keyed by their global index), so state-dict keys, the TP plan
+and the layouts all use HF names. With ``pp == 1`` the single stage is the whole model, and
+the engine runs that same module without a schedule: one forward path for every strategy.
+
+Every stage computes its own rotary embeddings and attention mask from ``position_ids`` and
+``attention_mask``, which the schedule hands to all stages as keyword arguments, so only
+the hidden states travel between stages.
+
+Tied embeddings: the first stage holds ``embed_tokens`` and the last stage ``lm_head``; with
+``pp > 1`` they are two copies of one tensor, initialised equal. After every backward the
+engine all-reduces (sums) the two copies' gradients between the first and last stage
+(:func:`tied_embedding_group`), so both take the same optimizer step — the gradient a
+single tied tensor would get — and stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from rlflow.parallel.layout import pipeline_stages
+
+__all__ = ["DecoderStage", "build_schedule", "build_stage", "head_kind", "tied_embedding_group", "token_log_probs"]
+
+
+def head_kind(model: nn.Module) -> str:
+    """``"lm"`` for a ``*ForCausalLM`` model, ``"value"`` for a scalar-head ``*ForTokenClassification``."""
+    if hasattr(model, "lm_head"):
+        return "lm"
+    score = getattr(model, "score", None)
+    if isinstance(score, nn.Linear):
+        if score.out_features != 1:
+            raise ValueError(f"a value head must have one output, got score.out_features={score.out_features}")
+        return "value"
+    raise ValueError(f"{type(model).__name__} has neither `lm_head` nor a scalar `score` head")
+
+
+def token_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the given tokens and entropies of the predicted distributions.
+
+    Position ``t`` holds ``log p(input_ids[t] | input_ids[<t])`` and the entropy of that
+    distribution; positions that start a sequence or are padding (``position_ids == 0``) hold 0.
+
+    Args:
+        logits: ``(B, T, V)`` next-token logits (``logits[:, t]`` predicts token ``t + 1``).
+        input_ids: ``(B, T)`` token ids.
+        position_ids: ``(B, T)`` positions inside each sequence.
+        with_entropy: compute the entropies (else zeros).
+
+    Returns:
+        ``(log_probs, entropy)``, both ``(B, T)`` float32.
+    """
+    # float32: log-softmax over a large vocabulary loses precision in bf16.
+    pred = logits[:, :-1].float()
+    lse = torch.logsumexp(pred, dim=-1)
+    picked = pred.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    log_probs = nn.functional.pad(picked - lse, (1, 0))
+    if with_entropy:
+        entropy = nn.functional.pad(lse - (torch.softmax(pred, dim=-1) * pred).sum(-1), (1, 0))
+    else:
+        entropy = torch.zeros_like(log_probs)
+    valid = position_ids > 0
+    return log_probs * valid, entropy * valid
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of an HF Llama-family decoder (see the module docstring).
+
+    Forward contract (``B`` rows, ``T`` tokens, ``H`` hidden size):
+
+    * input ``x``: ``(B, T)`` token ids on the first stage, ``(B, T, H)`` hidden states else;
+      keyword ``attention_mask`` ``(B, T)`` (or ``None`` for a packed row) and
+      ``position_ids`` ``(B, T)``; on an LM's last stage optionally ``labels`` ``(B, T)``.
+    * output: ``(B, T, H)`` hidden states, except on the last stage: values ``(B, T)`` for a
+      value head; for an LM head the logits ``(B, T, V)``, or with ``labels`` the tuple
+      ``(log_probs, entropy[, logits])`` of :func:`token_log_probs` (logits when
+      ``return_logits``).
+    """
+
+    def __init__(self, hf_model: nn.Module, items: Sequence[str]) -> None:
+        super().__init__()
+        self.config = hf_model.config
+        self.items = list(items)
+        self.kind = head_kind(hf_model)
+        self.is_first = "embed" in self.items
+        self.is_last = "head" in self.items
+        self.return_logits = True
+        self.compute_entropy = True
+        src = hf_model.model
+        self.model = nn.Module()
+        if self.is_first:
+            self.model.embed_tokens = src.embed_tokens
+        indices = [int(item.split(".")[1]) for item in self.items if item.startswith("layer.")]
+        self.model.layers = nn.ModuleDict({str(i): src.layers[i] for i in indices})
+        if "norm" in self.items:
+            self.model.norm = src.norm
+        self.model.rotary_emb = src.rotary_emb
+        self.tied = bool(getattr(self.config, "tie_word_embeddings", False)) and self.kind == "lm"
+        if self.is_last and self.kind == "lm":
+            self.lm_head = hf_model.lm_head
+            if self.tied and not self.is_first:
+                # The last stage's own copy of the tied embedding (kept equal by the engine).
+                self.lm_head.weight = nn.Parameter(hf_model.lm_head.weight.detach().clone())
+        elif self.is_last:
+            self.score = hf_model.score  # the classifier dropout is not applied: RL needs a deterministic head
+
+    def _masks(self, hidden: torch.Tensor, attention_mask, position_ids) -> dict[str, torch.Tensor | None]:
+        kwargs = dict(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ):
+        if position_ids is None:
+            raise ValueError("DecoderStage.forward needs position_ids (B, T)")
+        hidden = self.model.embed_tokens(x) if self.is_first else x
+        if len(self.model.layers):
+            position_embeddings = self.model.rotary_emb(hidden, position_ids)
+            masks = self._masks(hidden, attention_mask, position_ids)
+            layer_types = getattr(self.config, "layer_types", None)
+            for key, layer in self.model.layers.items():
+                layer_type = layer_types[int(key)] if layer_types else "full_attention"
+                hidden = layer(
+                    hidden,
+                    attention_mask=masks[layer_type],
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                )
+        if not self.is_last:
+            return hidden
+        hidden = self.model.norm(hidden) if hasattr(self.model, "norm") else hidden
+        if self.kind == "value":
+            return self.score(hidden).squeeze(-1).float()
+        logits = self.lm_head(hidden)
+        if labels is None:
+            return logits
+        log_probs, entropy = token_log_probs(logits, labels, position_ids, with_entropy=self.compute_entropy)
+        return (log_probs, entropy, logits) if self.return_logits else (log_probs, entropy)
+
+
+def build_stage(hf_model: nn.Module, pp: int, pp_rank: int) -> DecoderStage:
+    """The stage ``pp_rank`` of ``pp`` of ``hf_model``, cut by ``pipeline_stages``.
+
+    The stage takes (does not copy) the HF model's modules; the rest of ``hf_model`` is
+    dropped by the caller.
+    """
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} must be in [0, {pp})")
+    stages = pipeline_stages(hf_model.config, pp)
+    return DecoderStage(hf_model, stages[pp_rank])
+
+
+def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """Group of this rank's first- and last-stage peers (same dp and tp coordinates).
+
+    Returns ``None`` when this rank is on a middle stage or ``pp == 1``. Only the members
+    of each group create it (local synchronization), so idle ranks are not involved.
+    """
+    pp = mesh["pp"].size()
+    if pp == 1:
+        return None
+    coords = mesh.get_coordinate()
+    pp_rank, dp_rank, tp_rank = coords
+    if pp_rank not in (0, pp - 1):
+        return None
+    if pp == 2:
+        return mesh["pp"].get_group()
+    grid = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    ranks = [int(grid[0, dp_rank, tp_rank]), int(grid[pp - 1, dp_rank, tp_rank])]
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def build_schedule(
+    stage_module: DecoderStage,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    num_micro_batches: int,
+    input_example: torch.Tensor,
+    output_example: torch.Tensor | tuple[torch.Tensor, ...],
+    loss_fn=None,
+    schedule: str = "1f1b",
+    forward_only: bool = False,
+):
+    """A torch pipelining schedule for ``stage_module`` on the ``pp`` axis of ``mesh``.
+
+    Shapes are given up front (``input_example`` / ``output_example``, e.g. on the meta
+    device) so the stages skip torch's runtime shape inference, which would run an extra
+    forward through the FSDP-wrapped stage.
+
+    Args:
+        stage_module: this rank's stage.
+        mesh: the ``("pp", "dp", "tp")`` mesh.
+        device: this rank's device.
+        num_micro_batches: micro-batches per ``step``; 1F1B needs at least ``pp`` of them
+            and falls back to GPipe below that.
+        input_example: one micro-batch's stage input.
+        output_example: one micro-batch's stage output.
+        loss_fn: ``loss_fn(stage_output, target) -> loss`` on the last stage; ``None`` for
+            forward-only use (``schedule.eval``).
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        forward_only: build torch's forward-only schedule (inference): micro-batches flow
+            through the stages without any backward bookkeeping.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
+
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule={schedule!r}; expected '1f1b' or 'gpipe'")
+    pp_mesh = mesh["pp"]
+    stage = PipelineStage(
+        stage_module,
+        pp_mesh.get_local_rank(),
+        pp_mesh.size(),
+        device,
+        input_args=input_example,
+        output_args=output_example,
+        group=pp_mesh.get_group(),
+    )
+    if forward_only:
+        return _ScheduleForwardOnly(stage, n_microbatches=num_micro_batches)
+    cls = Schedule1F1B if schedule == "1f1b" and num_micro_batches >= pp_mesh.size() else ScheduleGPipe
+    # scale_grads=False: the engine's loss is already normalised by the global token count.
+    return cls(stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,416 @@
+"""The training engine: one class for actor, critic and reward-model training and inference.
+
+A :class:`TrainEngine` owns this rank's part of an HF model under a ``(pp, dp, tp)``
+strategy on a torch ``DeviceMesh`` with axes ``("pp", "dp", "tp")``. It is built in the
+order documented in :mod:`rlflow.engine.parallelize` — pipeline split, tensor parallel,
+activation checkpointing, FSDP2 — and runs:
+
+* :meth:`TrainEngine.train_step` — several PPO mini-batches, one AdamW step each;
+* :meth:`TrainEngine.forward` — log-probs and entropies of given sequences (LM head), or
+  per-token values and per-sequence rewards (scalar head).
+
+**Loss scaling.** The loss callable returns the *mean* of its loss over the loss units of
+one micro-batch (tokens where ``batch[loss_mask_key]`` is non-zero, or rows when
+``loss_mask_key is None``). The engine multiplies it by ``units(micro-batch) /
+units(global mini-batch)``, where the global count is all-reduced over the dp ranks, and by
+``dp`` (FSDP averages gradients over dp). The gradient is then the gradient of the mean
+over the whole global mini-batch, whatever the split into dp ranks and micro-batches — the
+property the equivalence tests check against a single process.
+
+**Which ranks return what.** Every rank of the mesh calls every method with its dp-local
+rows (tp and pp peers of one dp rank pass the same rows). ``train_step`` returns the same
+metrics on every rank. ``forward`` returns full tensors for the dp-local rows on the ranks
+of the last pipeline stage (every tp rank: logits are gathered) and ``None`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlflow.engine import engine_state
+from rlflow.engine.micro_batch import MicroBatch, select, split_micro_batches
+from rlflow.engine.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm_
+from rlflow.engine.packing import pack, position_ids_from_mask, unpack
+from rlflow.engine.parallelize import ParallelDims, apply_ac, apply_fsdp, mixed_precision_dtype
+from rlflow.engine.pipeline import DecoderStage, build_stage, tied_embedding_group
+from rlflow.engine.pipeline_runner import PipelineRunner
+from rlflow.parallel.tensor_parallel import apply_tp
+
+__all__ = ["ENGINE_CAPABILITIES", "EngineConfig", "LossFn", "TrainEngine", "strategy_error"]
+
+# (outputs, micro_batch) -> (loss: mean over the micro-batch's loss units, metrics)
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+# Which parallel axes each call type supports, for the planner's RuntimeCapabilities.
+# Generation is the rollout engine's (it reuses apply_tp for tp; no pp).
+ENGINE_CAPABILITIES: dict[str, dict[str, bool]] = {
+    "train_step": {"dp": True, "tp": True, "pp": True},
+    "inference": {"dp": True, "tp": True, "pp": True},
+}
+
+
+def strategy_error(call_type: str, config, dp: int, tp: int, pp: int) -> str | None:
+    """Why the engine cannot run ``call_type`` for ``config`` under ``(dp, tp, pp)``, or ``None``."""
+    caps = ENGINE_CAPABILITIES.get(call_type)
+    if caps is None:
+        return f"call_type={call_type!r} is not run by the training engine; expected one of {list(ENGINE_CAPABILITIES)}"
+    for axis, degree in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if degree > 1 and not caps[axis]:
+            return f"{call_type} does not support {axis}={degree}"
+    try:
+        ParallelDims(dp=dp, tp=tp, pp=pp).check_model(config)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How an engine runs (the strategy comes from the mesh).
+
+    Args:
+        optim: optimizer settings; ``None`` builds an inference-only engine (ref, reward).
+        num_micro_batches: micro-batches per mini-batch (per dp rank), token-balanced.
+        max_tokens_per_micro_batch: alternatively, a token budget per micro-batch.
+            With neither, each mini-batch is one micro-batch.
+        gradient_checkpointing: recompute layer activations in backward.
+        mixed_precision: ``"auto"`` (bf16 compute on CUDA, fp32 on CPU), ``"bf16"``, ``"fp32"``.
+            Master weights, gradients' reduction and optimizer state are fp32 either way.
+        packing: ``"auto"`` (on with CUDA and flash-attn, without pipelining), ``"on"``, ``"off"``:
+            run each micro-batch as one packed row of valid tokens (padding-free).
+        pp_schedule: ``"1f1b"`` or ``"gpipe"``.
+        compute_entropy: return per-token entropies from LM forwards.
+        device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``None`` for CUDA when available.
+    """
+
+    optim: OptimConfig | None = field(default_factory=OptimConfig)
+    num_micro_batches: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "auto"
+    packing: str = "auto"
+    pp_schedule: str = "1f1b"
+    compute_entropy: bool = True
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_micro_batches is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError("give num_micro_batches or max_tokens_per_micro_batch, not both")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches={self.num_micro_batches} must be >= 1")
+        if self.packing not in ("auto", "on", "off"):
+            raise ValueError(f"packing={self.packing!r}; expected 'auto', 'on' or 'off'")
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}; expected '1f1b' or 'gpipe'")
+        mixed_precision_dtype(torch.device("cpu"), self.mixed_precision)  # validates the name
+
+    def split_kwargs(self) -> dict:
+        if self.max_tokens_per_micro_batch is not None:
+            return {"max_tokens": self.max_tokens_per_micro_batch}
+        return {"num_micro_batches": self.num_micro_batches or 1}
+
+
+def _flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+class TrainEngine:
+    """This rank's part of a model under the mesh's ``(pp, dp, tp)`` strategy.
+
+    Args:
+        model: a full HF ``*ForCausalLM`` (actor, ref) or scalar-head
+            ``*ForTokenClassification`` (critic, reward) model of the Llama family, identical
+            on every rank (same weights); the engine takes its modules.
+        mesh: a ``DeviceMesh`` of shape ``(pp, dp, tp)`` with ``mesh_dim_names=("pp", "dp", "tp")``.
+        config: how to run; see :class:`EngineConfig`.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.mesh = mesh
+        self.dims = ParallelDims.from_mesh(mesh)
+        self.dims.check_model(model.config)
+        self.pp_rank, self.dp_rank, self.tp_rank = mesh.get_coordinate()
+        self.device = _resolve_device(self.config.device)
+        self.compute_dtype = mixed_precision_dtype(self.device, self.config.mixed_precision)
+        self.packing = self._resolve_packing()
+        if self.packing and self.device.type == "cuda" and _flash_attn_available():
+            model.set_attn_implementation("flash_attention_2")  # varlen kernels for packed rows
+        self.hf_class, self.hf_config = type(model), model.config
+        self.stage = self._build_stage(model)
+        self.kind = self.stage.kind
+        self.tied_group = tied_embedding_group(mesh) if self.stage.tied else None
+        self.tied_param = self._tied_param()
+        self.optimizer = self.scheduler = None
+        if self.config.optim is not None:
+            self.optimizer = build_optimizer(self.stage.parameters(), self.config.optim)
+            self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.runner = PipelineRunner(self) if self.dims.pp > 1 else None
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ building
+    def _resolve_packing(self) -> bool:
+        if self.config.packing == "on" and self.dims.pp > 1:
+            raise ValueError("packing='on' is not supported with pp > 1 (stages exchange fixed-shape buffers)")
+        if self.config.packing == "auto":
+            return self.device.type == "cuda" and self.dims.pp == 1 and _flash_attn_available()
+        return self.config.packing == "on"
+
+    def _build_stage(self, model: nn.Module) -> DecoderStage:
+        # Order and reasons: rlflow.engine.parallelize's module docstring.
+        stage = build_stage(model, self.dims.pp, self.pp_rank)
+        stage.to(self.device)
+        apply_tp(stage, self.mesh["tp"])
+        if self.config.gradient_checkpointing:
+            apply_ac(stage)
+        apply_fsdp(
+            stage,
+            self.mesh["dp"],
+            param_dtype=self.compute_dtype,
+            reshard_after_forward=self.dims.pp == 1,
+        )
+        stage.compute_entropy = self.config.compute_entropy
+        return stage
+
+    def _tied_param(self) -> nn.Parameter | None:
+        if self.tied_group is None:
+            return None
+        return self.stage.model.embed_tokens.weight if self.stage.is_first else self.stage.lm_head.weight
+
+    # ------------------------------------------------------------------ running a micro-batch
+    def to_device(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``data``'s tensors on this engine's device."""
+        return {k: v.to(self.device) for k, v in data.items()}
+
+    def stage_inputs(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model inputs of one micro-batch on this device: ids, mask and positions."""
+        mask = data["attention_mask"].to(self.device)
+        ids = data["input_ids"].to(self.device)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+
+    def run_micro_batch(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward one micro-batch through the (single) stage: ``{log_probs, entropy, logits}`` or ``{values}``.
+
+        Every output is ``(b, t[, V])`` aligned with ``data["attention_mask"]``; with packing
+        the micro-batch runs as one packed row and the outputs are scattered back.
+        """
+        inp = self.stage_inputs(data)
+        labels = inp["input_ids"] if self.kind == "lm" else None
+        if not self.packing:
+            out = self.stage(
+                inp["input_ids"], attention_mask=inp["attention_mask"], position_ids=inp["position_ids"], labels=labels
+            )
+            return self.named_outputs(out)
+        ids, _, pos = pack(inp["input_ids"], inp["attention_mask"])
+        out = self.stage(ids, attention_mask=None, position_ids=pos, labels=ids if labels is not None else None)
+        return {k: unpack(v, inp["attention_mask"]) for k, v in self.named_outputs(out).items()}
+
+    def named_outputs(self, out) -> dict[str, torch.Tensor]:
+        """Name the last stage's raw outputs."""
+        if self.kind == "value":
+            return {"values": out}
+        names = ("log_probs", "entropy", "logits")
+        return dict(zip(names, out))
+
+    # ------------------------------------------------------------------ training
+    def _loss_units(self, data: Mapping[str, torch.Tensor], key: str | None) -> float:
+        if key is None:
+            return float(data["attention_mask"].shape[0])
+        if key not in data:
+            raise KeyError(f"loss_mask_key={key!r} is not in the batch (keys: {sorted(data)})")
+        return float((data[key] != 0).sum())
+
+    def _global_units(self, data: Mapping[str, torch.Tensor], key: str | None) -> float:
+        units = torch.tensor([self._loss_units(data, key)], dtype=torch.float64, device=self.device)
+        if self.dims.dp > 1:
+            dist.all_reduce(units, group=self.mesh["dp"].get_group())
+        if units.item() == 0:
+            raise ValueError(f"the global mini-batch has no loss units under loss_mask_key={key!r}")
+        return units.item()
+
+    def train_step(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        num_mini_batches: int = 1,
+        loss_mask_key: str | None = "attention_mask",
+    ) -> dict[str, float]:
+        """Split ``batch`` into mini-batches and take one optimizer step on each.
+
+        Args:
+            batch: dp-local rows: ``input_ids`` and ``attention_mask`` ``(B, T)``, plus whatever
+                the loss reads (per-token tensors ``(B, T, ...)``, per-row tensors ``(B, ...)``).
+            loss_fn: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``; ``outputs`` holds
+                ``log_probs``, ``entropy`` ``(b, t)`` and ``logits`` ``(b, t, V)`` for an LM, or
+                ``values`` ``(b, t)`` for a value head, aligned with ``micro_batch``'s columns
+                (``log_probs[:, i]`` is the log-prob of token ``i``; 0 at sequence starts and
+                padding). ``loss`` must be the mean over the micro-batch's loss units.
+            num_mini_batches: contiguous mini-batches of ``B / num_mini_batches`` rows each;
+                every dp rank must use the same count.
+            loss_mask_key: batch key whose non-zero entries are the loss units (tokens), or
+                ``None`` to count rows.
+
+        Returns:
+            Means over the mini-batches of ``loss`` (the global mini-batch mean), the loss's
+            metrics (weighted like the loss), ``grad_norm`` (before clipping), and ``lr``.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built with optim=None (inference only)")
+        rows = batch["attention_mask"].shape[0]
+        if not 1 <= num_mini_batches <= rows:
+            raise ValueError(f"num_mini_batches={num_mini_batches} must be in [1, {rows}] (the dp-local rows)")
+        self.stage.train()
+        totals: dict[str, float] = {}
+        for chunk in torch.arange(rows).chunk(num_mini_batches):
+            mini = select(batch, chunk)
+            metrics = self._train_mini_batch(mini, loss_fn, loss_mask_key)
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / num_mini_batches
+        return totals
+
+    def _train_mini_batch(self, mini, loss_fn: LossFn, loss_mask_key: str | None) -> dict[str, float]:
+        global_units = self._global_units(mini, loss_mask_key)
+        scale = self.dims.dp / global_units  # FSDP divides the reduced gradient by dp
+
+        def weighted_loss(outputs, data) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, metrics = loss_fn(outputs, data)
+            units = self._loss_units(data, loss_mask_key)
+            if units == 0:
+                # No loss units here (the mean is 0/0): contribute nothing, but keep a graph
+                # so FSDP's and the pipeline's backward bookkeeping still runs.
+                zero = sum(v.sum() for v in outputs.values() if v.requires_grad) * 0.0
+                return zero, {"loss": 0.0, **{k: 0.0 for k in metrics}}
+            weight = units / global_units
+            sums = {"loss": float(loss.detach()) * weight, **{k: float(v) * weight for k, v in metrics.items()}}
+            return loss * (units * scale), sums
+
+        if self.runner is not None:
+            sums = self.runner.train(mini, weighted_loss)
+        else:
+            sums = {}
+            for mb in split_micro_batches(mini, **self.config.split_kwargs()):
+                data = self.to_device(mb.data)
+                loss, mb_sums = weighted_loss(self.run_micro_batch(data), data)
+                loss.backward()
+                for k, v in mb_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        metrics = self._reduce_metrics(sums)
+        metrics["grad_norm"] = self._optimizer_step()
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _optimizer_step(self) -> float:
+        if self.tied_group is not None and self.tied_param.grad is not None:
+            grad = self.tied_param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.tied_group)
+        exclude = [self.tied_param] if self.tied_param is not None and not self.stage.is_first else []
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        max_norm = self.config.optim.max_grad_norm
+        norm = clip_grad_norm_(self.stage.parameters(), max_norm, pp_group=pp_group, exclude=exclude)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return norm
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sum the last stage's per-dp-rank metric sums over dp and share them with every stage."""
+        if self.stage.is_last and self.dims.dp > 1:
+            keys = sorted(sums)
+            vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(vec, group=self.mesh["dp"].get_group())
+            sums = dict(zip(keys, vec.tolist()))
+        if self.dims.pp > 1:
+            box = [sums if self.stage.is_last else None]
+            dist.broadcast_object_list(box, group=self.mesh["pp"].get_group(), group_src=self.dims.pp - 1)
+            sums = box[0]
+        return sums
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Outputs for the given sequences (no gradients).
+
+        Args:
+            batch: dp-local rows with ``input_ids`` and ``attention_mask`` ``(B, T)``.
+
+        Returns:
+            On last-stage ranks, CPU tensors: ``log_probs`` and ``entropy`` ``(B, T)`` float32
+            for an LM (``log_probs[:, i] = log p(token i | tokens < i)``; 0 at sequence starts
+            and padding); ``values`` ``(B, T)`` (0 at padding) and ``rewards`` ``(B,)`` (the
+            value at each row's last valid token) for a value head. ``None`` on other ranks.
+        """
+        self.stage.eval()
+        self.stage.return_logits = False
+        try:
+            if self.runner is not None:
+                out = self.runner.forward(batch)
+            else:
+                out = self._forward_local(batch)
+        finally:
+            self.stage.return_logits = True
+        if out is None:
+            return None
+        if self.kind == "value":
+            mask = batch["attention_mask"].bool()
+            out["values"] = out["values"] * mask
+            last = (mask.long() * torch.arange(mask.shape[1])).argmax(dim=1)
+            out["rewards"] = out["values"].gather(1, last.unsqueeze(1)).squeeze(1)
+        return out
+
+    def _forward_local(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        shape = batch["attention_mask"].shape
+        out: dict[str, torch.Tensor] = {}
+        for mb in split_micro_batches(batch, **self.config.split_kwargs()):
+            named = self.run_micro_batch(mb.data)
+            named.pop("logits", None)
+            self._scatter(out, named, mb, shape)
+        return out
+
+    @staticmethod
+    def _scatter(out: dict[str, torch.Tensor], named: dict[str, torch.Tensor], mb: MicroBatch, shape) -> None:
+        for key, value in named.items():
+            if key not in out:
+                out[key] = torch.zeros(shape, dtype=torch.float32)
+            out[key][mb.indices[:, None], torch.arange(mb.col_start, mb.col_stop)] = value.float().cpu()
+
+    # ------------------------------------------------------------------ state
+    def state_dict_full(self) -> dict[str, torch.Tensor] | None:
+        """The full HF state dict (CPU tensors) on the mesh's rank 0; ``None`` elsewhere. Collective."""
+        return engine_state.state_dict_full(self)
+
+    def load_state_dict_full(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load full HF weights; every rank passes the full dict and keeps its own slices."""
+        engine_state.load_state_dict_full(self, state_dict)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write an HF checkpoint (safetensors) loadable by plain ``from_pretrained``. Collective."""
+        engine_state.save_pretrained(self, path)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save this rank's weights, optimizer and scheduler state (same strategy to resume). Collective."""
+        engine_state.save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from :meth:`save_checkpoint` written under the same strategy. Collective."""
+        engine_state.load_checkpoint(self, path)
