@@ -1,0 +1,225 @@
+"""Running a reshard plan with torch.distributed: packed point-to-point transfers.
+
+Every rank of the plan (source or destination) calls :func:`execute_reshard` with the same
+plan. A rank packs, for each peer it sends to, all the pieces of all transfers to that peer
+into one flat buffer, and posts every send and receive in one ``batch_isend_irecv``; local
+copies run while the messages are in flight. So a rank issues at most one message per peer
+— the number of calls does not grow with the number of parameters — and the same code runs
+on gloo (CPU tensors) and NCCL (CUDA tensors).
+
+Why point-to-point rather than broadcasts: a broadcast needs a process group per
+(source, destination set); creating one is a collective over the whole pool and the sets
+change with every pair of layouts. With P2P, a transfer to ``k`` destinations costs the
+source ``k`` sends, which the planner spreads over replicated sources; for FSDP sources
+(one holder per shard) each destination still receives each byte once.
+
+Memory: a rank holds its packed send buffers and its receive buffers at once — extra bytes
+equal to what it sends plus what it receives (at most its source shard times the number of
+its destinations, plus its destination shard).
+
+Source values are read from the modules' *current* local shards: FSDP2 modules are
+resharded first, so a DTensor parameter's ``to_local()`` is the sharded value the optimizer
+updated, never a stale unsharded copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlflow.parallel.layout import EMBED_NAME, HEAD_NAME, Box, Layout
+from rlflow.parallel.reshard import Piece, ReshardPlan
+
+# Wrapper prefixes that torch inserts into parameter names (activation checkpointing, compile).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@dataclass(frozen=True)
+class ReshardStats:
+    """What one rank did in :func:`execute_reshard` (bytes are wire bytes)."""
+
+    sent_bytes: int
+    received_bytes: int
+    copied_bytes: int
+    num_messages: int
+    seconds: float
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def canonical_name(name: str, tied: bool) -> str:
+    """HF name of a module parameter as layouts spell it (wrapper prefixes dropped, tied head → embedding)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return EMBED_NAME if tied and name == HEAD_NAME else name
+
+
+def module_param_tensors(module: nn.Module, tied: bool | None = None) -> dict[str, list[torch.Tensor]]:
+    """This rank's local parameter tensors of ``module``, keyed by layout (canonical HF) names.
+
+    FSDP2 modules are resharded first, so FSDP parameters are read/written as their sharded
+    local tensors. A tied embedding maps to one name with one or two tensors (two when the
+    head has its own copy, e.g. after tensor parallelism or on a pipeline stage).
+
+    Args:
+        module: an HF model, a pipeline stage of one, TP/FSDP2-parallelized or plain.
+        tied: whether ``lm_head.weight`` is the tied embedding; from ``module.config`` if None.
+
+    Returns:
+        ``{name: [local tensors]}``; writes into these tensors change the module's parameters.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+    if tied is None:
+        config = getattr(module, "config", None)
+        tied = bool(getattr(config, "tie_word_embeddings", False)) and hasattr(module, "lm_head")
+    out: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        local = _local(param.data)
+        tensors = out[canonical_name(name, tied)]
+        if not any(local is t or (local.data_ptr() == t.data_ptr() and local.shape == t.shape) for t in tensors):
+            tensors.append(local)
+    return dict(out)
+
+
+def check_tensors(layout: Layout, rank: int, tensors: Mapping[str, Sequence[torch.Tensor]]) -> None:
+    """Raise ``ValueError`` unless ``tensors`` hold exactly the slices ``layout`` gives ``rank``."""
+    boxes = layout.boxes(rank)
+    if set(boxes) != set(tensors):
+        extra, missing = sorted(set(tensors) - set(boxes)), sorted(set(boxes) - set(tensors))
+        raise ValueError(
+            f"rank {rank}: module parameters do not match the layout: extra {extra[:4]}, missing {missing[:4]}"
+        )
+    for name, box in boxes.items():
+        shape = tuple(b - a for a, b in box)
+        for t in tensors[name]:
+            if tuple(t.shape) != shape:
+                raise ValueError(f"rank {rank}: {name} has local shape {tuple(t.shape)}, layout expects {shape}")
+
+
+def _view(tensor: torch.Tensor, origin: Box, box: Box) -> torch.Tensor:
+    """The part ``box`` (full-tensor coordinates) of a local ``tensor`` whose own box is ``origin``."""
+    return tensor[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))]
+
+
+def _pack(
+    pieces: list[Piece], layout: Layout, rank: int, src: Mapping[str, Sequence[torch.Tensor]], dtype
+) -> torch.Tensor:
+    origins = layout.boxes(rank)
+    parts = [_view(src[p.name][0], origins[p.name], p.box).reshape(-1) for p in pieces]
+    return torch.cat(parts).to(dtype) if len(parts) > 1 else parts[0].to(dtype, copy=True)
+
+
+def _unpack(buf: torch.Tensor, pieces: list[Piece], layout: Layout, rank: int, dst) -> None:
+    origins = layout.boxes(rank)
+    offset = 0
+    for p in pieces:
+        n = p.numel
+        chunk = buf[offset : offset + n]
+        offset += n
+        for t in dst[p.name]:
+            view = _view(t, origins[p.name], p.box)
+            view.copy_(chunk.view(view.shape))
+
+
+def _pieces_by_peer(plan: ReshardPlan, rank: int) -> tuple[dict[int, list[Piece]], dict[int, list[Piece]]]:
+    """Pieces this rank sends to / receives from each peer, in plan order (both sides agree)."""
+    send: dict[int, list[Piece]] = defaultdict(list)
+    recv: dict[int, list[Piece]] = defaultdict(list)
+    for t in plan.transfers:
+        if t.src == rank:
+            for d in t.dsts:
+                send[d].extend(t.pieces)
+        elif rank in t.dsts:
+            recv[t.src].extend(t.pieces)
+    return send, recv
+
+
+@torch.no_grad()
+def execute_reshard(
+    plan: ReshardPlan,
+    rank: int,
+    src_tensors: Mapping[str, Sequence[torch.Tensor]] | None,
+    dst_tensors: Mapping[str, Sequence[torch.Tensor]] | None,
+    *,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup | None = None,
+) -> ReshardStats:
+    """Run ``plan`` on this rank: send its source slices, receive and write its destination slices.
+
+    Called by every rank in ``plan.ranks`` (others may call it too and return at once), all
+    with the same plan. Ranks exchange messages only with their peers in the plan.
+
+    Args:
+        plan: from :func:`rlflow.parallel.reshard.plan_reshard`.
+        rank: this process's global rank (its rank in ``group``).
+        src_tensors: ``{name: [local tensor]}`` of the source module on this rank
+            (:func:`module_param_tensors`), or None when the rank is not in ``plan.src``.
+        dst_tensors: same for the destination module, written in place; None when the rank
+            is not in ``plan.dst``.
+        dtype: wire dtype, the same on every rank (use the destination's dtype); values are
+            cast to it when packed and to the destination's dtype when written.
+        group: the pool's process group (default: the default group); peers are its ranks.
+
+    Returns:
+        This rank's :class:`ReshardStats`.
+    """
+    start = time.perf_counter()
+    in_src, in_dst = rank in plan.src.ranks, rank in plan.dst.ranks
+    if in_src:
+        if src_tensors is None:
+            raise ValueError(f"rank {rank} is in the source layout but got no source tensors")
+        check_tensors(plan.src, rank, src_tensors)
+    if in_dst:
+        if dst_tensors is None:
+            raise ValueError(f"rank {rank} is in the destination layout but got no destination tensors")
+        check_tensors(plan.dst, rank, dst_tensors)
+    send, recv = _pieces_by_peer(plan, rank)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    device = _device(src_tensors if in_src else dst_tensors)
+    ops, recv_bufs = [], []
+    for peer, pieces in sorted(send.items()):
+        buf = _pack(pieces, plan.src, rank, src_tensors, dtype)
+        ops.append(dist.P2POp(dist.isend, buf, peer, group))
+    for peer, pieces in sorted(recv.items()):
+        buf = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+        recv_bufs.append((buf, pieces))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    copied = 0
+    for transfer in plan.local_copies(rank):  # overlaps the messages in flight
+        for p in transfer.pieces:
+            value = _view(src_tensors[p.name][0], plan.src.boxes(rank)[p.name], p.box)
+            for t in dst_tensors[p.name]:
+                _view(t, plan.dst.boxes(rank)[p.name], p.box).copy_(value)
+        copied += transfer.numel * itemsize
+    for work in works:
+        work.wait()
+    for buf, pieces in recv_bufs:
+        _unpack(buf, pieces, plan.dst, rank, dst_tensors)
+    return ReshardStats(
+        sent_bytes=sum(sum(p.numel for p in ps) for ps in send.values()) * itemsize,
+        received_bytes=sum(b.numel() for b, _ in recv_bufs) * itemsize,
+        copied_bytes=copied,
+        num_messages=len(ops),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _device(tensors: Mapping[str, Sequence[torch.Tensor]] | None) -> torch.device:
+    for ts in (tensors or {}).values():
+        return ts[0].device
+    return torch.device("cpu")

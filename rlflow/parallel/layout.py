@@ -1,0 +1,477 @@
+"""Parameter layouts: which slice of which parameter every rank of a call holds.
+
+A model under a strategy ``(dp, tp, pp)`` is split three ways, applied in this order:
+
+1. **Pipeline stages.** The model is a sequence of *items* — ``embed``, ``layer.0`` …
+   ``layer.{L-1}``, ``norm``, ``head`` — cut into ``pp`` contiguous stages balanced by
+   parameter count (:func:`assign_pipeline_stages`). The engine's pipeline split and the
+   reshard planner both use :func:`pipeline_stages`, so they always agree.
+2. **Tensor parallelism** inside a stage, exactly as ``rlflow.parallel.tensor_parallel.apply_tp``
+   splits the HF module: q/k/v/gate/up and the LM head are column-parallel (dim 0 of the
+   weight and of its bias), o/down row-parallel (dim 1 of the weight; their bias
+   replicated), the embedding vocabulary-parallel (dim 0), norms replicated. Shards follow
+   ``torch.chunk`` sizes. k/v are replicated when ``num_key_value_heads`` does not divide
+   by tp (the layout describes it even where an engine refuses it).
+3. **FSDP2** (training layouts only) shards the tp-local tensor along dim 0 over the dp
+   ranks with ``torch.chunk`` sizes; ranks past the last chunk hold an empty shard.
+
+Value models (critics, reward models: ``*ForTokenClassification``) pass ``head="value"``:
+their head item is ``score`` (``num_labels`` outputs), replicated under tp.
+
+Tied embeddings: the model has one tensor, named ``model.embed_tokens.weight`` here
+(HF's ``lm_head.weight`` is the same tensor). The ``head`` item counts it again, because
+under pipeline parallelism the first stage (embedding) and the last stage (LM head) both
+hold a copy of it; with ``pp == 1`` the copies are one tensor. Keeping the two copies
+equal (summing their gradients) is the training engine's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from rlflow.planner.mesh import ParallelStrategy
+
+# A box is a rectangular slice of a full parameter: one half-open [start, stop) per tensor dim.
+Box = tuple[tuple[int, int], ...]
+
+# Model families whose HF module tree is the Llama one: model.embed_tokens,
+# model.layers[i].{self_attn,mlp,input_layernorm,post_attention_layernorm}, model.norm, lm_head.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+EMBED_NAME = "model.embed_tokens.weight"
+HEAD_NAME = "lm_head.weight"
+NORM_NAME = "model.norm.weight"
+HEAD_KINDS = ("lm", "value")
+
+
+def _check_model_type(config: Any) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim or config.hidden_size // config.num_attention_heads
+
+
+def _attention_biases(config: Any) -> tuple[bool, bool]:
+    """``(qkv_bias, o_bias)`` of the family: Qwen2 has q/k/v biases only; Llama follows ``attention_bias``."""
+    if config.model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def layer_param_shapes(config: Any, layer: int) -> dict[str, tuple[int, ...]]:
+    """Names (full HF names) and shapes of the parameters of decoder layer ``layer``.
+
+    Args:
+        config: an HF decoder config whose ``model_type`` is in ``SUPPORTED_MODEL_TYPES``.
+        layer: layer index in ``[0, num_hidden_layers)``.
+
+    Returns:
+        ``{name: shape}`` in module registration order.
+    """
+    _check_model_type(config)
+    h, d = config.hidden_size, _head_dim(config)
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    inter = config.intermediate_size
+    qkv_bias, o_bias = _attention_biases(config)
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    p = f"model.layers.{layer}."
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, out_f: int, in_f: int, bias: bool) -> None:
+        shapes[f"{p}{name}.weight"] = (out_f, in_f)
+        if bias:
+            shapes[f"{p}{name}.bias"] = (out_f,)
+
+    linear("self_attn.q_proj", q_out, h, qkv_bias)
+    linear("self_attn.k_proj", kv_out, h, qkv_bias)
+    linear("self_attn.v_proj", kv_out, h, qkv_bias)
+    linear("self_attn.o_proj", h, q_out, o_bias)
+    if config.model_type == "qwen3":
+        shapes[f"{p}self_attn.q_norm.weight"] = (d,)
+        shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+    linear("mlp.gate_proj", inter, h, mlp_bias)
+    linear("mlp.up_proj", inter, h, mlp_bias)
+    linear("mlp.down_proj", h, inter, mlp_bias)
+    shapes[f"{p}input_layernorm.weight"] = (h,)
+    shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    return shapes
+
+
+def _head_shapes(config: Any, head: str) -> dict[str, tuple[int, ...]]:
+    if head == "lm":
+        name = EMBED_NAME if getattr(config, "tie_word_embeddings", False) else HEAD_NAME
+        return {name: (config.vocab_size, config.hidden_size)}
+    if head == "value":  # *ForTokenClassification: score = Linear(hidden, num_labels)
+        shapes = {"score.weight": (config.num_labels, config.hidden_size)}
+        if getattr(config, "token_classification_bias", True):
+            shapes["score.bias"] = (config.num_labels,)
+        return shapes
+    raise ValueError(f"head={head!r}; expected one of {HEAD_KINDS}")
+
+
+def item_param_shapes(config: Any, head: str = "lm") -> list[tuple[str, dict[str, tuple[int, ...]]]]:
+    """The pipeline items of a decoder and the parameters each holds.
+
+    Args:
+        config: HF decoder config.
+        head: ``"lm"`` for ``*ForCausalLM`` (``lm_head``), ``"value"`` for a critic/reward
+            ``*ForTokenClassification`` (``score``, ``config.num_labels`` outputs).
+
+    Returns:
+        ``[(item, {param_name: shape})]`` for ``embed``, ``layer.0`` … ``layer.{L-1}``,
+        ``norm``, ``head``. With tied embeddings the ``head`` item holds
+        ``model.embed_tokens.weight`` (the tied tensor) instead of ``lm_head.weight``.
+    """
+    _check_model_type(config)
+    embed_shape = (config.vocab_size, config.hidden_size)
+    items: list[tuple[str, dict[str, tuple[int, ...]]]] = [("embed", {EMBED_NAME: embed_shape})]
+    items += [(f"layer.{i}", layer_param_shapes(config, i)) for i in range(config.num_hidden_layers)]
+    items.append(("norm", {NORM_NAME: (config.hidden_size,)}))
+    items.append(("head", _head_shapes(config, head)))
+    return items
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def pipeline_items(config: Any, head: str = "lm") -> list[tuple[str, int]]:
+    """Pipeline items of an HF decoder config with their parameter counts.
+
+    Args:
+        config: an HF decoder config (Llama, Qwen2, Qwen3, Mistral); no weights needed.
+        head: ``"lm"`` (causal LM) or ``"value"`` (scalar ``score`` head of a critic/reward model).
+
+    Returns:
+        ``[("embed", n), ("layer.0", n), …, ("norm", n), ("head", n)]``; ``n`` is a number
+        of parameters (elements). The head counts the tied embedding as well, because the
+        last pipeline stage holds a copy of it.
+
+    >>> from transformers import LlamaConfig
+    >>> items = pipeline_items(LlamaConfig(num_hidden_layers=2))
+    >>> [name for name, _ in items], items[0][1]
+    (['embed', 'layer.0', 'layer.1', 'norm', 'head'], 131072000)
+    """
+    return [(item, sum(_numel(s) for s in shapes.values())) for item, shapes in item_param_shapes(config, head)]
+
+
+def assign_pipeline_stages(item_numels: Sequence[int], pp: int) -> list[range]:
+    """Cut a sequence of items into ``pp`` contiguous, non-empty stages balanced by size.
+
+    The stages minimise the largest stage; among those, the sum of squared stage sizes
+    (so the other stages are balanced too); remaining ties go to the earliest cuts. The
+    result is a deterministic function of the input.
+
+    Args:
+        item_numels: size (parameter count) of every item, in model order; each >= 0.
+        pp: number of pipeline stages, ``1 <= pp <= len(item_numels)``.
+
+    Returns:
+        ``pp`` ranges of item indices covering ``range(len(item_numels))`` in order.
+
+    >>> assign_pipeline_stages([4, 1, 1, 1, 1, 4], 2)
+    [range(0, 3), range(3, 6)]
+    """
+    n = len(item_numels)
+    if pp < 1:
+        raise ValueError(f"pp={pp} must be >= 1")
+    if pp > n:
+        raise ValueError(f"pp={pp} exceeds the number of pipeline items ({n}); every stage needs one item")
+    if any(x < 0 for x in item_numels):
+        raise ValueError(f"item sizes must be >= 0, got {list(item_numels)}")
+    prefix = [0]
+    for x in item_numels:
+        prefix.append(prefix[-1] + int(x))
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: (max stage, sum of squares) of items[:j] cut into k stages; cut[k][j]: start of the k-th stage.
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, pp + 1):
+        # The k-th stage ends at j and leaves at least one item for each of the pp-k later stages.
+        for j in range(k, n - (pp - k) + 1):
+            for i in range(k - 1, j):
+                prev = best[k - 1][i]
+                if prev is inf:
+                    continue
+                size = prefix[j] - prefix[i]
+                cand = (max(prev[0], size), prev[1] + size * size)
+                if cand < best[k][j]:
+                    best[k][j], cut[k][j] = cand, i
+    bounds, j = [], n
+    for k in range(pp, 0, -1):
+        i = cut[k][j]
+        bounds.append(range(i, j))
+        j = i
+    return bounds[::-1]
+
+
+def pipeline_stages(config: Any, pp: int, head: str = "lm") -> list[list[str]]:
+    """Items of every pipeline stage for ``pp`` stages of the decoder ``config``.
+
+    ``head`` is ``"lm"`` or ``"value"`` as in :func:`pipeline_items`; the engine and the
+    layouts must pass the same value, since the head's size moves the cuts.
+
+    The ReaLHF paper counts 34 items for LLaMA-2-7B (its head includes the final norm); here
+    the norm is an item of its own (35 items), which moves no cut: with ``pp=2`` the first
+    stage is the embedding and layers 0-15 either way ("after item 17").
+
+    >>> from transformers import LlamaConfig
+    >>> stages = pipeline_stages(LlamaConfig(), 2)  # LLaMA-2-7B: cut after item 17 of 34
+    >>> stages[0][-1], stages[1][0]
+    ('layer.15', 'layer.16')
+    """
+    items = pipeline_items(config, head)
+    ranges = assign_pipeline_stages([n for _, n in items], pp)
+    return [[items[i][0] for i in r] for r in ranges]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters and their tensor-parallel split
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the full model and how tensor parallelism splits it.
+
+    Attributes:
+        name: HF parameter name; a tied LM head is the embedding's name.
+        shape: full (unsharded) shape.
+        items: pipeline items holding it; two for a tied embedding (``("embed", "head")``).
+        tp_dim: tensor dim split over the tp ranks with ``torch.chunk`` sizes; ``None`` when
+            replicated.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    items: tuple[str, ...]
+    tp_dim: int | None
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+
+_COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _tp_dim(config: Any, name: str, tp: int) -> int | None:
+    """The tensor dim ``apply_tp`` shards ``name`` along, or ``None`` when it is replicated."""
+    if name in (EMBED_NAME, HEAD_NAME):
+        return 0  # vocabulary-parallel embedding, column-parallel LM head
+    module, _, kind = name.rpartition(".")
+    if module.endswith(("self_attn.k_proj", "self_attn.v_proj")) and config.num_key_value_heads % tp != 0:
+        return None  # kv heads cannot be split evenly: every tp rank keeps all of them
+    if module.endswith(_COLUMN_PARALLEL):
+        return 0  # weight and bias of a column-parallel linear split on the output features
+    if module.endswith(_ROW_PARALLEL) and kind == "weight":
+        return 1  # a row-parallel bias is added after the reduction and stays replicated
+    return None
+
+
+def model_param_specs(config: Any, tp: int = 1, head: str = "lm") -> tuple[ParamSpec, ...]:
+    """Every parameter of the decoder ``config`` with its tensor-parallel split under ``tp``.
+
+    Args:
+        config: HF decoder config (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
+        tp: tensor-parallel degree; must divide ``num_attention_heads``.
+        head: ``"lm"`` or ``"value"`` (the value head ``score`` is replicated).
+
+    Returns:
+        Parameters in model order; a tied embedding appears once, with items ``("embed", "head")``.
+    """
+    if tp < 1 or config.num_attention_heads % tp != 0:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads={config.num_attention_heads}")
+    specs: dict[str, ParamSpec] = {}
+    for item, shapes in item_param_shapes(config, head):
+        for name, shape in shapes.items():
+            if name in specs:  # the tied embedding, seen again as the head
+                old = specs[name]
+                specs[name] = ParamSpec(name, old.shape, (*old.items, item), old.tp_dim)
+            else:
+                specs[name] = ParamSpec(name, tuple(shape), (item,), _tp_dim(config, name, tp))
+    return tuple(specs.values())
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` when ``torch.chunk`` splits ``size`` into ``parts``.
+
+    Chunks have ``ceil(size / parts)`` elements; trailing indices past the last chunk get an
+    empty range — the rule of DTensor ``Shard`` and of FSDP2.
+
+    >>> [chunk_bounds(5, 4, i) for i in range(4)]
+    [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
+    step = -(-size // parts)
+    start = min(index * step, size)
+    return start, min(start + step, size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every slice of a model lives for one call: strategy × global ranks (× FSDP).
+
+    Rank ``ranks[r]`` has call rank ``r`` and coordinates ``strategy.coords(r)`` =
+    ``(pp_rank, dp_rank, tp_rank)``. It holds the parameters of the items of stage
+    ``pp_rank``, split by tp, and — when ``fsdp`` — further sharded along dim 0 of the
+    tp-local tensor over the dp ranks (FSDP2's ``torch.chunk`` rule; later ranks may hold
+    empty shards). Without ``fsdp`` the dp ranks are replicas.
+
+    Build one with :func:`build_layout`.
+    """
+
+    params: tuple[ParamSpec, ...]
+    stages: tuple[tuple[str, ...], ...]
+    strategy: ParallelStrategy
+    ranks: tuple[int, ...]
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != self.strategy.world_size:
+            raise ValueError(f"{len(self.ranks)} ranks {self.ranks} do not match {self.strategy}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"ranks {self.ranks} repeat a rank")
+        if len(self.stages) != self.strategy.pp:
+            raise ValueError(f"{len(self.stages)} pipeline stages do not match pp={self.strategy.pp}")
+
+    @cached_property
+    def _call_rank(self) -> dict[int, int]:
+        return {g: r for r, g in enumerate(self.ranks)}
+
+    @cached_property
+    def _stage_params(self) -> tuple[tuple[ParamSpec, ...], ...]:
+        stage_of = {item: s for s, items in enumerate(self.stages) for item in items}
+        return tuple(
+            tuple(p for p in self.params if any(stage_of[i] == s for i in p.items)) for s in range(len(self.stages))
+        )
+
+    @cached_property
+    def _boxes(self) -> dict[int, dict[str, Box]]:
+        return {g: self._compute_boxes(r) for g, r in self._call_rank.items()}
+
+    def call_rank(self, rank: int) -> int:
+        """Rank inside the call of global rank ``rank``."""
+        if rank not in self._call_rank:
+            raise ValueError(f"global rank {rank} is not in this layout's ranks {self.ranks}")
+        return self._call_rank[rank]
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of global rank ``rank``."""
+        return self.strategy.coords(self.call_rank(rank))
+
+    def stage_params(self, pp_rank: int) -> tuple[ParamSpec, ...]:
+        """Parameters held by pipeline stage ``pp_rank`` (a tied embedding by the first and last)."""
+        return self._stage_params[pp_rank]
+
+    def boxes(self, rank: int) -> dict[str, Box]:
+        """``{param name: box of the full tensor}`` held by global rank ``rank`` (empty boxes included)."""
+        self.call_rank(rank)
+        return self._boxes[rank]
+
+    def slices(self, rank: int) -> dict[str, tuple[slice, ...]]:
+        """``{param name: slices of the full tensor}`` held by global rank ``rank``.
+
+        ``full[slices[name]]`` equals the rank's local tensor (``DTensor.to_local()`` under
+        tp/FSDP2), with the shape :meth:`local_shape` gives.
+        """
+        return {name: tuple(slice(a, b) for a, b in box) for name, box in self.boxes(rank).items()}
+
+    def local_shape(self, rank: int, name: str) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.boxes(rank)[name])
+
+    def local_numel(self, rank: int) -> int:
+        """Elements of all parameters held by global rank ``rank``."""
+        return sum(_numel(self.local_shape(rank, n)) for n in self.boxes(rank))
+
+    def holders(self, name: str) -> list[tuple[Box, tuple[int, ...]]]:
+        """Every distinct non-empty box of parameter ``name`` and the global ranks holding it (sorted).
+
+        Parameters with the same shape, split and stages share one (read-only) list object.
+        """
+        return self._holders[name]
+
+    @cached_property
+    def _holders(self) -> dict[str, list[tuple[Box, tuple[int, ...]]]]:
+        # Built from coordinates rather than by comparing the boxes of all ranks: a box depends
+        # only on (tp_rank if split, dp_rank if FSDP); the other coordinates hold copies. Most
+        # parameters repeat per layer, so results are shared by (shape, tp_dim, stages).
+        pp, dp, tp = self.strategy.pp, self.strategy.dp, self.strategy.tp
+        stages: dict[str, list[int]] = {p.name: [] for p in self.params}
+        for s in range(pp):
+            for spec in self._stage_params[s]:
+                stages[spec.name].append(s)
+        shared: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
+        out = {}
+        for spec in self.params:
+            key = (spec.shape, spec.tp_dim, tuple(stages[spec.name]))
+            if key not in shared:
+                shared[key] = []
+                for t in range(tp) if spec.tp_dim is not None else [None]:
+                    for d in range(dp) if self.fsdp else [None]:
+                        box = self._box(spec, d or 0, t or 0)
+                        if all(b > a for a, b in box):
+                            ranks = [
+                                self.ranks[self.strategy.rank_of(s, dd, tt)]
+                                for s in key[2]
+                                for dd in (range(dp) if d is None else (d,))
+                                for tt in (range(tp) if t is None else (t,))
+                            ]
+                            shared[key].append((box, tuple(sorted(ranks))))
+            out[spec.name] = shared[key]
+        return out
+
+    def _box(self, spec: ParamSpec, dp_rank: int, tp_rank: int) -> Box:
+        box = [(0, n) for n in spec.shape]
+        if spec.tp_dim is not None:
+            box[spec.tp_dim] = chunk_bounds(spec.shape[spec.tp_dim], self.strategy.tp, tp_rank)
+        if self.fsdp and box:
+            start, stop = box[0]
+            lo, hi = chunk_bounds(stop - start, self.strategy.dp, dp_rank)
+            box[0] = (start + lo, start + hi)
+        return tuple(box)
+
+    def _compute_boxes(self, call_rank: int) -> dict[str, Box]:
+        pp_rank, dp_rank, tp_rank = self.strategy.coords(call_rank)
+        return {spec.name: self._box(spec, dp_rank, tp_rank) for spec in self._stage_params[pp_rank]}
+
+
+def build_layout(
+    config: Any, strategy: ParallelStrategy, ranks: Sequence[int], fsdp: bool = False, head: str = "lm"
+) -> Layout:
+    """The layout of decoder ``config`` under ``strategy`` on global ``ranks`` (call order).
+
+    Args:
+        config: HF decoder config.
+        strategy: ``(dp, tp, pp)`` with ``dp*tp*pp == len(ranks)``.
+        ranks: global ranks of the call, in call-rank order.
+        fsdp: shard every tp-local tensor along dim 0 over dp (FSDP2 training layout);
+            otherwise dp ranks hold replicas.
+        head: ``"lm"`` (causal LM) or ``"value"`` (critic/reward ``score`` head).
+
+    >>> from transformers import LlamaConfig
+    >>> cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+    ...                   num_attention_heads=4, num_key_value_heads=2)
+    >>> layout = build_layout(cfg, ParallelStrategy(dp=2, tp=2), ranks=[4, 5, 6, 7], fsdp=True)
+    >>> layout.slices(7)["model.layers.0.self_attn.o_proj.weight"]  # dp_rank 1, tp_rank 1
+    (slice(32, 64, None), slice(32, 64, None))
+    """
+    stages = tuple(tuple(s) for s in pipeline_stages(config, strategy.pp, head))
+    return Layout(model_param_specs(config, strategy.tp, head), stages, strategy, tuple(int(r) for r in ranks), fsdp)

@@ -1,0 +1,290 @@
+"""The reallocation manager: keeps each model's copies in other layouts current, lazily.
+
+Every pool worker owns one :class:`ReallocManager`. Per model it knows
+
+* the **home** layout and module — where the model trains (gradients and optimizer state
+  live there) or, for a frozen model, where it rests (possibly offloaded to host);
+* a **version** counter, bumped after every optimizer step (:meth:`bump_version`) and by
+  :meth:`ema_update`;
+* per other layout, the **copy** this worker holds (if any) and the version it was made from.
+
+Calling protocol (what the worker/trainer layer must do; ``U = home.ranks ∪ layout.ranks``):
+
+1. start-up, on every pool rank: ``init_global_group``, then ``build_plan_groups`` for all
+   calls of the plan (same order everywhere), then ``register(...)`` for every model;
+2. before a call of model ``m`` on ``layout``: ``pre_call(m, layout)`` on every rank of ``U``;
+   it returns the module to run on ranks of ``layout`` (None on the others);
+3. after the call: ``post_call(m, layout)`` on the ranks of ``layout`` (frees the copy unless
+   it is kept; offloads a frozen model's home module when so registered);
+4. after each optimizer step of ``m``: ``bump_version(m)`` on the ranks of ``m``'s home layout;
+5. an EMA reference: ``ema_update(ref, actor, eta)`` on every rank of both home layouts.
+
+Agreement: whether a copy is stale is decided by one coordinator (the first home rank) from
+the states the copy's ranks report, and announced to all of ``U`` — two rounds of tiny
+point-to-point messages — so ranks never disagree, even when copies are freed by a local
+memory decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlflow.parallel.executor import ReshardStats, execute_reshard, module_param_tensors
+from rlflow.parallel.layout import Layout
+from rlflow.parallel.offload import Offload, offload_module
+from rlflow.parallel.reshard import ReshardPlan, plan_reshard
+
+# Builds this rank's empty module of a layout (the engine layer provides it). It must not
+# create process groups: groups come from build_call_groups' cache, filled at start-up.
+ModuleFactory = Callable[[Layout], nn.Module]
+
+
+@dataclass
+class _Copy:
+    module: nn.Module
+    version: int
+    nbytes: int
+
+
+@dataclass
+class _Model:
+    home: Layout
+    module: nn.Module | None  # None on ranks outside the home layout
+    factory: ModuleFactory
+    dtype: torch.dtype
+    trainable: bool
+    offload_home: bool
+    version: int = 0
+    copies: dict[Layout, _Copy] = field(default_factory=dict)
+    offloaded: Offload | None = None
+
+
+class ReallocManager:
+    """Per-worker bookkeeping and execution of reallocations (see the module docstring).
+
+    Args:
+        rank: this worker's global rank.
+        host_of: host index of every global rank (all on one host if None).
+        group: the pool's process group (default group if None).
+        keep_bytes: copies whose bytes on this rank fit into this budget (together with the
+            copies already kept) survive ``post_call`` and are reused while current;
+            0 frees every copy after its call.
+        device: device of the small control messages (``cuda`` under NCCL; CPU by default).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        host_of: Mapping[int, int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        keep_bytes: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.rank = rank
+        self.host_of = dict(host_of) if host_of is not None else None
+        self.group = group
+        self.keep_bytes = keep_bytes
+        self.device = torch.device(device)
+        self._models: dict[str, _Model] = {}
+        self._plans: dict[tuple[Layout, Layout], ReshardPlan] = {}
+        # Counters for metrics: reshards run on this rank, their seconds and wire bytes.
+        self.stats = {"reshards": 0, "reshard_seconds": 0.0, "sent_bytes": 0, "received_bytes": 0}
+
+    # ---- registration and versions ----
+
+    def register(
+        self,
+        name: str,
+        home: Layout,
+        module: nn.Module | None,
+        factory: ModuleFactory,
+        *,
+        dtype: torch.dtype,
+        trainable: bool = True,
+        offload_home: bool = False,
+    ) -> None:
+        """Declare model ``name`` with its home layout (every pool rank calls it).
+
+        Args:
+            name: model name (``"actor"``, ``"ref"`` …).
+            home: the home layout (training layout of a trainable model).
+            module: this rank's home module; None on ranks outside ``home``.
+            factory: builds an empty module of another layout on this rank.
+            dtype: dtype of the weights on the wire (the copies' dtype).
+            trainable: whether the model takes optimizer steps.
+            offload_home: frozen models only: keep the home module on host between calls.
+        """
+        if name in self._models:
+            raise ValueError(f"model {name!r} is already registered")
+        in_home = self.rank in home.ranks
+        if in_home != (module is not None):
+            raise ValueError(f"rank {self.rank}: module must be given exactly on home ranks {home.ranks} of {name!r}")
+        if offload_home and trainable:
+            raise ValueError(
+                f"{name!r}: offload_home is for frozen models; a trainable model keeps its optimizer state"
+            )
+        entry = _Model(home, module, factory, dtype, trainable, offload_home)
+        if offload_home and module is not None:
+            entry.offloaded = offload_module(module)
+        self._models[name] = entry
+
+    def _model(self, name: str) -> _Model:
+        if name not in self._models:
+            raise KeyError(f"unknown model {name!r}; registered: {sorted(self._models)}")
+        return self._models[name]
+
+    def version(self, name: str) -> int:
+        return self._model(name).version
+
+    def home_module(self, name: str) -> nn.Module | None:
+        return self._model(name).module
+
+    def bump_version(self, name: str) -> int:
+        """Mark model ``name`` as changed (after an optimizer step); call on its home ranks."""
+        m = self._model(name)
+        if self.rank not in m.home.ranks:
+            raise ValueError(f"rank {self.rank} is not in the home layout of {name!r}; bump versions on {m.home.ranks}")
+        m.version += 1
+        return m.version
+
+    # ---- calls ----
+
+    def pre_call(self, name: str, layout: Layout) -> nn.Module | None:
+        """Make this rank's copy of ``name`` in ``layout`` current; collective over home ∪ layout ranks.
+
+        Returns:
+            The module to run on ranks of ``layout`` (the home module itself when ``layout``
+            is the home layout); None on home-only ranks.
+        """
+        m = self._model(name)
+        if layout == m.home:
+            if m.offloaded is not None and m.offloaded.offloaded:
+                m.offloaded.reload()
+            return m.module
+        stale, version = self._agree_staleness(m, layout)
+        if stale:
+            self._reshard(m, layout, version)
+        copy = m.copies.get(layout)
+        return copy.module if copy is not None else None
+
+    def post_call(self, name: str, layout: Layout) -> None:
+        """After a call on ``layout``: free this rank's copy unless it fits the keep budget."""
+        m = self._model(name)
+        if layout == m.home:
+            if m.offload_home and m.module is not None:
+                m.offloaded.offload()
+            return
+        copy = m.copies.get(layout)
+        if copy is None:
+            return
+        kept = sum(c.nbytes for mm in self._models.values() for lay, c in mm.copies.items() if lay != layout)
+        if kept + copy.nbytes > self.keep_bytes:
+            del m.copies[layout]
+
+    # ---- EMA ----
+
+    @torch.no_grad()
+    def ema_update(self, ref: str, actor: str, eta: float) -> None:
+        """``ref = (1 - eta) * ref + eta * actor`` in the reference's home layout.
+
+        Collective over the ranks of both home layouts: the actor's current weights are
+        resharded into scratch tensors shaped like the reference's local shards, then blended.
+        """
+        if not 0.0 <= eta <= 1.0:
+            raise ValueError(f"eta={eta} must be in [0, 1]")
+        r, a = self._model(ref), self._model(actor)
+        plan = self._plan(a.home, r.home)
+        actor_reloaded = self._reload_home(a)
+        src = module_param_tensors(a.module) if a.module is not None else None
+        dst = scratch = None
+        reloaded = self._reload_home(r)
+        if r.module is not None:
+            dst = module_param_tensors(r.module)
+            scratch = {n: [torch.empty_like(ts[0], dtype=r.dtype)] for n, ts in dst.items()}
+        self._count(execute_reshard(plan, self.rank, src, scratch, dtype=r.dtype, group=self.group))
+        if dst is not None:
+            for n, ts in dst.items():
+                for t in ts:
+                    t.lerp_(scratch[n][0].to(t.dtype), eta)
+            r.version += 1
+        if reloaded:
+            r.offloaded.offload()
+        if actor_reloaded:
+            a.offloaded.offload()
+
+    # ---- internals ----
+
+    def _plan(self, src: Layout, dst: Layout) -> ReshardPlan:
+        key = (src, dst)
+        if key not in self._plans:
+            self._plans[key] = plan_reshard(src, dst, self.host_of)
+        return self._plans[key]
+
+    def _agree_staleness(self, m: _Model, layout: Layout) -> tuple[bool, int]:
+        """Coordinator (first home rank) collects copy versions, decides, and tells everyone."""
+        coordinator = m.home.ranks[0]
+        participants = sorted(set(m.home.ranks) | set(layout.ranks))
+        if self.rank == coordinator:
+            versions = []
+            for r in layout.ranks:
+                if r == self.rank:
+                    versions.append(self._copy_version(m, layout))
+                else:
+                    buf = torch.empty(1, dtype=torch.int64, device=self.device)
+                    dist.recv(buf, r, group=self.group)
+                    versions.append(int(buf))
+            stale = any(v != m.version for v in versions)
+            decision = torch.tensor([int(stale), m.version], dtype=torch.int64, device=self.device)
+            for r in participants:
+                if r != self.rank:
+                    dist.send(decision, r, group=self.group)
+            return stale, m.version
+        if self.rank in layout.ranks:
+            mine = torch.tensor([self._copy_version(m, layout)], dtype=torch.int64, device=self.device)
+            dist.send(mine, coordinator, group=self.group)
+        decision = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.recv(decision, coordinator, group=self.group)
+        return bool(decision[0]), int(decision[1])
+
+    @staticmethod
+    def _copy_version(m: _Model, layout: Layout) -> int:
+        copy = m.copies.get(layout)
+        return copy.version if copy is not None else -1
+
+    @staticmethod
+    def _reload_home(m: _Model) -> bool:
+        """Reload an offloaded home module for a moment; True when it must be offloaded again."""
+        if m.offloaded is not None and m.offloaded.offloaded:
+            m.offloaded.reload()
+            return True
+        return False
+
+    def _reshard(self, m: _Model, layout: Layout, version: int) -> None:
+        src = dst = None
+        reloaded = self._reload_home(m)
+        if m.module is not None:
+            src = module_param_tensors(m.module)
+        if self.rank in layout.ranks:
+            copy = m.copies.get(layout)
+            if copy is None:
+                module = m.factory(layout)
+                nbytes = layout.local_numel(self.rank) * torch.empty((), dtype=m.dtype).element_size()
+                copy = m.copies[layout] = _Copy(module, -1, nbytes)  # current once filled
+            dst = module_param_tensors(copy.module)
+        self._count(execute_reshard(self._plan(m.home, layout), self.rank, src, dst, dtype=m.dtype, group=self.group))
+        if self.rank in layout.ranks:
+            m.copies[layout].version = version
+        if reloaded:
+            m.offloaded.offload()
+
+    def _count(self, stats: ReshardStats) -> None:
+        self.stats["reshards"] += 1
+        self.stats["reshard_seconds"] += stats.seconds
+        self.stats["sent_bytes"] += stats.sent_bytes
+        self.stats["received_bytes"] += stats.received_bytes
