@@ -175,7 +175,7 @@ def build_stage(hf_model: nn.Module, pp: int, pp_rank: int) -> DecoderStage:
     """
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} must be in [0, {pp})")
-    stages = pipeline_stages(hf_model.config, pp)
+    stages = pipeline_stages(hf_model.config, pp, head=head_kind(hf_model))
     return DecoderStage(hf_model, stages[pp_rank])
 
 
