@@ -1,0 +1,213 @@
+"""The ``rlflow`` command: ``plan``, ``profile`` and ``draw``.
+
+Every subcommand is one entry of :data:`COMMANDS`: a help line, a function adding its arguments
+to an ``argparse`` sub-parser and a function running it (returning the exit status). A new
+subcommand (``train``) is one more entry.
+
+    rlflow plan --algo ppo --actor llama2-7b --critic llama2-7b --nodes 1 --batch 512 \\
+        --prompt-len 128 --gen-len 896 --search-seconds 30 --out plan.json --timeline plan.png
+    rlflow profile --out profile.json
+    rlflow draw --algo grpo --out grpo.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class UsageError(ValueError):
+    """Bad user input found after argument parsing (an unknown model, algorithm or device)."""
+
+
+# ----------------------------------------------------------------------------- rlflow plan
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--algo", default="ppo", help="algorithm whose dataflow graph is planned (default: ppo)")
+    g.add_argument("--actor", required=True, help="actor model preset, e.g. llama2-7b")
+    g.add_argument("--critic", help="critic model preset (default: the actor's)")
+    g.add_argument("--ref", help="reference model preset (default: the actor's)")
+    g.add_argument("--reward", help="reward model preset (default: the critic's)")
+    g.add_argument("--batch", type=int, default=512, help="prompts per iteration")
+    g.add_argument("--prompt-len", type=int, default=128)
+    g.add_argument("--gen-len", type=int, default=896)
+    g.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps per train call)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--devices-per-node", type=int, default=8)
+    g.add_argument("--device", default="a100-80g", help="device preset: a100-80g, h100-80g, h200 or cpu")
+    g.add_argument("--profile", help="hardware profile JSON from `rlflow profile` (prices the cpu preset)")
+    g.add_argument("--pipeline-generate", action="store_true", help="allow pipeline-parallel generation")
+    g = p.add_argument_group("search")
+    g.add_argument("--search-seconds", type=float, default=30.0, help="wall-clock budget of the search")
+    g.add_argument("--search-steps", type=int, help="proposals per chain (with --seed: a reproducible plan)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chains", type=int, help="search chains, one thread each (default: min(4, cores))")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", help="write the plan as JSON")
+    g.add_argument("--timeline", help="draw the plan's simulated timeline (.png or .svg)")
+
+
+def _model_specs(args: argparse.Namespace, model_names: list[str]) -> dict:
+    from rlflow.planner.model_spec import model_preset
+
+    critic = args.critic or args.actor
+    chosen = {"actor": args.actor, "ref": args.ref or args.actor, "critic": critic, "reward": args.reward or critic}
+    specs = {}
+    for name in model_names:
+        if name not in chosen:
+            raise UsageError(f"the graph has a model {name!r} with no preset option; known: {sorted(chosen)}")
+        try:
+            specs[name] = model_preset(chosen[name], value_head=name in ("critic", "reward"))
+        except ValueError as exc:
+            raise UsageError(f"--{name}: {exc}") from exc
+    return specs
+
+
+def build_plan_problem(args: argparse.Namespace):
+    """The dataflow graph and the planning problem the ``plan`` arguments describe."""
+    from rlflow.dataflow import ALGORITHMS, algorithm_graph, model_calls
+    from rlflow.planner.build import Workload, build_problem
+    from rlflow.planner.cluster import cluster_preset
+    from rlflow.planner.space import RuntimeCapabilities
+
+    if args.algo not in ALGORITHMS:
+        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {sorted(ALGORITHMS)}")
+    graph = algorithm_graph(args.algo)
+    models = _model_specs(args, list(model_calls(graph)))
+    try:
+        cluster = cluster_preset(args.device, args.nodes, args.devices_per_node, profile=args.profile)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from exc
+    workload = Workload(args.batch, args.prompt_len, args.gen_len, n_ppo_minibatches=args.minibatches)
+    caps = RuntimeCapabilities(pipeline_generate=args.pipeline_generate)
+    return graph, build_problem(graph, models, cluster, workload, capabilities=caps)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from rlflow.dataflow import mfcs_of
+    from rlflow.planner.baselines import baseline_plans
+    from rlflow.planner.plan import ExecutionPlan, format_seconds
+    from rlflow.planner.search import search
+    from rlflow.planner.simulate import Simulator
+
+    graph, problem = build_plan_problem(args)
+    generate = [m.name for m in mfcs_of(graph) if m.interface_type == "generate" and m.name in problem.mfc_names]
+    sim = Simulator(problem)
+    baselines = baseline_plans(problem, generate, sim)
+    found = search(
+        sim,
+        seconds=args.search_seconds if args.search_steps is None else None,
+        max_steps=args.search_steps,
+        num_chains=args.chains,
+        seed=args.seed,
+        initial_plans=[b.choice for b in baselines if b.choice is not None],
+        progress=not args.no_progress,
+    )
+    plan = ExecutionPlan.from_choice(problem, found.choice, found.result, name="search")
+    print(plan.to_table())
+    print(f"\nsearch: {found.steps} plans in {found.seconds:.1f} s")
+    print(_comparison(plan.iteration_time_s, baselines, format_seconds))
+    if args.out:
+        plan.save(args.out)
+        print(f"plan written to {args.out}")
+    if args.timeline:
+        from rlflow.planner.timeline import draw_timeline
+
+        title = f"{args.algo}: {args.actor} actor on {args.nodes}x{args.devices_per_node} {args.device}"
+        intervals = found.result.intervals(problem.mfc_names)
+        draw_timeline(intervals, args.timeline, title, found.result.iteration_end_s, problem.num_devices)
+        print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def _comparison(searched_s: float, baselines, fmt) -> str:
+    rows = [("plan", "time/iteration", "relative to search"), ("search", fmt(searched_s), "1.00x")]
+    for b in baselines:
+        if b.feasible:
+            rows.append((b.name, fmt(b.iteration_time_s), f"{b.iteration_time_s / searched_s:.2f}x"))
+        else:
+            rows.append((b.name, "infeasible", b.reason))
+    widths = [max(len(r[k]) for r in rows) for k in range(2)]
+    return "\n".join(f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}" for r in rows)
+
+
+# ----------------------------------------------------------------------------- rlflow profile / draw
+
+
+def _profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="where to write the profile JSON (default: the per-host default path)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="what to profile (default: cuda when available)")
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from rlflow.planner.profile import run_profile
+
+    profile = run_profile(args.out, args.device)
+    hw = profile["hardware"]
+    print(f"profiled {profile['device']} in {profile['elapsed_s']:.1f} s -> {profile['path']}")
+    for key, value in sorted(hw.items()):
+        print(f"  {key}: {value:.4g}")
+    return 0
+
+
+def _draw_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algo", required=True, help="algorithm whose dataflow graph is drawn")
+    p.add_argument("--out", required=True, help="output picture (.png, .svg or .pdf)")
+    p.add_argument("--unroll", type=int, default=1, help="iterations to unroll (shows parameter-version edges)")
+
+
+def _run_draw(args: argparse.Namespace) -> int:
+    from rlflow.dataflow import ALGORITHMS, algorithm_graph, draw, unroll_graph
+
+    if args.algo not in ALGORITHMS:
+        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {sorted(ALGORITHMS)}")
+    if args.unroll < 1:
+        raise UsageError(f"--unroll={args.unroll} must be >= 1")
+    graph = algorithm_graph(args.algo)
+    path = draw(unroll_graph(graph, args.unroll) if args.unroll > 1 else graph, args.out)
+    print(f"dataflow graph of {args.algo} written to {path}")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command("search the execution plan of an algorithm on a cluster", _plan_arguments, _run_plan),
+    "profile": Command("measure this machine for the cost model", _profile_arguments, _run_profile),
+    "draw": Command("draw an algorithm's dataflow graph", _draw_arguments, _run_draw),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlflow", description="RL post-training of language models with planned parallelism."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, cmd in COMMANDS.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlflow`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except UsageError as exc:
+        parser.exit(2, f"rlflow {args.command}: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""A :class:`PlanProblem` flattened into arrays: the form both simulators and the search read.
+
+Compiling does, once per problem, everything that does not depend on the plan: checking the
+problem, numbering option layouts, deciding which MFCs may need a reallocation or a reload,
+unrolling the dataflow graph over the iterations and listing each option's local moves. The
+Python twin (:mod:`rlflow.planner.simulate`) and the C++ simulator (``rlflow._C_planner``)
+read the same arrays, so they differ only in how they schedule.
+
+Unrolled graph. Every iteration has ``K = E + 2*M`` nodes (E data edges, M MFCs): node ``e``
+is the transfer of data edge ``e`` (inactive when its time is 0), node ``E+2*i`` the
+*pre-node* of MFC ``i`` (its reallocation or reload; inactive when none is needed), node
+``E+2*i+1`` the call itself. Transfers come first so that, at equal ready times, the short
+transfers that unblock a consumer are placed before calls. Node ``(t, j)`` has global id ``t*K + j``. Edges: pre → call; call(i) →
+transfer(e) → pre(k) for a data edge ``e = (i, k)``; call(t-1, i) → pre(t, k) for a version
+edge ``(i, k)``. Every parent of a call thus feeds its pre-node, and the simulators place a
+call right after its pre-node, so a reallocation runs just before its call — as the runtime's
+pre-call hook does — and the reallocated copy lives only for that call, which is what the
+memory model assumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from rlflow.planner.problem import PlanProblem
+
+# Pre-node kinds of an MFC.
+PRE_NONE, PRE_REALLOC, PRE_RELOAD = 0, 1, 2
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledProblem:
+    """Flat arrays of a :class:`PlanProblem`. Option ``j`` of MFC ``i`` is flat option ``opt_offset[i] + j``.
+
+    Per flat option (length ``num_options``): ``opt_time`` (s), ``opt_act``, ``opt_weight``,
+    ``opt_state`` (bytes per device), ``opt_lo``/``opt_size`` (device range), ``opt_layout``
+    (equal ids ⇔ equal mesh and strategy), ``nbr_offset``/``nbr`` (local moves, as option
+    indices local to the MFC).
+    Per MFC: ``mfc_model``, ``pre_kind`` (PRE_*), ``home`` (train MFC of its model or -1),
+    ``realloc_offset`` into ``realloc_table`` (row-major ``(n_home, n_i)``), ``reload_offset``
+    into ``reload_table``.
+    Per model: ``model_trainable``, ``model_home``, ``model_calls_offset``/``model_calls``.
+    Per data edge: ``edge_src``, ``edge_dst``, ``edge_offset`` into ``data_table``
+    (row-major ``(n_src, n_dst)``).
+    Unrolled graph (``num_iterations * nodes_per_iteration`` nodes): ``child_offset``/``child``
+    (CSR), ``indegree``.
+    """
+
+    problem: PlanProblem
+    num_devices: int
+    num_mfcs: int
+    num_iterations: int
+    nodes_per_iteration: int
+    device_memory_bytes: float
+    opt_offset: np.ndarray
+    opt_time: np.ndarray
+    opt_act: np.ndarray
+    opt_weight: np.ndarray
+    opt_state: np.ndarray
+    opt_lo: np.ndarray
+    opt_size: np.ndarray
+    opt_layout: np.ndarray
+    nbr_offset: np.ndarray
+    nbr: np.ndarray
+    mfc_model: np.ndarray
+    pre_kind: np.ndarray
+    home: np.ndarray
+    realloc_offset: np.ndarray
+    realloc_table: np.ndarray
+    reload_offset: np.ndarray
+    reload_table: np.ndarray
+    model_trainable: np.ndarray
+    model_home: np.ndarray
+    model_calls_offset: np.ndarray
+    model_calls: np.ndarray
+    edge_src: np.ndarray
+    edge_dst: np.ndarray
+    edge_offset: np.ndarray
+    data_table: np.ndarray
+    child_offset: np.ndarray
+    child: np.ndarray
+    indegree: np.ndarray
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.edge_src)
+
+    def pre_node(self, i: int) -> int:
+        """Local id of MFC ``i``'s pre-node; its call is the next id."""
+        return self.num_edges + 2 * i
+
+    @property
+    def num_options(self) -> np.ndarray:
+        """Options per MFC, shape ``(M,)``."""
+        return np.diff(self.opt_offset)
+
+    def check_choice(self, choice) -> np.ndarray:
+        """``choice`` as an int64 array, after checking its length and every index's range."""
+        arr = np.asarray(choice, dtype=np.int64)
+        if arr.shape != (self.num_mfcs,):
+            raise ValueError(f"a plan has one option index per MFC ({self.num_mfcs}), got shape {arr.shape}")
+        bad = np.nonzero((arr < 0) | (arr >= self.num_options))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"option {int(arr[i])} of MFC {self.problem.mfc_names[i]!r} is outside [0, {int(self.num_options[i])})"
+            )
+        return arr
+
+
+def compile_problem(problem: PlanProblem) -> CompiledProblem:
+    """Check ``problem`` and flatten it (see the module docstring).
+
+    Raises:
+        ValueError: a mesh outside the cluster, a cycle among data edges, a trainable model
+            without a train MFC, or a missing reallocation / reload table.
+    """
+    _check_meshes(problem)
+    _check_acyclic(problem)
+    opts = _option_arrays(problem)
+    mfc = _mfc_arrays(problem, opts["opt_offset"])
+    edges = _edge_arrays(problem)
+    graph = _unroll(problem)
+    return CompiledProblem(
+        problem=problem,
+        num_devices=problem.num_devices,
+        num_mfcs=problem.num_mfcs,
+        num_iterations=problem.num_iterations,
+        nodes_per_iteration=2 * problem.num_mfcs + len(problem.data_edges),
+        device_memory_bytes=float(problem.device_memory_bytes),
+        **opts,
+        **mfc,
+        **edges,
+        **graph,
+    )
+
+
+def _check_meshes(problem: PlanProblem) -> None:
+    if problem.num_iterations < 1:
+        raise ValueError(f"num_iterations={problem.num_iterations} must be >= 1")
+    for i, opts in enumerate(problem.options):
+        for opt in opts:
+            m = opt.mesh
+            if m.devices_per_node != problem.devices_per_node or m.first_device + m.size > problem.num_devices:
+                raise ValueError(
+                    f"MFC {problem.mfc_names[i]!r}: mesh {m} (devices_per_node={m.devices_per_node}) is outside the "
+                    f"cluster of {problem.num_nodes}x{problem.devices_per_node} devices"
+                )
+            if opt.strategy.world_size != m.size:
+                raise ValueError(f"MFC {problem.mfc_names[i]!r}: strategy {opt.strategy} does not fill mesh {m}")
+
+
+def _check_acyclic(problem: PlanProblem) -> None:
+    g = nx.DiGraph(list(problem.data_edges))
+    g.add_nodes_from(range(problem.num_mfcs))
+    for i, k in problem.data_edges + problem.version_edges:
+        if not (0 <= i < problem.num_mfcs and 0 <= k < problem.num_mfcs):
+            raise ValueError(f"edge ({i}, {k}) names an MFC outside [0, {problem.num_mfcs})")
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = [problem.mfc_names[i] for i, _ in nx.find_cycle(g)]
+        raise ValueError(f"data edges form a cycle through {cycle}")
+
+
+def _option_arrays(problem: PlanProblem) -> dict[str, np.ndarray]:
+    flat = [(i, j, o) for i, opts in enumerate(problem.options) for j, o in enumerate(opts)]
+    layouts: dict[tuple, int] = {}
+    layout_ids = [layouts.setdefault((o.mesh, o.strategy), len(layouts)) for _, _, o in flat]
+    offset = np.zeros(problem.num_mfcs + 1, dtype=np.int64)
+    offset[1:] = np.cumsum([len(o) for o in problem.options])
+    nbr_offset, nbr = [0], []
+    for opts in problem.options:
+        for moves in _local_moves(opts):
+            nbr.extend(moves)
+            nbr_offset.append(len(nbr))
+    return {
+        "opt_offset": offset,
+        "opt_time": np.array([o.time_s for _, _, o in flat], dtype=np.float64),
+        "opt_act": np.array([o.act_bytes for _, _, o in flat], dtype=np.float64),
+        "opt_weight": np.array([o.weight_bytes for _, _, o in flat], dtype=np.float64),
+        "opt_state": np.array([o.train_state_bytes for _, _, o in flat], dtype=np.float64),
+        "opt_lo": np.array([o.mesh.first_device for _, _, o in flat], dtype=np.int64),
+        "opt_size": np.array([o.mesh.size for _, _, o in flat], dtype=np.int64),
+        "opt_layout": np.array(layout_ids, dtype=np.int64),
+        "nbr_offset": np.array(nbr_offset, dtype=np.int64),
+        "nbr": np.array(nbr, dtype=np.int64),
+    }
+
+
+def _local_moves(opts) -> list[list[int]]:
+    """For every option, the options one small step away: a factor moved between two parallel
+    degrees on the same mesh, the same strategy on a mesh of the same shape elsewhere, or the mesh
+    halved/doubled around it with dp halved/doubled (vectorised: options pairwise)."""
+    a = np.array([(o.mesh.first_device, o.mesh.size, o.strategy.dp, o.strategy.tp, o.strategy.pp) for o in opts])
+    lo, size, dp, tp, pp = (a[:, k] for k in range(5))
+
+    def pair(x):  # (n, n) views of option attribute x for the row and the column option
+        return x[:, None], x[None, :]
+
+    (lo1, lo2), (s1, s2), (d1, d2), (t1, t2), (p1, p2) = map(pair, (lo, size, dp, tp, pp))
+    same_mesh = (lo1 == lo2) & (s1 == s2)
+    same_strategy = (d1 == d2) & (t1 == t2) & (p1 == p2)
+    moved_factor = same_mesh & (((d1 != d2).astype(int) + (t1 != t2) + (p1 != p2)) == 2)
+    shifted = (s1 == s2) & (lo1 != lo2) & same_strategy
+    overlap = (lo1 < lo2 + s2) & (lo2 < lo1 + s1)
+    resized = (
+        (t1 == t2) & (p1 == p2) & overlap & (((s2 == 2 * s1) & (d2 == 2 * d1)) | ((2 * s2 == s1) & (2 * d2 == d1)))
+    )
+    moves = moved_factor | shifted | resized
+    return [np.nonzero(row)[0].tolist() for row in moves]
+
+
+def _mfc_arrays(problem: PlanProblem, opt_offset: np.ndarray) -> dict[str, np.ndarray]:
+    m_count, n_models = problem.num_mfcs, len(problem.models)
+    calls: list[list[int]] = [[] for _ in range(n_models)]
+    for i, model in enumerate(problem.mfc_models):
+        if not 0 <= model < n_models:
+            raise ValueError(f"MFC {problem.mfc_names[i]!r} names model {model}, outside [0, {n_models})")
+        calls[model].append(i)
+    model_home = np.full(n_models, -1, dtype=np.int64)
+    for mi, model in enumerate(problem.models):
+        if model.trainable:
+            if model.train_mfc is None or model.train_mfc not in calls[mi]:
+                raise ValueError(
+                    f"trainable model {model.name!r} needs train_mfc among its MFCs {calls[mi]}, got {model.train_mfc}"
+                )
+            model_home[mi] = model.train_mfc
+    pre_kind = np.zeros(m_count, dtype=np.int64)
+    home = np.full(m_count, -1, dtype=np.int64)
+    realloc_offset = np.full(m_count, -1, dtype=np.int64)
+    reload_offset = np.full(m_count, -1, dtype=np.int64)
+    realloc_parts, reload_parts, realloc_len, reload_len = [], [], 0, 0
+    for i, mi in enumerate(problem.mfc_models):
+        model, h = problem.models[mi], int(model_home[mi])
+        if model.trainable and i != h:
+            table = problem.realloc_time.get((h, i))
+            if table is None:
+                raise ValueError(
+                    f"realloc_time lacks the table ({h}, {i}) for {problem.mfc_names[h]!r} -> {problem.mfc_names[i]!r}"
+                )
+            pre_kind[i], home[i], realloc_offset[i] = PRE_REALLOC, h, realloc_len
+            realloc_parts.append(np.asarray(table, dtype=np.float64).ravel())
+            realloc_len += realloc_parts[-1].size
+        elif not model.trainable and len(calls[mi]) > 1:
+            table = problem.reload_time.get(i)
+            n_i = int(opt_offset[i + 1] - opt_offset[i])
+            if table is None or np.shape(table) != (n_i,):
+                raise ValueError(
+                    f"reload_time[{i}] ({problem.mfc_names[i]!r}) must have shape ({n_i},), got {None if table is None else np.shape(table)}"
+                )
+            pre_kind[i], reload_offset[i] = PRE_RELOAD, reload_len
+            reload_parts.append(np.asarray(table, dtype=np.float64).ravel())
+            reload_len += n_i
+    calls_offset = np.zeros(n_models + 1, dtype=np.int64)
+    calls_offset[1:] = np.cumsum([len(c) for c in calls])
+    return {
+        "mfc_model": np.asarray(problem.mfc_models, dtype=np.int64),
+        "pre_kind": pre_kind,
+        "home": home,
+        "realloc_offset": realloc_offset,
+        "realloc_table": np.concatenate(realloc_parts) if realloc_parts else np.zeros(0),
+        "reload_offset": reload_offset,
+        "reload_table": np.concatenate(reload_parts) if reload_parts else np.zeros(0),
+        "model_trainable": np.array([m.trainable for m in problem.models], dtype=np.int64),
+        "model_home": model_home,
+        "model_calls_offset": calls_offset,
+        "model_calls": np.array([c for cs in calls for c in cs], dtype=np.int64),
+    }
+
+
+def _edge_arrays(problem: PlanProblem) -> dict[str, np.ndarray]:
+    sizes = [np.asarray(t).size for t in problem.data_time]
+    offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if sizes else np.zeros(0)
+    return {
+        "edge_src": np.array([i for i, _ in problem.data_edges], dtype=np.int64),
+        "edge_dst": np.array([k for _, k in problem.data_edges], dtype=np.int64),
+        "edge_offset": np.asarray(offset, dtype=np.int64),
+        "data_table": (
+            np.concatenate([np.asarray(t, dtype=np.float64).ravel() for t in problem.data_time])
+            if sizes
+            else np.zeros(0)
+        ),
+    }
+
+
+def _unroll(problem: PlanProblem) -> dict[str, np.ndarray]:
+    m, e_count, t_count = problem.num_mfcs, len(problem.data_edges), problem.num_iterations
+    k = e_count + 2 * m
+    children: list[list[int]] = [[] for _ in range(t_count * k)]
+    for t in range(t_count):
+        pre, call = t * k + e_count, t * k + e_count + 1  # + 2*i
+        for i in range(m):
+            children[pre + 2 * i].append(call + 2 * i)
+        for e, (src, dst) in enumerate(problem.data_edges):
+            children[call + 2 * src].append(t * k + e)
+            children[t * k + e].append(pre + 2 * dst)
+        if t > 0:
+            for src, dst in problem.version_edges:
+                children[call - k + 2 * src].append(pre + 2 * dst)
+    indegree = np.zeros(t_count * k, dtype=np.int64)
+    for cs in children:
+        for c in cs:
+            indegree[c] += 1
+    offset = np.zeros(t_count * k + 1, dtype=np.int64)
+    offset[1:] = np.cumsum([len(c) for c in children])
+    return {
+        "child_offset": offset,
+        "child": np.array([c for cs in children for c in cs], dtype=np.int64),
+        "indegree": indegree,
+    }
