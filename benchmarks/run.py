@@ -35,7 +35,13 @@ def _machine() -> dict:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _modules(patterns: list[str]) -> list[str]:

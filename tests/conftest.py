@@ -27,7 +27,9 @@ def ray_session():
             num_cpus=RAY_NUM_CPUS,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+            runtime_env={
+                "env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            },
         )
     yield ray
     ray.shutdown()

@@ -220,6 +220,14 @@ class RayWorkerGroup:
         """Calls ``method`` on rank 0 only; returns its ref."""
         return self._execute(method, [0], args, kwargs)[0][0]
 
+    def get(self, refs: Sequence[ray.ObjectRef]) -> list:
+        """Waits for the refs of :meth:`async_execute_all` (one per rank, in rank order).
+
+        Worker failures become :class:`WorkerError` / :class:`WorkerDiedError` naming role, rank and node.
+        """
+        origin = {ref: (self._ranks[i], "async call") for i, ref in enumerate(refs)}
+        return _fetch(self._actors, origin, list(refs))
+
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Blocking :meth:`async_execute_all`: the outputs of every rank, in rank order."""
         refs, origin = self._execute(method, list(range(self.world_size)), args, kwargs)
