@@ -1,0 +1,342 @@
+"""Losses: PPO policy and value losses, entropy bonus, DPO, SFT and Bradley–Terry reward
+losses, and the aggregation of a per-token loss matrix into a scalar.
+
+Policy losses sit behind a registry (:func:`register_policy_loss`) because users add their
+own; each takes ``(log_prob, old_log_prob, advantages, response_mask, **options)`` and returns
+a :class:`PolicyLossOutput`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlflow.algos.utils import entropy_from_logits, logprobs_from_logits, masked_mean
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "DPOLossOutput",
+    "PolicyLossOutput",
+    "agg_loss",
+    "bradley_terry_loss",
+    "dpo_loss",
+    "entropy_bonus",
+    "get_policy_loss",
+    "list_policy_losses",
+    "ppo_policy_loss",
+    "register_policy_loss",
+    "sft_loss",
+    "value_loss",
+    "vanilla_policy_loss",
+]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# exp() of a log-ratio beyond ±20 is either 0 or inf in practice; clamping keeps one stale
+# token from turning the whole loss into NaN.
+_MAX_LOG_RATIO = 20.0
+
+
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    Args:
+        loss_mat: ``(B, T)`` loss per token.
+        mask: ``(B, T)`` 1 on tokens that count.
+        mode: ``"token-mean"`` (every token weighs the same), ``"seq-mean-token-mean"`` (every
+            sequence weighs the same; sequences without tokens are left out) or
+            ``"seq-mean-token-sum"`` (sum over each sequence's tokens, mean over sequences).
+
+    Returns:
+        A scalar tensor.
+
+    >>> loss = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]]); m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    >>> [round(agg_loss(loss, m, mode).item(), 4) for mode in LOSS_AGG_MODES]
+    [1.75, 2.5, 3.5]
+    """
+    if loss_mat.shape != mask.shape or loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} must be equal (B, T) shapes")
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    seq_sum = (loss_mat * mask).sum(dim=-1)  # (B,)
+    seq_len = mask.sum(dim=-1)  # (B,)
+    if mode == "seq-mean-token-mean":
+        has_tokens = seq_len > 0
+        return masked_mean(seq_sum / seq_len.clamp_min(1.0), has_tokens)
+    if mode == "seq-mean-token-sum":
+        return seq_sum.mean()
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+class PolicyLossOutput(NamedTuple):
+    """What a policy loss returns; unpacks like a tuple."""
+
+    loss: Tensor  # () the loss to backpropagate
+    clip_fraction: Tensor  # () share of tokens where the ratio clip is active
+    approx_kl: Tensor  # () k3 estimate of KL(pi_old || pi) over the masked tokens
+    dual_clip_fraction: Tensor  # () share of tokens where the dual clip (A < 0) is active
+
+
+PolicyLossFn = Callable[..., PolicyLossOutput]
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under ``name``; refuses duplicate names."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered ({_POLICY_LOSSES[name].__qualname__})")
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered under ``name``; ``KeyError`` lists the registered names."""
+    if name not in _POLICY_LOSSES:
+        raise KeyError(f"unknown policy loss {name!r}; registered: {sorted(_POLICY_LOSSES)}")
+    return _POLICY_LOSSES[name]
+
+
+def list_policy_losses() -> list[str]:
+    return sorted(_POLICY_LOSSES)
+
+
+@register_policy_loss("ppo")
+def ppo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> PolicyLossOutput:
+    """PPO clipped surrogate (Schulman et al. 2017) with the dual clip of Ye et al. (2020).
+
+    With ``ratio = pi / pi_old``, the per-token loss is
+    ``max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``; for ``A < 0`` it is further
+    capped at ``-A * c``, so a token whose ratio exploded cannot dominate the batch.
+
+    Args:
+        log_prob: ``(B, T)`` log-probs under the policy being trained (carries gradient).
+        old_log_prob: ``(B, T)`` log-probs under the policy that sampled the tokens.
+        advantages: ``(B, T)`` advantage per token.
+        response_mask: ``(B, T)`` 1 on response tokens.
+        clip_ratio_low: lower clip ``eps_low``.
+        clip_ratio_high: upper clip ``eps_high`` (DAPO's clip-higher); ``None`` uses ``eps_low``.
+        clip_ratio_c: dual-clip bound ``c > 1``; ``None`` disables the dual clip.
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        A :class:`PolicyLossOutput`.
+
+    >>> out = ppo_policy_loss(torch.log(torch.tensor([[1.5]])), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    >>> out.loss, out.clip_fraction  # ratio 1.5 clipped to 1.2 for A = 1
+    (tensor(-1.2000), tensor(1.))
+    """
+    clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (the dual clip bounds ratios above 1)")
+    log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (B, T)
+    ratio = log_ratio.exp()  # (B, T) pi / pi_old
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    clip_fraction = masked_mean((clipped > unclipped).float(), response_mask)
+    dual_clip_fraction = torch.zeros_like(clip_fraction)
+    if clip_ratio_c is not None:
+        dual_bound = -advantages * clip_ratio_c
+        dual_active = (advantages < 0) & (loss_mat > dual_bound)
+        loss_mat = torch.where(dual_active, dual_bound, loss_mat)
+        dual_clip_fraction = masked_mean(dual_active.float(), response_mask)
+    approx_kl = masked_mean((ratio - 1.0) - log_ratio, response_mask).detach()  # k3 of KL(pi_old || pi)
+    return PolicyLossOutput(
+        agg_loss(loss_mat, response_mask, loss_agg_mode), clip_fraction.detach(), approx_kl, dual_clip_fraction
+    )
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean"
+) -> PolicyLossOutput:
+    """Unclipped importance-weighted policy gradient ``-A * pi / pi_old``.
+
+    On-policy (one update per batch, ``log_prob == old_log_prob`` numerically) its gradient is
+    REINFORCE's ``-A * grad log pi``; ReMax and RLOO are usually trained this way.
+
+    Args:
+        log_prob: ``(B, T)`` log-probs under the policy being trained.
+        old_log_prob: ``(B, T)`` log-probs under the sampling policy.
+        advantages: ``(B, T)`` advantage per token.
+        response_mask: ``(B, T)`` 1 on response tokens.
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        A :class:`PolicyLossOutput` (both clip fractions 0).
+
+    >>> vanilla_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)).loss
+    tensor(-2.)
+    """
+    log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    loss = agg_loss(-advantages * ratio, response_mask, loss_agg_mode)
+    approx_kl = masked_mean((ratio - 1.0) - log_ratio, response_mask).detach()
+    zero = loss.new_zeros(())
+    return PolicyLossOutput(loss, zero, approx_kl, zero)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_range_value: float | None = 0.2,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old ± eps) - R)^2)``.
+
+    Args:
+        values: ``(B, T)`` critic predictions being trained.
+        old_values: ``(B, T)`` predictions at rollout time.
+        returns: ``(B, T)`` regression targets.
+        response_mask: ``(B, T)`` 1 on response tokens.
+        clip_range_value: ``eps``; ``None`` gives the plain squared error.
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        ``(loss, clip_fraction)``: scalars; ``clip_fraction`` is the share of tokens where the
+        clipped branch is the larger one.
+
+    >>> value_loss(torch.tensor([[2.0]]), torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1))
+    (tensor(2.), tensor(0.))
+    """
+    errors = (values - returns).square()  # (B, T)
+    if clip_range_value is None:
+        return 0.5 * agg_loss(errors, response_mask, loss_agg_mode), values.new_zeros(())
+    clipped_values = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
+    clipped_errors = (clipped_values - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(errors, clipped_errors), response_mask, loss_agg_mode)
+    clip_fraction = masked_mean((clipped_errors > errors).float(), response_mask).detach()
+    return loss, clip_fraction
+
+
+def entropy_bonus(logits: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
+    """Mean policy entropy over the response tokens, to be *subtracted* from the loss as
+    ``loss - entropy_coef * entropy_bonus(...)``.
+
+    Args:
+        logits: ``(B, T, V)`` policy logits at the response positions.
+        response_mask: ``(B, T)`` 1 on response tokens.
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        A scalar tensor, in nats.
+
+    >>> entropy_bonus(torch.zeros(1, 1, 2), torch.ones(1, 1))  # uniform over 2 tokens
+    tensor(0.6931)
+    """
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
+
+
+class DPOLossOutput(NamedTuple):
+    losses: Tensor  # (B,) loss of each preference pair; .mean() to backpropagate
+    chosen_rewards: Tensor  # (B,) implicit reward beta * (log pi - log pi_ref) of the chosen
+    rejected_rewards: Tensor  # (B,) the same for the rejected response
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> DPOLossOutput:
+    """Direct preference optimisation (Rafailov et al. 2023) and IPO (Azar et al. 2023).
+
+    With ``h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l))``:
+    ``sigmoid``: ``-log sigmoid(beta * h)`` (with label smoothing ``e``:
+    ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``);
+    ``ipo``: ``(h - 1 / (2 * beta))^2``.
+
+    Args:
+        policy_chosen_logps: ``(B,)`` summed log-prob of each chosen response under the policy.
+        policy_rejected_logps: ``(B,)`` the same for the rejected responses.
+        ref_chosen_logps: ``(B,)`` chosen responses under the reference model.
+        ref_rejected_logps: ``(B,)`` rejected responses under the reference model.
+        beta: inverse temperature (DPO) or regularisation strength (IPO).
+        loss_type: ``"sigmoid"`` or ``"ipo"``.
+        label_smoothing: assumed label-noise rate for ``sigmoid`` (cDPO), in ``[0, 0.5)``.
+
+    Returns:
+        A :class:`DPOLossOutput`.
+
+    >>> z = torch.zeros(1)
+    >>> dpo_loss(z, z, z, z).losses  # no preference yet: log 2
+    tensor([0.6931])
+    """
+    logits = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # (B,)
+    if loss_type == "sigmoid":
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 0.5)")
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+    elif loss_type == "ipo":
+        losses = (logits - 1.0 / (2.0 * beta)).square()
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; expected 'sigmoid' or 'ipo'")
+    chosen_rewards = (beta * (policy_chosen_logps - ref_chosen_logps)).detach()
+    rejected_rewards = (beta * (policy_rejected_logps - ref_rejected_logps)).detach()
+    return DPOLossOutput(losses, chosen_rewards, rejected_rewards)
+
+
+def sft_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
+    """Cross-entropy of ``labels`` under ``logits`` over the tokens of ``loss_mask``.
+
+    ``logits[:, t]`` scores ``labels[:, t]``: for next-token prediction over ``input_ids``
+    call ``sft_loss(logits[:, :-1], input_ids[:, 1:], loss_mask[:, 1:])``.
+
+    Args:
+        logits: ``(B, T, V)`` model outputs.
+        labels: ``(B, T)`` target token ids.
+        loss_mask: ``(B, T)`` 1 on target tokens (e.g. the answer, not the prompt or padding).
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        A scalar tensor, in nats per token for ``token-mean``.
+
+    >>> sft_loss(torch.zeros(1, 2, 4), torch.tensor([[1, 3]]), torch.tensor([[0, 1]]))  # uniform: log 4
+    tensor(1.3863)
+    """
+    return agg_loss(-logprobs_from_logits(logits, labels), loss_mask, loss_agg_mode)
+
+
+def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | None = None) -> Tensor:
+    """Pairwise reward-model loss ``-log sigmoid(r_chosen - r_rejected - margin)``, averaged.
+
+    Args:
+        chosen_rewards: ``(B,)`` scalar reward of each preferred response.
+        rejected_rewards: ``(B,)`` scalar reward of each dispreferred response.
+        margin: optional ``(B,)`` required gap (Llama 2's margin loss).
+
+    Returns:
+        A scalar tensor.
+
+    >>> bradley_terry_loss(torch.tensor([1.0]), torch.tensor([1.0]))
+    tensor(0.6931)
+    """
+    if chosen_rewards.shape != rejected_rewards.shape:
+        raise ValueError(f"chosen {tuple(chosen_rewards.shape)} and rejected {tuple(rejected_rewards.shape)} differ")
+    gap = chosen_rewards - rejected_rewards
+    if margin is not None:
+        gap = gap - margin
+    return -F.logsigmoid(gap).mean()

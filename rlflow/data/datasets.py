@@ -1,0 +1,328 @@
+"""JSONL datasets (prompts, prompt + answer, paired preferences) and their collates.
+
+Every dataset reads and tokenises its whole file when built, so a bad line or an
+over-long example fails at start-up with ``<file>:<line>`` in the message, not hours into
+a run. Over-long examples raise unless truncation is configured; truncation is counted
+(``num_truncated``) and reported with a warning, never silent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "DatasetFormatError",
+    "PreferenceDataset",
+    "PromptDataset",
+    "SFTDataset",
+    "collate_preferences",
+    "collate_prompts",
+    "collate_sft",
+    "pad_sequences",
+    "read_jsonl",
+]
+
+
+class DatasetFormatError(ValueError):
+    """A dataset line is malformed or too long; the message starts with ``file:line``."""
+
+
+def read_jsonl(path: str | os.PathLike, fields: Mapping[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
+    """Read a JSONL file of objects, checking that each has ``fields`` with the given types.
+
+    Blank lines are skipped; other fields are kept as they are.
+
+    Args:
+        path: the file.
+        fields: required field name → accepted type(s).
+
+    Returns:
+        One dict per non-blank line, each with ``"_line"`` (its 1-based line number) added.
+
+    Raises:
+        DatasetFormatError: invalid JSON, not an object, missing field or wrong type; the
+            message names the file and line.
+    """
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            _check_record(record, fields, where)
+            records.append({**record, "_line": line_no})
+    return records
+
+
+def _check_record(record: Any, fields: Mapping[str, type | tuple[type, ...]], where: str) -> None:
+    if not isinstance(record, dict):
+        raise DatasetFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for name, kind in fields.items():
+        if name not in record:
+            raise DatasetFormatError(f"{where}: missing field {name!r} (has {sorted(record)})")
+        if not isinstance(record[name], kind):
+            raise DatasetFormatError(
+                f"{where}: field {name!r} should be {_type_name(kind)}, got {type(record[name]).__name__}"
+            )
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
+class _JsonlDataset:
+    """Shared plumbing: load records, tokenise them, count truncations, index items."""
+
+    fields: dict[str, type | tuple[type, ...]] = {}
+    truncation_modes: tuple[str, ...] = ("error",)
+
+    def __init__(
+        self,
+        source: str | os.PathLike | Sequence[Mapping[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        truncation: str,
+    ) -> None:
+        if truncation not in self.truncation_modes:
+            raise ValueError(f"truncation={truncation!r}; {type(self).__name__} accepts {self.truncation_modes}")
+        self.tokenizer, self.truncation, self.num_truncated = tokenizer, truncation, 0
+        self.source = str(source) if isinstance(source, (str, os.PathLike)) else "<records>"
+        if isinstance(source, (str, os.PathLike)):
+            records = read_jsonl(source, self.fields)
+        else:
+            records = []
+            for i, record in enumerate(source):
+                _check_record(record, self.fields, f"{self.source}:{i + 1}")
+                records.append({**record, "_line": i + 1})
+        self.items = [self._build_item(i, r) for i, r in enumerate(records)]
+        if self.num_truncated:
+            warnings.warn(
+                f"{self.source}: truncated {self.num_truncated} of {len(self.items)} examples ({truncation})",
+                stacklevel=2,
+            )
+
+    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _where(self, record: Mapping[str, Any]) -> str:
+        return f"{self.source}:{record['_line']}"
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+
+class PromptDataset(_JsonlDataset):
+    """Prompts for rollouts: lines ``{"prompt": str, ...}``; other fields (``ground_truth``,
+    ``answer``, ...) travel with the item for the reward.
+
+    Args:
+        source: a JSONL path, or records (dicts) already in memory.
+        tokenizer: encodes the prompt with its special tokens (BOS).
+        max_prompt_length: longest prompt in tokens.
+        truncation: ``"error"``, ``"left"`` (drop the beginning after BOS, keep the end next
+            to the answer) or ``"right"``.
+
+    Items: ``{"index": int, "input_ids": list[int], "prompt": str, **other fields}``.
+    """
+
+    fields = {"prompt": str}
+    truncation_modes = ("error", "left", "right")
+
+    def __init__(self, source, tokenizer, max_prompt_length: int, truncation: str = "error") -> None:
+        self.max_prompt_length = max_prompt_length
+        super().__init__(source, tokenizer, truncation)
+
+    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+        ids = self._encode(record["prompt"], add_special_tokens=True)
+        if len(ids) > self.max_prompt_length:
+            if self.truncation == "error":
+                raise DatasetFormatError(
+                    f"{self._where(record)}: prompt has {len(ids)} tokens > max_prompt_length={self.max_prompt_length}"
+                )
+            self.num_truncated += 1
+            if self.truncation == "right":
+                ids = ids[: self.max_prompt_length]
+            else:  # keep a leading BOS: models are trained to see it first
+                bos = self.tokenizer.bos_token_id
+                keep_bos = bos is not None and ids[0] == bos and self.max_prompt_length > 1
+                tail = ids[len(ids) - self.max_prompt_length + keep_bos :]
+                ids = [bos, *tail] if keep_bos else tail
+        reserved = {"index", "input_ids"} & set(record)
+        if reserved:
+            raise DatasetFormatError(f"{self._where(record)}: field(s) {sorted(reserved)} are reserved for rlflow")
+        extra = {k: v for k, v in record.items() if k not in ("prompt", "_line")}
+        return {"index": index, "input_ids": ids, "prompt": record["prompt"], **extra}
+
+    def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return collate_prompts(items, self.tokenizer.pad_token_id)
+
+
+class SFTDataset(_JsonlDataset):
+    """Supervised pairs: lines ``{"prompt": str, "answer": str}``; the loss covers the answer
+    and the EOS token, not the prompt.
+
+    Args:
+        source: a JSONL path, or records in memory.
+        tokenizer: encodes ``prompt`` with special tokens and ``answer`` without; EOS follows.
+        max_length: longest prompt + answer + EOS in tokens.
+        truncation: ``"error"`` or ``"right"`` (cut the end of the answer); a prompt that
+            leaves no answer token raises either way.
+
+    Items: ``{"index", "input_ids": list[int], "loss_mask": list[int]}``.
+    """
+
+    fields = {"prompt": str, "answer": str}
+    truncation_modes = ("error", "right")
+
+    def __init__(self, source, tokenizer, max_length: int, truncation: str = "error") -> None:
+        self.max_length = max_length
+        super().__init__(source, tokenizer, truncation)
+
+    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+        ids, mask = _prompt_and_response(self, record, record["answer"], self.max_length, "answer")
+        return {"index": index, "input_ids": ids, "loss_mask": mask}
+
+    def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return collate_sft(items, self.tokenizer.pad_token_id)
+
+
+class PreferenceDataset(_JsonlDataset):
+    """Paired preferences: lines ``{"prompt": str, "chosen": str, "rejected": str}``.
+
+    Args: as :class:`SFTDataset`; ``max_length`` bounds each of prompt + chosen and
+    prompt + rejected.
+
+    Items: ``{"index", "chosen_input_ids", "chosen_loss_mask", "rejected_input_ids",
+    "rejected_loss_mask"}``.
+    """
+
+    fields = {"prompt": str, "chosen": str, "rejected": str}
+    truncation_modes = ("error", "right")
+
+    def __init__(self, source, tokenizer, max_length: int, truncation: str = "error") -> None:
+        self.max_length = max_length
+        super().__init__(source, tokenizer, truncation)
+
+    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+        item: dict[str, Any] = {"index": index}
+        for side in ("chosen", "rejected"):
+            ids, mask = _prompt_and_response(self, record, record[side], self.max_length, side)
+            item[f"{side}_input_ids"], item[f"{side}_loss_mask"] = ids, mask
+        return item
+
+    def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return collate_preferences(items, self.tokenizer.pad_token_id)
+
+
+def _prompt_and_response(
+    dataset: _JsonlDataset, record: Mapping[str, Any], response: str, max_length: int, field: str
+) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + response + EOS, and the loss mask (1 on response and EOS)."""
+    prompt_ids = dataset._encode(record["prompt"], add_special_tokens=True)
+    eos = dataset.tokenizer.eos_token_id
+    response_ids = dataset._encode(response, add_special_tokens=False) + ([] if eos is None else [eos])
+    ids = prompt_ids + response_ids
+    if len(ids) > max_length:
+        where = f"{dataset._where(record)}: prompt + {field} has {len(ids)} tokens > max_length={max_length}"
+        if dataset.truncation == "error":
+            raise DatasetFormatError(where)
+        if len(prompt_ids) >= max_length:
+            raise DatasetFormatError(f"{where}, and the prompt alone ({len(prompt_ids)}) leaves no {field} token")
+        dataset.num_truncated += 1
+        ids = ids[:max_length]
+    return ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
+
+
+def pad_sequences(sequences: Sequence[Sequence[int]], pad_value: int, side: str, length: int | None = None):
+    """Stack variable-length lists into a ``(B, T)`` long tensor padded on ``side``.
+
+    >>> pad_sequences([[1, 2], [3]], pad_value=0, side="left")
+    tensor([[1, 2],
+            [0, 3]])
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side={side!r}; expected 'left' or 'right'")
+    width = max((len(s) for s in sequences), default=0) if length is None else length
+    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq) > width:
+            raise ValueError(f"sequence {row} has {len(seq)} tokens > length={width}")
+        if len(seq):
+            values = torch.as_tensor(list(seq), dtype=torch.long)
+            if side == "left":
+                out[row, width - len(values) :] = values
+            else:
+                out[row, : len(values)] = values
+    return out
+
+
+def _non_tensor_fields(items: Sequence[Mapping[str, Any]], tensor_keys: set[str]) -> dict[str, list[Any]]:
+    keys = list(dict.fromkeys(k for item in items for k in item if k not in tensor_keys))
+    return {k: [item.get(k) for item in items] for k in keys}
+
+
+def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Left-pad prompts for generation (the last prompt token of every row is at ``T - 1``).
+
+    Returns:
+        ``input_ids`` ``(B, T)``, ``attention_mask`` ``(B, T)``, ``position_ids`` ``(B, T)``
+        (0 at each row's first real token), and every other item field as a list of ``B``.
+    """
+    ids = [item["input_ids"] for item in items]
+    attention = pad_sequences([[1] * len(s) for s in ids], 0, "left")
+    return {
+        "input_ids": pad_sequences(ids, pad_token_id, "left"),  # (B, T)
+        "attention_mask": attention,  # (B, T) 1 on real tokens
+        "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),  # (B, T)
+        **_non_tensor_fields(items, {"input_ids"}),
+    }
+
+
+def collate_sft(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Right-pad prompt + answer sequences for training.
+
+    Returns:
+        ``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on answer tokens and EOS),
+        each ``(B, T)``, and ``index`` as a list.
+    """
+    ids = [item["input_ids"] for item in items]
+    return {
+        "input_ids": pad_sequences(ids, pad_token_id, "right"),  # (B, T)
+        "attention_mask": pad_sequences([[1] * len(s) for s in ids], 0, "right"),  # (B, T)
+        "loss_mask": pad_sequences([item["loss_mask"] for item in items], 0, "right"),  # (B, T)
+        **_non_tensor_fields(items, {"input_ids", "loss_mask"}),
+    }
+
+
+def collate_preferences(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Right-pad chosen and rejected sequences to one common length ``T`` so that a DPO step
+    can concatenate them along the batch dim.
+
+    Returns:
+        ``{chosen,rejected}_{input_ids,attention_mask,loss_mask}``, each ``(B, T)``.
+    """
+    length = max(len(item[f"{side}_input_ids"]) for item in items for side in ("chosen", "rejected"))
+    batch: dict[str, Any] = {}
+    for side in ("chosen", "rejected"):
+        ids = [item[f"{side}_input_ids"] for item in items]
+        batch[f"{side}_input_ids"] = pad_sequences(ids, pad_token_id, "right", length)
+        batch[f"{side}_attention_mask"] = pad_sequences([[1] * len(s) for s in ids], 0, "right", length)
+        batch[f"{side}_loss_mask"] = pad_sequences([item[f"{side}_loss_mask"] for item in items], 0, "right", length)
+    tensor_keys = {f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "loss_mask")}
+    return {**batch, **_non_tensor_fields(items, tensor_keys)}
