@@ -1,0 +1,127 @@
+"""Advantages and returns of an RL train step, computed from the rows of the whole batch.
+
+The actor and the critic both call :class:`AdvantageEstimator` on the rows of their train
+step. Rows are first gathered over the call's dp group, so batch-wide statistics (GAE's and
+REINFORCE++'s whitening, group baselines, the KL controller's signal) are those of the whole
+global batch — the single-process result, whatever the dp split — and each rank keeps its
+own rows of the result. Actor and critic see the same batch and so compute the same returns.
+
+Inputs (dataflow keys, see ``rlflow.dataflow.algorithms``):
+
+==================  =========  ===============================================================
+``rewards``         (N,)       outcome score of each response
+``response_mask``   (N, T)     1 on response tokens
+``old_logp``        (N, T)     rollout log-probs (for the KL penalty / signal)
+``ref_logp``        (N, T)     reference log-probs (optional)
+``values``          (N, T)     critic values (GAE)
+``greedy_rewards``  (N,)       ReMax baseline: score of the greedy response to the same prompt
+``uid``             (N,)       non-tensor group id (prompt) of each row (GRPO / RLOO)
+==================  =========  ===============================================================
+
+The math lives in ``rlflow.algos`` (:func:`~rlflow.algos.compute_advantages`,
+:func:`~rlflow.algos.apply_kl_penalty`); this module only assembles its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from rlflow.protocol import DataProto
+from rlflow.workers.context import CallContext, gather_dp, last_token_scatter
+from rlflow.workers.setup import AlgoSetup
+
+__all__ = ["AdvantageEstimator", "group_ids"]
+
+_INPUTS = ("rewards", "response_mask", "old_logp", "ref_logp", "values", "greedy_rewards")
+
+
+def group_ids(data: DataProto, n_samples: int, dp_rank: int) -> np.ndarray:
+    """``(N,)`` group id of every row: its ``uid`` column, else blocks of ``n_samples`` consecutive rows.
+
+    The fallback ids carry the dp rank, so they stay unique once the dp parts are gathered
+    (the driver splits batches at group boundaries).
+    """
+    if "uid" in data.non_tensor_keys:
+        return np.asarray([str(u) for u in data.non_tensor_batch["uid"]], dtype=object)
+    rows = np.arange(len(data))
+    return np.asarray([f"dp{dp_rank}:{i // n_samples}" for i in rows], dtype=object)
+
+
+class AdvantageEstimator:
+    """Token rewards → advantages and returns for the algorithm's estimator, with the KL controller.
+
+    Args:
+        algo: the algorithm settings (estimator, gamma, lam, KL options).
+    """
+
+    def __init__(self, algo: AlgoSetup) -> None:
+        if algo.adv_estimator is None:
+            raise ValueError(f"algorithm {algo.name!r} has no advantage estimator (adv_estimator=None)")
+        self.algo = algo
+        kind = "fixed" if algo.kl_target is None else "adaptive"
+        self.kl_controller = build_kl_controller(kind, algo.kl_coef, algo.kl_target, algo.kl_horizon)
+
+    def __call__(self, data: DataProto, ctx: CallContext) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Advantages and returns of this rank's rows.
+
+        Args:
+            data: this rank's rows with the keys of the module docstring.
+            ctx: the call; its dp group gathers the rows.
+
+        Returns:
+            ``(advantages, returns, metrics)``: ``(n, T)`` float32 each (``n`` local rows),
+            and metrics of the global batch (``score_mean``, ``kl``, ``kl_coef``, ``advantage_mean``,
+            ``return_mean``), identical on every rank.
+        """
+        missing = [k for k in ("rewards", "response_mask") if k not in data.batch_keys]
+        if missing:
+            raise KeyError(f"advantages need {missing}; the train step's rows hold {sorted(data.keys)}")
+        local: dict[str, Any] = {k: data.batch[k] for k in _INPUTS if k in data.batch_keys}
+        local["uid"] = group_ids(data, self.algo.n_samples, ctx.coords[1])
+        batch, rows = gather_dp(local, ctx)
+        mask = batch["response_mask"].float()
+        token_rewards = last_token_scatter(batch["rewards"], mask)
+        kl_coef = self.kl_controller.value
+        metrics = {"score_mean": float(batch["rewards"].float().mean()), "kl_coef": kl_coef}
+        if "ref_logp" in batch and "old_logp" in batch:
+            penalised, mean_kl = apply_kl_penalty(
+                token_rewards, batch["old_logp"], batch["ref_logp"], mask, kl_coef, self.algo.kl_estimator
+            )
+            if self.algo.kl_in_reward:
+                token_rewards = penalised
+            metrics["kl"] = float(mean_kl)
+            self.kl_controller.update(float(mean_kl), n_steps=int(mask.shape[0]))
+        advantages, returns = self._estimate(batch, token_rewards, mask)
+        metrics["advantage_mean"] = float(masked_mean(advantages, mask))
+        metrics["return_mean"] = float(masked_mean(returns, mask))
+        return advantages[rows].float(), returns[rows].float(), metrics
+
+    def _estimate(self, batch: Mapping[str, Any], token_rewards: torch.Tensor, mask: torch.Tensor):
+        inputs: dict[str, Any] = {
+            "token_level_rewards": token_rewards,
+            "response_mask": mask,
+            "index": batch["uid"],
+            "gamma": self.algo.gamma,
+            "lam": self.algo.lam,
+            "norm_by_std": self.algo.norm_adv_by_std,
+        }
+        if "values" in batch:
+            inputs["values"] = batch["values"].float() * mask
+        if "greedy_rewards" in batch:
+            inputs["baseline_rewards"] = batch["greedy_rewards"].float()
+        try:
+            return compute_advantages(self.algo.adv_estimator, **inputs)
+        except TypeError as err:
+            given = sorted(k for k in inputs if k not in ("gamma", "lam", "norm_by_std"))
+            raise TypeError(f"advantage estimator {self.algo.adv_estimator!r} cannot run on {given}: {err}") from err
+
+    def state_dict(self) -> dict[str, float]:
+        return {"kl_coef": float(self.kl_controller.value)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.kl_controller.value = float(state["kl_coef"])

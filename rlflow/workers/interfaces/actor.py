@@ -1,0 +1,212 @@
+"""The actor: rollouts, log-probs, and the policy's train step (PPO family, SFT or DPO).
+
+Rollout rows follow ``rlflow.dataflow.algorithms``: every tensor is ``(N, P+R)`` aligned —
+``input_ids`` and ``attention_mask`` (left-padded prompt then right-padded response),
+``response_mask`` (1 on generated tokens) and ``old_logp`` (log-prob of each generated token
+at the sampling temperature, 0 on prompt and padding). Rows are interleaved by prompt:
+row ``i*n + j`` is sample ``j`` of prompt ``i``, so the ``n`` samples of a prompt are
+consecutive (the GRPO group), and every non-tensor column of the prompts (``answers``...)
+is repeated with its samples, plus a ``uid`` naming the prompt.
+
+The train step's objective follows the call's inputs (:func:`objective_of`): with ``rewards``
+the policy loss after computing advantages (PPO family); with ``loss_mask`` and ``ref_logp``
+the DPO/IPO loss over (chosen, rejected) pairs; with ``loss_mask`` alone cross-entropy (SFT,
+also the SFT warm-up before RL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rlflow.dataflow.mfc import MFCDef
+from rlflow.engine.packing import position_ids_from_mask
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.protocol import DataProto
+from rlflow.workers.advantage import AdvantageEstimator
+from rlflow.workers.context import CallContext, tensors_of
+from rlflow.workers.interfaces.base import ModelInterface, log_probs, token_mask_key, train_epochs
+from rlflow.workers.losses import dpo_loss_fn, policy_loss_fn, sft_loss_fn
+from rlflow.workers.setup import ModelSetup, WorkerSetup
+
+if TYPE_CHECKING:
+    from rlflow.engine.rollout.base import RolloutEngine
+    from rlflow.engine.train_engine import TrainEngine
+
+__all__ = ["ActorInterface", "objective_of", "pair_columns", "rollout_rows"]
+
+# Seeds of successive rollouts are spread by a large prime so that streams do not overlap.
+_SEED_STRIDE = 1_000_003
+
+
+def rollout_rows(sampled: DataProto, prompt_width: int) -> DataProto:
+    """The rollout engine's output as dataflow rows, all tensors ``(N, P+R)``.
+
+    Args:
+        sampled: :meth:`~rlflow.engine.rollout.base.RolloutEngine.generate` output
+            (``response_mask`` and ``old_logp`` are ``(N, R)``).
+        prompt_width: ``P``.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``response_mask``, ``old_logp`` plus the non-tensor columns.
+    """
+    response_mask, old_logp = sampled.batch["response_mask"], sampled.batch["old_logp"]
+    zeros = torch.zeros(response_mask.shape[0], prompt_width, dtype=response_mask.dtype)
+    tensors = {
+        "input_ids": sampled.batch["input_ids"],
+        "attention_mask": sampled.batch["attention_mask"],
+        "response_mask": torch.cat([zeros, response_mask], dim=1),
+        "old_logp": torch.cat([zeros.float(), old_logp.float()], dim=1),
+    }
+    return DataProto.from_dict(tensors, dict(sampled.non_tensor_batch))
+
+
+def pair_columns(num_rows: int) -> dict[str, torch.Tensor]:
+    """``pair_index`` and ``chosen`` of rows laid out as pairs (row ``2i`` chosen, ``2i+1`` rejected).
+
+    Raises:
+        ValueError: an odd number of rows (the dp split cut a pair).
+    """
+    if num_rows % 2:
+        raise ValueError(f"paired rows must come in (chosen, rejected) pairs; this rank got {num_rows} rows")
+    rows = torch.arange(num_rows)
+    return {"pair_index": rows // 2, "chosen": (rows % 2 == 0).long()}
+
+
+def objective_of(mfc: MFCDef) -> str:
+    """``"rl"`` when the call reads ``rewards``, ``"dpo"`` when it reads ``ref_logp`` and ``loss_mask``,
+    ``"sft"`` when it reads ``loss_mask`` — the dataflow keys of each algorithm's actor train step.
+
+    >>> objective_of(MFCDef("warmup", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask")))
+    'sft'
+
+    Raises:
+        ValueError: none of these keys is an input.
+    """
+    keys = set(mfc.interface_inputs().values())
+    if "rewards" in keys:
+        return "rl"
+    if "loss_mask" in keys:
+        return "dpo" if "ref_logp" in keys else "sft"
+    raise ValueError(f"actor train_step {mfc.name!r} reads {sorted(keys)}: no 'rewards' (RL) nor 'loss_mask' (SFT/DPO)")
+
+
+class ActorInterface(ModelInterface):
+    """The policy; see the module docstring."""
+
+    role = "actor"
+
+    def __init__(self, model: ModelSetup, setup: WorkerSetup) -> None:
+        super().__init__(model, setup)
+        self.num_rollouts = 0
+        self.advantages = AdvantageEstimator(self.algo) if self.algo.adv_estimator is not None else None
+
+    @classmethod
+    def check_mfc(cls, mfc: MFCDef) -> None:
+        super().check_mfc(mfc)
+        if mfc.is_train:
+            objective_of(mfc)
+
+    # ------------------------------------------------------------------ generate
+    def sampling_params(self, *, greedy: bool, evaluate: bool) -> tuple[SamplingParams, int]:
+        """Parameters of the next rollout and how often to repeat each result row.
+
+        * default: the training sampling parameters (``n`` samples per prompt);
+        * ``evaluate``: the held-out evaluation parameters (greedy if asked);
+        * ``greedy`` alone: one greedy response per prompt, repeated ``n`` times so its rows
+          align with the sampled rollout's (ReMax's baseline).
+
+        Every rollout gets its own seed (base seed + a stride per rollout).
+        """
+        base = self.setup.eval_sampling if evaluate else self.setup.sampling
+        seed = (base.seed if base.seed is not None else self.setup.seed) + _SEED_STRIDE * self.num_rollouts
+        params = replace(base, seed=seed % 2**62, greedy=base.greedy or greedy)
+        if greedy and not evaluate:
+            return replace(params, n=1), self.setup.sampling.n
+        return params, 1
+
+    def generate(
+        self, engine: RolloutEngine, data: DataProto, ctx: CallContext, *, greedy: bool = False, evaluate: bool = False
+    ) -> DataProto:
+        """Sample responses to ``prompts`` / ``prompt_mask`` ``(B, P)``; see the module docstring."""
+        tensors = tensors_of(data, ("prompts", "prompt_mask"))
+        params, repeat = self.sampling_params(greedy=greedy, evaluate=evaluate)
+        columns = dict(data.non_tensor_batch)
+        if not greedy and not evaluate and "uid" not in columns:
+            dp_rank = ctx.coords[1]
+            columns["uid"] = np.asarray([f"{self.num_rollouts}:{dp_rank}:{i}" for i in range(len(data))], dtype=object)
+        prompts = DataProto.from_dict(
+            {"input_ids": tensors["prompts"], "attention_mask": tensors["prompt_mask"].long()}, columns
+        )
+        self.num_rollouts += 1
+        sampled = engine.generate(prompts, params)
+        if repeat > 1:
+            sampled = sampled.repeat(repeat, interleave=True)
+        out = rollout_rows(sampled, tensors["prompts"].shape[1])
+        out.meta_info["response_length"] = float(out.batch["response_mask"].sum(dim=1).float().mean())
+        return out
+
+    # ------------------------------------------------------------------ inference
+    def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
+        """``logp`` ``(N, T)`` under the current policy at the sampling temperature."""
+        return log_probs(engine, data, self.temperature)
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
+        """The objective follows the call's inputs (see :func:`objective_of`)."""
+        objectives = {"rl": self._train_rl, "dpo": self._train_dpo, "sft": self._train_sft}
+        return objectives[objective_of(ctx.mfc)](engine, data, ctx)
+
+    def _train_rl(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
+        if self.advantages is None:
+            raise ValueError(
+                f"MFC {ctx.mfc.name!r} reads rewards but algorithm {self.algo.name!r} has no adv_estimator"
+            )
+        advantages, _, metrics = self.advantages(data, ctx)
+        batch = tensors_of(data, ("input_ids", "attention_mask", "response_mask", "old_logp"))
+        batch["advantages"] = advantages
+        if not self.algo.kl_in_reward and metrics["kl_coef"] > 0:
+            batch["ref_logp"] = tensors_of(data, ("ref_logp",))["ref_logp"]
+        step = train_epochs(
+            engine,
+            batch,
+            policy_loss_fn(self.algo, metrics["kl_coef"]),
+            epochs=self.algo.ppo_epochs,
+            num_mini_batches=self.num_mini_batches(ctx),
+            loss_mask_key=token_mask_key(self.algo.loss_agg_mode, "response_mask"),
+            temperature=self.temperature,
+        )
+        return {**metrics, **step}
+
+    def _train_sft(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
+        batch = tensors_of(data, ("input_ids", "attention_mask", "loss_mask"))
+        # A sequence's first token has no prediction: keep it out of the loss and the token count.
+        batch["loss_mask"] = batch["loss_mask"] * (position_ids_from_mask(batch["attention_mask"]) > 0)
+        return train_epochs(
+            engine,
+            batch,
+            sft_loss_fn(self.algo.loss_agg_mode),
+            epochs=1,
+            num_mini_batches=self.num_mini_batches(ctx),
+            loss_mask_key=token_mask_key(self.algo.loss_agg_mode, "loss_mask"),
+        )
+
+    def _train_dpo(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
+        batch = tensors_of(data, ("input_ids", "attention_mask", "loss_mask", "ref_logp"))
+        batch.update(pair_columns(len(data)))
+        return train_epochs(engine, batch, dpo_loss_fn(self.algo), epochs=1, num_mini_batches=1, loss_mask_key=None)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"num_rollouts": self.num_rollouts}
+        if self.advantages is not None:
+            state["advantages"] = self.advantages.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_rollouts = int(state["num_rollouts"])
+        if self.advantages is not None:
+            self.advantages.load_state_dict(state["advantages"])

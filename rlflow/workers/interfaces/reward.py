@@ -1,0 +1,81 @@
+"""Rewards: a reward model (scalar head) or a rule scored against reference answers.
+
+* :class:`RewardModelInterface` — ``rewards`` ``(N,)`` is the model's value at each row's
+  last real token; its train step (algorithm ``rm``) is the Bradley–Terry loss over
+  (chosen, rejected) pairs, rows ``2i`` and ``2i+1``.
+* :class:`RuleRewardInterface` — decodes each row's prompt (real tokens outside the
+  response) and response (``response_mask``) with the run's tokenizer and scores them with
+  the registered rule (``rlflow.workers.rewards``) against the ``answers`` column. It holds
+  no weights and runs on CPU.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlflow.data.tokenizer import load_tokenizer
+from rlflow.protocol import DataProto
+from rlflow.workers.context import CallContext, tensors_of
+from rlflow.workers.interfaces.actor import pair_columns
+from rlflow.workers.interfaces.base import ModelInterface, train_epochs
+from rlflow.workers.losses import reward_model_loss_fn
+from rlflow.workers.rewards import compute_rule_rewards
+
+if TYPE_CHECKING:
+    from rlflow.engine.train_engine import TrainEngine
+
+__all__ = ["RewardModelInterface", "RuleRewardInterface", "decode_rollout"]
+
+
+def _with_score_mean(rewards: torch.Tensor) -> DataProto:
+    out = DataProto.from_dict({"rewards": rewards.float()})
+    out.meta_info["score_mean"] = float(rewards.float().mean()) if len(rewards) else 0.0
+    return out
+
+
+class RewardModelInterface(ModelInterface):
+    """A scalar-head reward model; see the module docstring."""
+
+    role = "reward"
+
+    def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
+        out = engine.forward(tensors_of(data, ("input_ids", "attention_mask")))
+        return None if out is None else _with_score_mean(out["rewards"])
+
+    def train_step(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
+        batch = tensors_of(data, ("input_ids", "attention_mask"))
+        batch.update(pair_columns(len(data)))
+        return train_epochs(engine, batch, reward_model_loss_fn(), epochs=1, num_mini_batches=1, loss_mask_key=None)
+
+
+def decode_rollout(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor):
+    """``(prompts, responses)``: the text of every row's prompt and response tokens (special tokens dropped)."""
+    real, response = attention_mask.bool(), response_mask.bool()
+    prompts = [
+        tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(input_ids, real & ~response)
+    ]
+    responses = [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(input_ids, response)]
+    return prompts, responses
+
+
+class RuleRewardInterface(ModelInterface):
+    """A rule-based reward; see the module docstring."""
+
+    role = "reward"
+
+    @cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.setup.tokenizer_path)
+
+    def inference(self, engine: None, data: DataProto, ctx: CallContext) -> DataProto:
+        tensors = tensors_of(data, ("input_ids", "attention_mask", "response_mask"))
+        if "answers" not in data.non_tensor_keys:
+            raise KeyError(
+                f"rule-based reward {self.model.reward_fn!r} needs an 'answers' column; rows hold {data.keys}"
+            )
+        prompts, responses = decode_rollout(self.tokenizer, **tensors)
+        answers = data.non_tensor_batch["answers"].tolist()
+        return _with_score_mean(compute_rule_rewards(self.model.reward_fn, prompts, responses, answers))

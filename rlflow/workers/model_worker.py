@@ -1,0 +1,323 @@
+"""The colocated model worker: one Ray actor per device hosting every model the plan puts there.
+
+The driver builds one :class:`ModelWorker` per device of the resource pool (all with the same
+:class:`~rlflow.workers.setup.WorkerSetup`) and drives it in this order::
+
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup))
+    group.init_process_group()                      # all ranks: the pool's default group
+    group.build()                                   # all ranks: process groups, engines
+    for each iteration, for each MFC in topological order (non-blocking):
+        hooks = group.view(setup.hook_ranks(name))  # skip when empty
+        hooks.async_execute_all("pre_call", name)
+        call = group.view(layout.ranks, layout.strategy, row_group_size=...)  # GRPO/RLOO: n_samples; DPO/RM: 2
+        out = call.<generate|inference|train_step>(name, *inputs)   # MESH_PROTO, returns a DataFuture
+        hooks.async_execute_all("post_call", name)
+
+Each actor runs its calls in issue order, so the hooks of a call see the weights after every
+train step issued before it. ``generate`` / ``inference`` / ``train_step`` take the MFC's
+input rows (several producers' rows arrive row-aligned and are unioned), apply the MFC's
+``input_key_remap``, run the role interface on this rank's rows, and return the MFC's output
+keys (``output_key_remap`` applied) from the tp-rank-0 ranks of the last pipeline stage —
+other ranks return ``None``, which MESH_PROTO does not collect. A ``train_step`` returns a
+row-less ``DataProto`` whose ``meta_info`` holds its metrics.
+
+Every output's ``meta_info`` holds ``mfc``, ``time_s`` (slowest dp rank), ``tokens`` (real
+tokens of the call's rows), ``rows``, ``peak_memory_bytes`` (CUDA peak of the call, or the
+process's peak RSS on CPU) and the interface's metrics reduced over the dp ranks, identical in
+every part so that the parts concatenate. Every rank also keeps one timing record per call
+and hook it ran, which :meth:`ModelWorker.pop_metrics` hands to the driver (timelines).
+
+Checkpoints: ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on all ranks (ONE_TO_ALL) at a
+quiet point (no call in flight); ``save_pretrained(model, dir)`` exports HF weights.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlflow.controller import Dispatch, Worker, register
+from rlflow.dataflow.mfc import MFCDef
+from rlflow.protocol import DataProto
+from rlflow.workers.context import CallContext
+from rlflow.workers.interfaces import build_interface, check_calls
+from rlflow.workers.residency import Residency
+from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
+from rlflow.workers.setup import WorkerSetup
+
+__all__ = ["ModelWorker"]
+
+
+class ModelWorker(Worker):
+    """Hosts the plan's models on one device and serves their MFCs (module docstring).
+
+    Args:
+        setup: identical on every worker of the pool.
+    """
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        if not isinstance(setup, WorkerSetup):
+            raise TypeError(f"ModelWorker needs a WorkerSetup, got {type(setup).__name__}")
+        check_calls(setup)
+        self.setup = setup
+        self.interfaces = {name: build_interface(model, setup) for name, model in setup.models.items()}
+        self.residency: Residency | None = None
+        self._records: list[dict] = []
+        self._seq: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def build(self) -> dict:
+        """Create the plan's process groups and this rank's engines; all ranks, after ``init_process_group``.
+
+        Returns:
+            ``{"rank", "models": [names with weights here], "memory_bytes"}``.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ModelWorker.build needs torch.distributed: call init_process_group() on the group first"
+            )
+        torch.manual_seed(self.setup.seed)
+        self.residency = Residency(self.setup, self.rank, self.device)
+        self.residency.build(self.info.node_rank)
+        return {
+            "rank": self.rank,
+            "models": self.residency.held_models(),
+            "memory_bytes": self.residency.memory_bytes(),
+        }
+
+    def _residency(self) -> Residency:
+        if self.residency is None:
+            raise RuntimeError("ModelWorker.build() has not run on this worker")
+        return self.residency
+
+    def _mfc(self, name: str, kind: str | None = None) -> MFCDef:
+        if name not in self.setup.mfcs:
+            raise KeyError(f"unknown MFC {name!r}; the setup has {sorted(self.setup.mfcs)}")
+        mfc = self.setup.mfcs[name]
+        if kind is not None and mfc.interface_type != kind:
+            raise ValueError(f"MFC {name!r} is a {mfc.interface_type} call, not {kind}")
+        return mfc
+
+    # ------------------------------------------------------------------ hooks
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pre_call(self, mfc_name: str) -> None:
+        """Reallocation pre-hook of ``mfc_name`` (ranks outside ``setup.hook_ranks`` return at once)."""
+        self._hook("pre_call", self._mfc(mfc_name), self._residency().prepare)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def post_call(self, mfc_name: str) -> None:
+        """Reallocation post-hook: post-hooks, then free the call's copy unless ``keep_copies``."""
+        self._hook("post_call", self._mfc(mfc_name), self._residency().release)
+
+    def _hook(self, hook: str, mfc: MFCDef, run) -> None:
+        if self.rank not in self.setup.hook_ranks(mfc.name):
+            return
+        stats = self._residency().manager.stats
+        before, start = dict(stats), time.time()
+        run(mfc)
+        moved = {
+            f"realloc_{k}": stats[k] - before[k]
+            for k in ("reshards", "reshard_seconds", "sent_bytes", "received_bytes")
+        }
+        # Timeline kinds (rlflow.planner.timeline): weights moved between layouts, or a home reloaded/offloaded.
+        kind = "reload" if self.setup.uses_home(mfc.name) and not mfc.hook_sources else "realloc"
+        self._record(kind, hook, mfc.name, start, moved)
+
+    def _record(self, kind: str, what: str, mfc_name: str, start: float, metrics: Mapping[str, Any]) -> None:
+        """Keep a timing record for :meth:`pop_metrics`; ``seq`` counts this rank's ``what`` records of the MFC."""
+        self._seq[(what, mfc_name)] = seq = self._seq.get((what, mfc_name), 0) + 1
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "mfc"}
+        record = {"mfc": mfc_name, "seq": seq, "rank": self.rank, "kind": kind, "hook": what, "start": start}
+        self._records.append({**record, "end": time.time(), **numbers})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pop_metrics(self) -> list[dict]:
+        """This rank's records since the last pop, one per call or hook it ran, and forget them.
+
+        Each record: ``mfc``; ``seq`` (the n-th call — or n-th pre/post hook — of that MFC on this
+        rank, which is the n-th issued); ``rank``; ``kind`` as the timeline names it (``"call"``,
+        ``"realloc"`` for a hook that moves weights between layouts, ``"reload"`` for one that
+        reloads or offloads a home); ``hook`` (``"call"``, ``"pre_call"``, ``"post_call"``);
+        ``start`` / ``end`` (wall-clock seconds); and the numbers of the call's ``meta_info``
+        (hooks: ``realloc_reshards``, ``realloc_reshard_seconds``, ``realloc_sent_bytes``,
+        ``realloc_received_bytes``).
+        """
+        records, self._records = self._records, []
+        return records
+
+    # ------------------------------------------------------------------ calls
+    @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
+    def generate(
+        self, mfc_name: str, prompts: DataProto, greedy: bool = False, evaluate: bool = False
+    ) -> DataProto | None:
+        """Rollout rows for ``prompts`` (see :mod:`rlflow.workers.interfaces.actor`).
+
+        Args:
+            mfc_name: a ``generate`` MFC.
+            prompts: ``prompts`` / ``prompt_mask`` ``(B, P)`` and non-tensor columns.
+            greedy: greedy decoding; without ``evaluate`` one greedy response per prompt,
+                repeated ``sampling.n`` times (ReMax's baseline rows).
+            evaluate: use the evaluation sampling parameters (held-out prompts).
+        """
+        mfc = self._mfc(mfc_name, "generate")
+
+        def run(interface, engine, data, ctx):
+            return interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
+
+        return self._call(mfc, (prompts,), run)
+
+    @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
+    def inference(self, mfc_name: str, *inputs: DataProto) -> DataProto | None:
+        """Log-probs, values or rewards of the rows (by the model's role)."""
+        mfc = self._mfc(mfc_name, "inference")
+        return self._call(mfc, inputs, lambda interface, engine, data, ctx: interface.inference(engine, data, ctx))
+
+    @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
+    def train_step(self, mfc_name: str, *inputs: DataProto, lr: float | None = None) -> DataProto | None:
+        """Optimizer steps of the model on the rows; returns a row-less DataProto of metrics.
+
+        Args:
+            lr: run these steps with a separate constant-``lr`` AdamW (the SFT warm-up before
+                RL), leaving the model's own optimizer fresh; see :meth:`Residency.optimizer_for`.
+        """
+        mfc = self._mfc(mfc_name, "train_step")
+        residency = self._residency()
+
+        def run(interface, engine, data, ctx):
+            with residency.optimizer_for(mfc.model_name, mfc.name, lr):
+                metrics = interface.train_step(engine, data, ctx)
+            residency.step_done(mfc.model_name)
+            return DataProto(meta_info=metrics)
+
+        return self._call(mfc, inputs, run)
+
+    def _call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run) -> DataProto | None:
+        layout = self.setup.layouts[mfc.name]
+        coords = layout.local_coords(self.rank)
+        if coords is None:
+            raise RuntimeError(f"rank {self.rank} is not in the layout {layout.ranks} of MFC {mfc.name!r}")
+        residency = self._residency()
+        ctx = CallContext(mfc, residency.call_groups(layout))
+        data = interface_rows(mfc, inputs)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        wall_start, start = time.time(), time.perf_counter()
+        out = run(self.interfaces[mfc.model_name], residency.engine_for(mfc), data, ctx)
+        local = {k: float(v) for k, v in (out.meta_info if out is not None else {}).items()}
+        local["time_s"] = time.perf_counter() - start
+        local["peak_memory_bytes"] = peak_memory_bytes(self.device)
+        local["tokens"] = num_tokens(out if mfc.interface_type == "generate" else data)
+        rows = len(out) if mfc.interface_type == "generate" else len(data)
+        metrics = {"mfc": mfc.name, **reduce_metrics(local, rows, ctx)}
+        self._record("call", "call", mfc.name, wall_start, {**metrics, "time_s": local["time_s"]})
+        if coords[2] != 0 or coords[0] != layout.strategy.pp - 1:
+            return None
+        if mfc.is_train:
+            return DataProto(meta_info=metrics)
+        result = dataflow_rows(mfc, out, passthrough=mfc.interface_type == "generate")
+        result.meta_info.update(metrics)
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _stateful_models(self) -> list[str]:
+        """Models whose weights change during a run: trainable ones and targets of weight hooks (EMA)."""
+        targets = {m.model_name for m in self.setup.mfcs.values() if m.hook_sources}
+        return [name for name, model in self.setup.models.items() if model.trainable or name in targets]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's state into ``path`` (the driver makes the directory's save atomic).
+
+        Trainable models: engine shards (weights, optimizer, scheduler; one file per home rank)
+        under ``<model>/engine`` and an HF export under ``<model>/hf`` (written by the home
+        mesh's rank 0). Targets of weight hooks (EMA reference): an HF export. Every rank:
+        ``worker_rank<r>.pt`` with its RNG states and interface state (rollout counter, KL
+        coefficient). Collective over each model's home ranks.
+        """
+        residency = self._residency()
+        for name in self._stateful_models():
+            with residency.home_loaded(name) as engine:
+                if engine is None:
+                    continue
+                if self.setup.models[name].trainable:
+                    engine.save_checkpoint(os.path.join(path, name, "engine"))
+                engine.save_pretrained(os.path.join(path, name, "hf"))
+        state = {
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": _numpy_rng_state(),
+            "interfaces": {name: iface.state_dict() for name, iface in self.interfaces.items()},
+        }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        os.makedirs(path, exist_ok=True)
+        torch.save(state, os.path.join(path, f"worker_rank{self.rank:05d}.pt"))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore :meth:`save_checkpoint` written under the same setup; copies re-synchronise on their next call."""
+        residency = self._residency()
+        for name in self._stateful_models():
+            with residency.home_loaded(name) as engine:
+                if engine is None:
+                    continue
+                if self.setup.models[name].trainable:
+                    engine.load_checkpoint(os.path.join(path, name, "engine"))
+                else:
+                    engine.load_state_dict_full(_read_hf_weights(os.path.join(path, name, "hf")))
+                residency.step_done(name)  # a new version: copies made before the restore are stale
+        state = torch.load(os.path.join(path, f"worker_rank{self.rank:05d}.pt"), weights_only=True)
+        torch.set_rng_state(state["torch_rng"])
+        _set_numpy_rng_state(state["numpy_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        for name, iface_state in state["interfaces"].items():
+            self.interfaces[name].load_state_dict(iface_state)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_pretrained(self, model_name: str, path: str) -> None:
+        """Export ``model_name`` as an HF checkpoint at ``path``; collective over its home ranks (rank 0 writes)."""
+        residency = self._residency()
+        if model_name not in residency.models or residency.models[model_name].home is None:
+            raise KeyError(
+                f"model {model_name!r} has no weights to export; models with weights: "
+                f"{sorted(n for n, h in residency.models.items() if h.home is not None)}"
+            )
+        with residency.home_loaded(model_name) as engine:
+            if engine is not None:
+                engine.save_pretrained(path)
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    """numpy's global RNG state as tensors and numbers (loadable with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
+
+
+def _set_numpy_rng_state(state: Mapping[str, Any]) -> None:
+    keys = state["keys"].numpy().astype(np.uint32)
+    np.random.set_state((state["name"], keys, state["pos"], state["has_gauss"], state["gauss"]))
+
+
+def _read_hf_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(os.path.join(path, f)))
+    return weights

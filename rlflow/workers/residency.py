@@ -1,0 +1,324 @@
+"""Where each model's weights live in one worker process: engines, copies, and the reallocation manager.
+
+This is the worker side of "Placement and reallocation" (``docs/architecture.md``). Moving
+weights is :class:`~rlflow.parallel.realloc.ReallocManager`'s job (versions, staleness,
+reshards, offload, EMA); this module builds the engines around the modules it manages:
+
+* every model with weights is registered with its **home** layout (:meth:`WorkerSetup.home_layout`):
+  a :class:`~rlflow.engine.train_engine.TrainEngine` (with optimizer for a trainable model)
+  whose pipeline stage is the home module. A frozen model used on several layouts is
+  registered ``offload_home`` and rests in host memory between calls;
+* a call off home runs on a **copy** the manager builds with this module's factory: a
+  ``TrainEngine`` stage for a forward (FSDP layout), or a tensor-parallel HF model for a
+  rollout (replicated over dp), wrapped in an :class:`~rlflow.engine.rollout.HFRolloutEngine`;
+* ``ParamReallocHook(source, eta)`` runs :meth:`ReallocManager.ema_update` on the target.
+
+:meth:`Residency.prepare` / :meth:`Residency.release` are the MFC pre/post hooks; a rank not in
+``WorkerSetup.hook_ranks(mfc)`` returns at once, and every rank in it takes part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from rlflow.dataflow.mfc import MFCDef
+from rlflow.engine.models import build_value_model, init_value_model_from_lm, load_causal_lm
+from rlflow.engine.optim import build_lr_scheduler, build_optimizer
+from rlflow.engine.rollout.hf_sampler import HFRolloutEngine
+from rlflow.engine.train_engine import EngineConfig, TrainEngine
+from rlflow.parallel.groups import CallGroups, build_call_groups
+from rlflow.parallel.layout import Layout, build_layout
+from rlflow.parallel.realloc import ReallocManager
+from rlflow.parallel.tensor_parallel import apply_tp
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
+
+__all__ = ["HostedModel", "Residency"]
+
+# Master weights, copies and the reshard wire format are fp32 (the engines' compute dtype is separate).
+PARAM_DTYPE = torch.float32
+# keep_copies keeps every copy: the manager's keep budget is then unbounded.
+_KEEP_ALL_BYTES = 2**62
+
+
+@dataclass
+class HostedModel:
+    """This process's share of one model.
+
+    Attributes:
+        setup: the model's setup.
+        config: its HF config (``None`` for a rule-based reward).
+        head: ``"lm"`` or ``"value"``.
+        home: its home call layout (``None`` for a rule-based reward).
+        engine: the home engine, on home ranks.
+    """
+
+    setup: ModelSetup
+    config: PretrainedConfig | None = None
+    head: str = "lm"
+    home: CallLayout | None = None
+    engine: TrainEngine | None = None
+
+
+def load_hf_model(model: ModelSetup) -> torch.nn.Module:
+    """The model's initial weights from its local directory (fp32, on the CPU).
+
+    A value model whose directory holds a causal LM gets a zero-initialised head.
+    """
+    if not model.value_head:
+        return load_causal_lm(model.path, dtype=PARAM_DTYPE)
+    config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+    if any(arch.endswith("ForCausalLM") for arch in (config.architectures or [])):
+        return init_value_model_from_lm(model.path, dtype=PARAM_DTYPE)
+    return build_value_model(model.path, dtype=PARAM_DTYPE)
+
+
+def _empty_hf_model(config: PretrainedConfig, head: str) -> torch.nn.Module:
+    """A model of ``config`` whose weights are about to be overwritten (skips the random init when possible)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: pay for the random init
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():
+        if head == "value":
+            return build_value_model(config, dtype=PARAM_DTYPE)
+        return AutoModelForCausalLM.from_config(config, dtype=PARAM_DTYPE).eval()
+
+
+def _reshard_fsdp(module: torch.nn.Module) -> None:
+    """Free FSDP2's gathered parameters (the root keeps them after a forward) before offloading."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+class Residency:
+    """The models of one worker process and their engines; see the module docstring.
+
+    Args:
+        setup: the worker setup.
+        rank: this worker's global rank.
+        device: ``cuda:0`` on a GPU worker, else ``cpu``.
+    """
+
+    def __init__(self, setup: WorkerSetup, rank: int, device: torch.device) -> None:
+        self.setup, self.rank, self.device = setup, rank, device
+        self.models: dict[str, HostedModel] = {}
+        self.manager: ReallocManager | None = None
+        self._groups: dict[CallLayout, CallGroups | None] = {}
+        self._layouts: dict[tuple[str, CallLayout, bool], Layout] = {}
+        self._copies: dict[tuple[str, Layout], Any] = {}  # engines around the manager's copies
+        self._side_optimizers: dict[str, tuple] = {}  # model -> ((mfc, lr), optimizer, scheduler, config)
+
+    # ------------------------------------------------------------------ building (collective, all pool ranks)
+    def build(self, node_rank: int) -> None:
+        """Create every process group of the plan, then this rank's engines; all pool ranks call it."""
+        hosts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, node_rank)
+        keep = _KEEP_ALL_BYTES if self.setup.keep_copies else 0
+        self.manager = ReallocManager(self.rank, host_of=dict(enumerate(hosts)), keep_bytes=keep, device=self.device)
+        for layout in dict.fromkeys(self.setup.layouts.values()):  # the same order on every rank
+            self._groups[layout] = build_call_groups(layout.ranks, layout.strategy, self.device.type)
+        for model in self.setup.models.values():
+            self.models[model.name] = self._register(model)
+
+    def _register(self, model: ModelSetup) -> HostedModel:
+        if model.rule_based:
+            return HostedModel(model)
+        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+        if model.value_head:  # as the value-model loaders build it: one label, no dropout
+            config.num_labels, config.classifier_dropout = 1, 0.0
+        hosted = HostedModel(model, config, "value" if model.value_head else "lm", self.setup.home_layout(model.name))
+        if self.rank in hosted.home.ranks:
+            mesh = self.call_groups(hosted.home).mesh
+            hosted.engine = TrainEngine(load_hf_model(model), mesh, self._engine_config(model, hosted.home))
+        self.manager.register(
+            model.name,
+            self.layout(hosted, hosted.home, fsdp=True),
+            hosted.engine.stage if hosted.engine is not None else None,
+            lambda layout: self._build_copy(hosted, layout),
+            dtype=PARAM_DTYPE,
+            trainable=model.trainable,
+            offload_home=self.setup.offloads_home(model.name),
+        )
+        return hosted
+
+    def _engine_config(self, model: ModelSetup, layout: CallLayout) -> EngineConfig:
+        """Engine settings: micro-batches of the model's first MFC on ``layout``; optimizer at a trainable home."""
+        mfcs = [m for m in self.setup.model_mfcs(model.name) if self.setup.layouts[m.name] == layout]
+        mfc = next((m for m in mfcs if m.is_train), mfcs[0])
+        train = model.trainable and mfc.is_train
+        split = (
+            {"max_tokens_per_micro_batch": model.max_tokens_per_micro_batch}
+            if model.max_tokens_per_micro_batch is not None
+            else {"num_micro_batches": mfc.n_mbs}
+        )
+        return EngineConfig(
+            optim=model.optim if train else None,
+            gradient_checkpointing=model.gradient_checkpointing and train,
+            device=self.device.type,
+            **split,
+        )
+
+    def _build_copy(self, hosted: HostedModel, layout: Layout) -> torch.nn.Module:
+        """The manager's factory: this rank's empty module of ``layout`` (engine kept for the call)."""
+        call = CallLayout(layout.ranks, layout.strategy)
+        groups = self.call_groups(call)
+        model = _empty_hf_model(hosted.config, hosted.head)
+        if layout.fsdp:  # a forward copy: the engine's stage
+            engine = TrainEngine(model, groups.mesh, self._engine_config(hosted.setup, call))
+        else:  # a rollout copy: the whole HF model, tensor-parallel like the rollout engine splits it
+            model = model.to(self.device)
+            if layout.strategy.tp > 1:
+                apply_tp(model, groups.submesh("tp"))
+            engine = HFRolloutEngine(model, groups.mesh, pad_token_id=hosted.config.pad_token_id)
+        self._copies[(hosted.setup.name, layout)] = engine
+        return engine.stage if layout.fsdp else engine.module
+
+    # ------------------------------------------------------------------ lookup
+    def call_groups(self, layout: CallLayout) -> CallGroups | None:
+        """This rank's groups of ``layout`` (``None`` when the rank is not in it)."""
+        return self._groups[layout]
+
+    def layout(self, hosted: HostedModel, call: CallLayout, fsdp: bool) -> Layout:
+        """The parameter layout of ``hosted`` on ``call`` (cached)."""
+        key = (hosted.setup.name, call, fsdp)
+        if key not in self._layouts:
+            self._layouts[key] = build_layout(hosted.config, call.strategy, call.ranks, fsdp=fsdp, head=hosted.head)
+        return self._layouts[key]
+
+    def _call_layout(self, mfc: MFCDef) -> Layout:
+        hosted = self.models[mfc.model_name]
+        return self.layout(hosted, self.setup.layouts[mfc.name], fsdp=mfc.interface_type != "generate")
+
+    def engine_for(self, mfc: MFCDef) -> Any:
+        """The engine that runs ``mfc`` on this rank: home engine, copy, or ``None`` (rule-based reward)."""
+        hosted = self.models[mfc.model_name]
+        if hosted.setup.rule_based:
+            return None
+        if self.setup.uses_home(mfc.name):
+            return hosted.engine
+        engine = self._copies.get((mfc.model_name, self._call_layout(mfc)))
+        if engine is None:
+            raise RuntimeError(
+                f"MFC {mfc.name!r}: model {mfc.model_name!r} has no copy on rank {self.rank}; run pre_call first"
+            )
+        return engine
+
+    def step_done(self, model_name: str) -> None:
+        """Record an optimizer step of ``model_name`` (its home ranks, after ``train_step``)."""
+        self.manager.bump_version(model_name)
+
+    # ------------------------------------------------------------------ hooks
+    def prepare(self, mfc: MFCDef) -> None:
+        """Pre-hook: ``mfc.pre_hooks`` (EMA blends), then bring the weights for ``mfc`` current on its layout."""
+        if self.rank not in self.setup.hook_ranks(mfc.name):
+            return
+        self._blend(mfc, mfc.pre_hooks)
+        hosted = self.models[mfc.model_name]
+        layout = self.setup.layouts[mfc.name]
+        if self.rank in set(hosted.home.ranks) | set(layout.ranks):
+            self.manager.pre_call(mfc.model_name, self._call_layout(mfc))
+
+    def release(self, mfc: MFCDef) -> None:
+        """Post-hook: ``mfc.post_hooks``, then free the call's copy (unless kept) or offload the home."""
+        if self.rank not in self.setup.hook_ranks(mfc.name):
+            return
+        self._blend(mfc, mfc.post_hooks)
+        hosted = self.models[mfc.model_name]
+        if self.rank not in self.setup.layouts[mfc.name].ranks:
+            return
+        if self.setup.uses_home(mfc.name) and hosted.engine is not None and self.setup.offloads_home(hosted.setup.name):
+            _reshard_fsdp(hosted.engine.stage)
+        layout = self._call_layout(mfc)
+        self.manager.post_call(mfc.model_name, layout)
+        if not self.setup.keep_copies and self._copies.pop((mfc.model_name, layout), None) is not None:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _blend(self, mfc: MFCDef, hooks) -> None:
+        """``ParamReallocHook``: the target (this call's model) moves toward the source by ``eta``, at home."""
+        target = self.models[mfc.model_name]
+        for hook in hooks:
+            source = self.models[hook.source]
+            if self.rank in set(source.home.ranks) | set(target.home.ranks):
+                self.manager.ema_update(mfc.model_name, hook.source, hook.eta)
+
+    @contextlib.contextmanager
+    def home_loaded(self, model_name: str) -> Iterator[TrainEngine | None]:
+        """The home engine of ``model_name`` on this rank (``None`` off home), reloaded if it rests offloaded.
+
+        Local: loading the home layout needs no collective.
+        """
+        hosted = self.models[model_name]
+        if hosted.engine is None:
+            yield None
+            return
+        layout = self.layout(hosted, hosted.home, fsdp=True)
+        self.manager.pre_call(model_name, layout)
+        try:
+            yield hosted.engine
+        finally:
+            if self.setup.offloads_home(model_name):
+                _reshard_fsdp(hosted.engine.stage)
+            self.manager.post_call(model_name, layout)
+
+    @contextlib.contextmanager
+    def optimizer_for(self, model_name: str, mfc_name: str, lr: float | None) -> Iterator[None]:
+        """Train ``model_name`` with its own optimizer, or with a separate constant-``lr`` AdamW.
+
+        ``lr=None`` is the model's optimizer, and drops any separate one (a warm-up is over).
+        With ``lr``, the steps of ``mfc_name`` use an AdamW of their own (moments kept across its
+        calls, gradient clipping as configured) and leave the model's optimizer and schedule
+        untouched — the SFT warm-up before RL, after which RL starts with a fresh optimizer.
+        """
+        engine = self.models[model_name].engine
+        if lr is None:
+            self._side_optimizers.pop(model_name, None)
+            yield
+            return
+        key = (mfc_name, lr)
+        side = self._side_optimizers.get(model_name)
+        if side is None or side[0] != key:
+            optim = replace(engine.config.optim, lr=lr, warmup_steps=0, total_steps=None)
+            optimizer = build_optimizer(engine.stage.parameters(), optim)
+            side = (key, optimizer, build_lr_scheduler(optimizer, optim), replace(engine.config, optim=optim))
+            self._side_optimizers[model_name] = side
+        own = engine.optimizer, engine.scheduler, engine.config
+        engine.optimizer, engine.scheduler, engine.config = side[1:]
+        try:
+            yield
+        finally:
+            engine.optimizer, engine.scheduler, engine.config = own
+
+    # ------------------------------------------------------------------ reporting
+    def held_models(self) -> list[str]:
+        """Names of the models whose home engine lives on this rank."""
+        return [name for name, hosted in self.models.items() if hosted.engine is not None]
+
+    def memory_bytes(self) -> int:
+        """Bytes of this rank's home parameters and optimizer states (host-offloaded ones included)."""
+        return sum(_engine_bytes(h.engine) for h in self.models.values() if h.engine is not None)
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _engine_bytes(engine: TrainEngine) -> int:
+    total = sum(_local_bytes(p) for p in engine.stage.parameters())
+    if engine.optimizer is not None:
+        for state in engine.optimizer.state.values():
+            total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total

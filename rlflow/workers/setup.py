@@ -1,0 +1,306 @@
+"""What a model worker is told at construction: models, calls, layouts, algorithm and sampling.
+
+The driver builds one :class:`WorkerSetup` from its config and plan and hands the same object
+to every worker of the pool. These are plain frozen dataclasses, validated on construction,
+so that a worker never imports ``rlflow.trainer`` and a bad plan fails on the driver, before
+any process starts.
+
+Placement rules the worker follows (see :mod:`rlflow.workers.model_worker`):
+
+* the **home layout** of a trainable model is the layout of its ``train_step`` MFCs (all on
+  one layout); the training engine and its optimizer state live there for the whole run;
+* a frozen model's home is the layout of its first MFC; when all its calls share that layout
+  it stays resident there, otherwise it rests offloaded to host memory between calls;
+* a call on another layout than home — and every ``generate`` call, whose rollout engine
+  needs a plain HF model — runs on a copy resharded from home (:meth:`WorkerSetup.hook_ranks`
+  says which ranks take part).
+
+>>> from rlflow.planner.mesh import ParallelStrategy
+>>> CallLayout((0, 1), ParallelStrategy(dp=2)).local_coords(1)
+(0, 1, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rlflow.algos.advantages import list_adv_estimators
+from rlflow.algos.kl import KL_ESTIMATORS
+from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
+from rlflow.dataflow.mfc import MFCDef
+from rlflow.engine.optim import OptimConfig
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.planner.mesh import ParallelStrategy
+
+__all__ = ["MODEL_ROLES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
+
+MODEL_ROLES = ("actor", "critic", "ref", "reward")
+PAIR_ALGORITHMS = ("dpo", "rm")  # rows 2i (chosen) and 2i+1 (rejected) form one example
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Where one MFC runs: global ranks in call-rank order, arranged as ``strategy``.
+
+    Call rank ``r`` is the worker ``ranks[r]``; its coordinates are ``strategy.coords(r)``
+    (``rank = (pp_rank*dp + dp_rank)*tp + tp_rank``, see ``rlflow.planner.mesh``).
+    """
+
+    ranks: tuple[int, ...]
+    strategy: ParallelStrategy
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if len(self.ranks) != self.strategy.world_size:
+            raise ValueError(f"CallLayout: {len(self.ranks)} ranks {self.ranks} do not match {self.strategy}")
+        if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise ValueError(f"CallLayout: ranks {self.ranks} must be distinct non-negative global ranks")
+
+    def local_coords(self, global_rank: int) -> tuple[int, int, int] | None:
+        """``(pp_rank, dp_rank, tp_rank)`` of ``global_rank``, or ``None`` when it is not in the call."""
+        if global_rank not in self.ranks:
+            return None
+        return self.strategy.coords(self.ranks.index(global_rank))
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """One named model.
+
+    Args:
+        name: the model name MFCs refer to (``MFCDef.model_name``).
+        role: ``"actor"``, ``"critic"``, ``"ref"`` or ``"reward"``; selects the interface.
+        path: local HF directory (a causal LM, or a value model when ``value_head``); ``None``
+            only for a rule-based reward.
+        trainable: the model has a ``train_step`` MFC and an optimizer.
+        optim: optimizer settings of a trainable model.
+        gradient_checkpointing: recompute layer activations in backward.
+        max_tokens_per_micro_batch: token budget of one micro-batch; ``None`` uses the MFC's
+            ``n_mbs`` micro-batches (one when unset).
+        reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry); role ``reward``
+            with ``path=None``.
+        value_head: the model is ``AutoModelForTokenClassification`` with one label (critic,
+            reward model); a causal-LM ``path`` then gets a fresh zero-initialised head.
+    """
+
+    name: str
+    role: str
+    path: str | None
+    trainable: bool = False
+    optim: OptimConfig | None = None
+    gradient_checkpointing: bool = False
+    max_tokens_per_micro_batch: int | None = None
+    reward_fn: str | None = None
+    value_head: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"model {self.name!r}"
+        if self.role not in MODEL_ROLES:
+            raise ValueError(f"{where}: role={self.role!r}, expected one of {MODEL_ROLES}")
+        if self.reward_fn is not None and (self.role != "reward" or self.path is not None):
+            raise ValueError(f"{where}: reward_fn={self.reward_fn!r} needs role 'reward' and path=None")
+        if self.path is None and self.reward_fn is None:
+            raise ValueError(f"{where}: path=None is only allowed for a rule-based reward (give reward_fn)")
+        if self.trainable and (self.optim is None or self.path is None):
+            raise ValueError(f"{where}: a trainable model needs a path and optim settings")
+        if self.role == "critic" and not self.value_head:
+            raise ValueError(f"{where}: a critic needs value_head=True")
+        if self.role in ("actor", "ref") and self.value_head:
+            raise ValueError(f"{where}: role {self.role!r} is a causal LM; value_head must be False")
+        if self.role == "reward" and self.path is not None and not self.value_head:
+            raise ValueError(f"{where}: a reward model needs value_head=True")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"{where}: max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 1")
+
+    @property
+    def rule_based(self) -> bool:
+        return self.reward_fn is not None
+
+
+@dataclass(frozen=True)
+class AlgoSetup:
+    """The algorithm's settings the interfaces need (mirrors the trainer's ``algorithm`` section).
+
+    ``adv_estimator`` is the resolved estimator name (``None`` for dpo, sft and rm);
+    ``policy_loss`` a name of the ``rlflow.algos`` policy-loss registry; ``dual_clip_c`` /
+    ``value_clip`` / ``kl_target`` are ``None`` when off (``kl_target`` set: adaptive KL
+    controller). ``n_minibatches`` applies when the train MFC's own ``n_minibatches`` is unset.
+    ``ema_eta`` is informational: the blend factor the workers apply is the one of the MFC's
+    ``ParamReallocHook`` (``algorithm_mfcs("ppo_ema", ref_ema_eta=...)``).
+    """
+
+    name: str
+    adv_estimator: str | None = None
+    policy_loss: str = "ppo"
+    n_samples: int = 1
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip_c: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    loss_agg_mode: str = "token-mean"
+    norm_adv_by_std: bool = True
+    value_clip: float | None = 0.5
+    vf_coef: float = 0.5
+    n_minibatches: int = 1
+    ppo_epochs: int = 1
+    dpo_beta: float = 0.1
+    dpo_loss: str = "sigmoid"
+    ema_eta: float = 0.01
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                "adv_estimator",
+                self.adv_estimator is None or self.adv_estimator in list_adv_estimators(),
+                list_adv_estimators(),
+            ),
+            ("policy_loss", self.policy_loss in list_policy_losses(), list_policy_losses()),
+            ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, KL_ESTIMATORS),
+            ("loss_agg_mode", self.loss_agg_mode in LOSS_AGG_MODES, LOSS_AGG_MODES),
+            ("dpo_loss", self.dpo_loss in DPO_LOSSES, DPO_LOSSES),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"AlgoSetup.{name}={getattr(self, name)!r}; expected one of {list(allowed)}")
+        for name in ("n_samples", "n_minibatches", "ppo_epochs", "kl_horizon"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AlgoSetup.{name}={getattr(self, name)} must be >= 1")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"AlgoSetup: kl_coef={self.kl_coef} and entropy_coef={self.entropy_coef} must be >= 0")
+
+    @property
+    def pairs(self) -> bool:
+        """Rows come in (chosen, rejected) pairs: DPO and reward-model training."""
+        return self.name in PAIR_ALGORITHMS
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a :class:`~rlflow.workers.model_worker.ModelWorker` needs; identical on every worker.
+
+    Args:
+        models: model name -> :class:`ModelSetup`.
+        mfcs: MFC name -> :class:`~rlflow.dataflow.MFCDef` (every call the driver will issue).
+        layouts: MFC name -> :class:`CallLayout`.
+        algo: algorithm settings.
+        sampling: rollout sampling parameters (``n`` = samples per prompt).
+        eval_sampling: sampling parameters of held-out evaluation.
+        tokenizer_path: local tokenizer directory (rule-based rewards decode with it).
+        seed: base seed of model initialisation and sampling.
+        keep_copies: keep a trainable model's copies for other layouts between calls
+            (re-synchronised only when the home weights changed) instead of freeing them.
+    """
+
+    models: Mapping[str, ModelSetup]
+    mfcs: Mapping[str, MFCDef]
+    layouts: Mapping[str, CallLayout]
+    algo: AlgoSetup
+    sampling: SamplingParams
+    eval_sampling: SamplingParams
+    tokenizer_path: str
+    seed: int = 0
+    keep_copies: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", dict(self.models))
+        object.__setattr__(self, "mfcs", dict(self.mfcs))
+        object.__setattr__(self, "layouts", dict(self.layouts))
+        for name, model in self.models.items():
+            if model.name != name:
+                raise ValueError(f"models[{name!r}] is named {model.name!r}")
+        for name, mfc in self.mfcs.items():
+            self._check_mfc(name, mfc)
+        for name, model in self.models.items():
+            trains = [m.name for m in self.mfcs.values() if m.model_name == name and m.is_train]
+            if len({self.layouts[t] for t in trains}) > 1:
+                raise ValueError(f"model {name!r} trains on several layouts ({trains}); its train_step MFCs need one")
+            if trains and not model.trainable:
+                raise ValueError(f"model {name!r} is not trainable but MFC {trains[0]!r} trains it")
+            if model.trainable and not trains:
+                raise ValueError(f"model {name!r} is trainable but no train_step MFC gives it a home layout")
+        for name, mfc in self.mfcs.items():
+            self._check_placement(name, mfc)
+
+    def _check_mfc(self, name: str, mfc: MFCDef) -> None:
+        if mfc.name != name:
+            raise ValueError(f"mfcs[{name!r}] is named {mfc.name!r}")
+        if mfc.model_name not in self.models:
+            raise ValueError(f"MFC {name!r} runs on model {mfc.model_name!r}, not in models {sorted(self.models)}")
+        if name not in self.layouts:
+            raise ValueError(f"MFC {name!r} has no layout; layouts cover {sorted(self.layouts)}")
+        for source in mfc.hook_sources:
+            if source not in self.models or not self.models[source].trainable:
+                raise ValueError(f"MFC {name!r}: hook source {source!r} must be a trainable model in models")
+        if mfc.interface_type == "generate" and self.layouts[name].strategy.pp != 1:
+            raise ValueError(f"MFC {name!r}: generation does not support pp={self.layouts[name].strategy.pp}")
+
+    def _check_placement(self, name: str, mfc: MFCDef) -> None:
+        model = self.models[mfc.model_name]
+        if model.rule_based and mfc.interface_type != "inference":
+            raise ValueError(f"MFC {name!r}: the rule-based reward {model.name!r} only serves inference calls")
+        if mfc.hook_sources and (model.trainable or model.rule_based):
+            raise ValueError(f"MFC {name!r}: hooks blend weights into {model.name!r}, which must be a frozen model")
+        if self.algo.pairs and mfc.is_train:
+            if (mfc.n_mbs or 1) > 1 or model.max_tokens_per_micro_batch is not None:
+                raise ValueError(
+                    f"MFC {name!r}: {self.algo.name} pairs must stay in one micro-batch; got n_mbs={mfc.n_mbs}, "
+                    f"max_tokens_per_micro_batch={model.max_tokens_per_micro_batch}"
+                )
+
+    # ------------------------------------------------------------------ placement rules
+    def model_mfcs(self, model_name: str) -> list[MFCDef]:
+        """The MFCs that run on ``model_name``, in declaration order."""
+        return [m for m in self.mfcs.values() if m.model_name == model_name]
+
+    def home_layout(self, model_name: str) -> CallLayout | None:
+        """Where a model's weights live between calls.
+
+        The layout of its ``train_step`` for a trainable model, else the layout of its first
+        MFC; ``None`` for a rule-based reward (no weights).
+        """
+        if self.models[model_name].rule_based:
+            return None
+        mfcs = self.model_mfcs(model_name)
+        train = [m for m in mfcs if m.is_train]
+        return self.layouts[(train or mfcs)[0].name] if mfcs else None
+
+    def offloads_home(self, model_name: str) -> bool:
+        """A frozen model used on several layouts rests in host memory between its calls."""
+        model = self.models[model_name]
+        if model.trainable or model.rule_based:
+            return False
+        return len({self.layouts[m.name] for m in self.model_mfcs(model_name)}) > 1
+
+    def uses_home(self, mfc_name: str) -> bool:
+        """The call runs on the model's home engine (same layout, not a rollout); else on a copy."""
+        mfc = self.mfcs[mfc_name]
+        return mfc.interface_type != "generate" and self.layouts[mfc_name] == self.home_layout(mfc.model_name)
+
+    def hook_ranks(self, mfc_name: str) -> tuple[int, ...]:
+        """Global ranks that must run ``pre_call`` / ``post_call`` of ``mfc_name``; empty when it needs none.
+
+        * a call on a copy (any ``generate``, or a layout other than home): home ∪ call ranks,
+          which take part in the reshard;
+        * a call on the home of a model that rests offloaded: the home ranks (reload, offload);
+        * each ``ParamReallocHook``: the source's and the target's home ranks (the blend runs
+          in the target's home layout).
+        """
+        mfc, layout = self.mfcs[mfc_name], self.layouts[mfc_name]
+        home = self.home_layout(mfc.model_name)
+        ranks: set[int] = set()
+        if home is not None and not self.uses_home(mfc_name):
+            ranks |= set(home.ranks) | set(layout.ranks)
+        elif home is not None and self.offloads_home(mfc.model_name):
+            ranks |= set(home.ranks)
+        for source in mfc.hook_sources:
+            ranks |= set(self.home_layout(source).ranks) | set(home.ranks)
+        return tuple(sorted(ranks))

@@ -1,0 +1,231 @@
+"""A ModelWorker in this process (a one-rank gloo world): PPO with a critic, SFT, DPO, reward-model
+training and checkpoints, each checked against a single-process computation with plain HF models."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from worker_helpers import ANSWERS, PROMPTS, prompt_batch, save_models
+
+from rlflow.algos import bradley_terry_loss, sft_loss
+from rlflow.data.tokenizer import load_tokenizer
+from rlflow.dataflow import MFCDef, algorithm_mfcs
+from rlflow.engine.models import build_value_model, load_causal_lm, sequence_scores
+from rlflow.engine.optim import OptimConfig
+from rlflow.engine.packing import position_ids_from_mask
+from rlflow.engine.rollout import SamplingParams
+from rlflow.parallel.groups import clear_group_cache
+from rlflow.planner.mesh import ParallelStrategy
+from rlflow.protocol import DataProto
+from rlflow.workers.model_worker import ModelWorker
+from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+
+pytestmark = pytest.mark.timeout(300)
+
+ONE = CallLayout((0,), ParallelStrategy())
+LR = 1e-2
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield save_models(str(tmp_path_factory.mktemp("models")))
+    clear_group_cache()
+    dist.destroy_process_group()
+
+
+def make_worker(paths, algo: AlgoSetup, models: dict[str, ModelSetup], **mfc_kwargs) -> ModelWorker:
+    mfcs = {m.name: m for m in algorithm_mfcs(algo.name, **mfc_kwargs)}
+    sampling = SamplingParams(n=algo.n_samples, max_new_tokens=4, seed=0)
+    setup = WorkerSetup(
+        models, mfcs, {n: ONE for n in mfcs}, algo, sampling, SamplingParams(greedy=True), paths["tokenizer"]
+    )
+    worker = ModelWorker(setup)
+    worker.build()
+    return worker
+
+
+def call(worker: ModelWorker, name: str, *inputs: DataProto, **kwargs) -> DataProto:
+    """The driver's protocol around one MFC."""
+    hooks = worker.setup.hook_ranks(name)
+    if hooks:
+        worker.pre_call(name)
+    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs, **kwargs)
+    if hooks:
+        worker.post_call(name)
+    return out
+
+
+def trainable(name: str, role: str, path: str, **kw) -> ModelSetup:
+    return ModelSetup(name, role, path, trainable=True, optim=OptimConfig(lr=LR), **kw)
+
+
+def answer_rows(paths, pairs: bool = False) -> DataProto:
+    """Right-padded prompt + answer rows with ``loss_mask`` on the answer; pairs: (correct, wrong) answers."""
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    texts = []
+    for prompt, answer in zip(PROMPTS, ANSWERS):
+        texts.append((prompt, answer))
+        if pairs:
+            texts.append((prompt, str(int(answer) + 1)))
+    ids, loss = [], []
+    for prompt, answer in texts:
+        p, a = tokenizer(prompt).input_ids, tokenizer(answer + tokenizer.eos_token, add_special_tokens=False).input_ids
+        ids.append(p + a)
+        loss.append([0] * len(p) + [1] * len(a))
+    width = max(len(r) for r in ids)
+    pad = lambda rows: torch.tensor([r + [0] * (width - len(r)) for r in rows])  # noqa: E731
+    mask = pad([[1] * len(r) for r in ids])
+    return DataProto.from_dict({"input_ids": pad(ids), "attention_mask": mask, "loss_mask": pad(loss)})
+
+
+def hf_inputs(rows: DataProto) -> dict[str, torch.Tensor]:
+    mask = rows.batch["attention_mask"]
+    return {"input_ids": rows.batch["input_ids"], "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+
+
+def test_ppo_iteration_with_critic_and_checkpoint_round_trip(paths, tmp_path):
+    algo = AlgoSetup(
+        "ppo_ema", adv_estimator="gae", n_samples=2, kl_coef=0.1, kl_in_reward=True, n_minibatches=2, ppo_epochs=2
+    )
+    models = {
+        "actor": trainable("actor", "actor", paths["actor"]),
+        "critic": trainable("critic", "critic", paths["reward"], value_head=True),
+        "ref": ModelSetup("ref", "ref", paths["actor"]),
+        "reward": ModelSetup("reward", "reward", paths["reward"], value_head=True),
+    }
+    worker = make_worker(paths, algo, models, ref_ema_eta=0.5)
+    gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]))
+    values = call(worker, "critic_inf", gen)
+    mask = gen.batch["attention_mask"]
+    raw = build_value_model(paths["reward"])(**hf_inputs(gen)).logits.squeeze(-1) * mask
+    expected = torch.cat([torch.zeros(len(gen), 1), raw[:, :-1]], dim=1) * mask  # value of the prefix before t
+    torch.testing.assert_close(values.batch["values"], expected, atol=1e-5, rtol=0)
+    inputs = (gen, values, call(worker, "ref_inf", gen), call(worker, "reward_inf", gen))
+    worker.save_checkpoint(str(tmp_path / "ckpt"))
+    weights = {name: worker.residency.models[name].engine.state_dict_full for name in ("critic", "ref")}
+    saved = {name: {k: v.clone() for k, v in full().items()} for name, full in weights.items()}
+    actor_metrics = call(worker, "actor_train", *inputs).meta_info
+    critic_metrics = call(worker, "critic_train", *inputs).meta_info
+    assert actor_metrics["return_mean"] == critic_metrics["return_mean"]  # one advantage computation
+    assert "kl" in actor_metrics and "kl_loss" not in actor_metrics  # the KL is in the reward
+    assert critic_metrics["vf_loss"] > 0 and critic_metrics["grad_norm"] > 0
+    for name in ("actor", "critic"):  # 2 mini-batches x 2 epochs
+        assert worker.residency.models[name].engine.global_step == 4
+    num_rollouts = worker.interfaces["actor"].num_rollouts
+    call(worker, "ref_inf", call(worker, "actor_gen", prompt_batch(paths["tokenizer"])))  # EMA of the trained actor
+    for name, full in weights.items():
+        changed = full()
+        assert any(not torch.equal(changed[k], saved[name][k]) for k in changed), name
+    worker.load_checkpoint(str(tmp_path / "ckpt"))
+    for name, full in weights.items():
+        restored = full()
+        assert all(torch.equal(restored[k], saved[name][k]) for k in restored), name
+    assert worker.interfaces["actor"].num_rollouts == num_rollouts
+    assert worker.residency.models["critic"].engine.global_step == 0
+
+
+def test_sft_train_step_matches_cross_entropy_and_learns(paths):
+    worker = make_worker(paths, AlgoSetup("sft"), {"actor": trainable("actor", "actor", paths["actor"])})
+    rows = answer_rows(paths)
+    logits = load_causal_lm(paths["actor"])(**hf_inputs(rows)).logits
+    mask = rows.batch["loss_mask"] * (position_ids_from_mask(rows.batch["attention_mask"]) > 0)
+    expected = sft_loss(logits[:, :-1], rows.batch["input_ids"][:, 1:], mask[:, 1:])
+    losses = [call(worker, "actor_train", rows).meta_info["sft_loss"] for _ in range(4)]
+    assert losses[0] == pytest.approx(float(expected.detach()), abs=1e-4)
+    assert losses[-1] < losses[0]
+
+
+def test_dpo_starts_at_log2_and_prefers_the_chosen_answers(paths):
+    models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
+    worker = make_worker(paths, AlgoSetup("dpo", dpo_beta=0.5), models)
+    rows = answer_rows(paths, pairs=True)
+    ref = call(worker, "ref_inf", rows)
+    first = call(worker, "actor_train", rows, ref).meta_info
+    assert first["dpo_loss"] == pytest.approx(float(torch.log(torch.tensor(2.0))), abs=1e-5)  # policy == reference
+    for _ in range(3):
+        last = call(worker, "actor_train", rows, ref).meta_info
+    assert last["dpo_loss"] < first["dpo_loss"] and last["reward_margin"] > 0
+
+
+def test_reward_model_training_is_bradley_terry_on_last_token_scores(paths):
+    worker = make_worker(
+        paths, AlgoSetup("rm"), {"reward": trainable("reward", "reward", paths["reward"], value_head=True)}
+    )
+    rows = answer_rows(paths, pairs=True).select(batch_keys=["input_ids", "attention_mask"])
+    values = build_value_model(paths["reward"])(**hf_inputs(rows)).logits.squeeze(-1)
+    scores = sequence_scores(values, rows.batch["attention_mask"])
+    metrics = call(worker, "reward_train", rows).meta_info
+    assert metrics["rm_loss"] == pytest.approx(float(bradley_terry_loss(scores[0::2], scores[1::2]).detach()), abs=1e-5)
+    with pytest.raises(ValueError, match="pairs"):
+        call(worker, "reward_train", rows[:3])
+
+
+def test_kept_copies_are_resharded_only_after_the_home_weights_change(paths):
+    models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
+    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=True)}
+    del mfcs["reward_inf"]
+    algo = AlgoSetup("grpo", adv_estimator="grpo", n_samples=2)
+    setup = WorkerSetup(
+        models,
+        mfcs,
+        {n: ONE for n in mfcs},
+        algo,
+        SamplingParams(n=2, max_new_tokens=4, seed=0),
+        SamplingParams(greedy=True, max_new_tokens=4),
+        paths["tokenizer"],
+        keep_copies=True,
+    )
+    worker = ModelWorker(setup)
+    worker.build()
+    stats = worker.residency.manager.stats
+    batch = prompt_batch(paths["tokenizer"])
+    gen = call(worker, "actor_gen", batch)
+    call(worker, "actor_gen", batch)
+    assert stats["reshards"] == 1  # the kept copy was current
+    rewards = DataProto.from_dict({"rewards": torch.arange(len(gen), dtype=torch.float32)})
+    call(worker, "actor_train", gen, call(worker, "ref_inf", gen), rewards)
+    call(worker, "actor_gen", batch)
+    assert stats["reshards"] == 2  # one optimizer step later the copy was stale
+
+
+def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths):
+    models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
+    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False)}
+    del mfcs["reward_inf"]
+    mfcs["warmup_sft"] = MFCDef("warmup_sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"))
+    setup = WorkerSetup(
+        models,
+        mfcs,
+        {n: ONE for n in mfcs},
+        AlgoSetup("grpo", adv_estimator="grpo", n_samples=2),
+        SamplingParams(n=2, max_new_tokens=4, seed=0),
+        SamplingParams(greedy=True, max_new_tokens=4),
+        paths["tokenizer"],
+    )
+    worker = ModelWorker(setup)
+    worker.build()
+    engine = worker.residency.models["actor"].engine
+    before = {k: v.clone() for k, v in engine.state_dict_full().items()}
+    losses = [worker.train_step("warmup_sft", answer_rows(paths), lr=5e-2).meta_info["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert not engine.optimizer.state and engine.scheduler.last_epoch == 0  # the RL optimizer is still fresh
+    assert any(not torch.equal(v, before[k]) for k, v in engine.state_dict_full().items())
+    gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]))
+    rewards = DataProto.from_dict({"rewards": torch.arange(len(gen), dtype=torch.float32)})
+    call(worker, "actor_train", gen, call(worker, "ref_inf", gen), rewards)
+    assert engine.optimizer.state and not worker.residency._side_optimizers  # warm-up optimizer dropped
+    records = worker.pop_metrics()
+    calls = [(r["mfc"], r["hook"], r["seq"]) for r in records]
+    assert calls[:3] == [("warmup_sft", "call", 1), ("warmup_sft", "call", 2), ("warmup_sft", "call", 3)]
+    assert ("actor_gen", "pre_call", 1) in calls and ("actor_train", "call", 1) in calls
+    gen_hook = next(r for r in records if r["hook"] == "pre_call")
+    assert gen_hook["kind"] == "realloc" and {r["kind"] for r in records} == {"call", "realloc"}
+    assert gen_hook["realloc_reshards"] == 1 and gen_hook["end"] >= gen_hook["start"]
+    assert worker.pop_metrics() == []
