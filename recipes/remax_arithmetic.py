@@ -1,0 +1,11 @@
+"""ReMax: REINFORCE with the greedy rollout's reward as the baseline, on 2-digit addition.
+
+python recipes/remax_arithmetic.py [recipes/other.yaml] [key=value ...]
+"""
+
+from pathlib import Path
+
+from rlflow.trainer import run_recipe
+
+if __name__ == "__main__":
+    run_recipe(Path(__file__).with_suffix(".yaml"))

@@ -1,0 +1,308 @@
+"""Build steps of a run, each a named function: run directory, models, dataflow, worker setup, workers.
+
+``Trainer.__init__`` calls them in order; each can also be used alone (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import networkx as nx
+import ray
+
+from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
+from rlflow.data.tiny_models import build_tiny_model
+from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
+from rlflow.dataflow import MFCDef, algorithm_graph
+from rlflow.engine.models import init_value_model_from_lm, save_model
+from rlflow.engine.optim import OptimConfig
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.trainer.config import ModelConfig, RLFlowConfig
+from rlflow.trainer.runner import CallPlacement
+from rlflow.workers.model_worker import ModelWorker
+from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+
+VALUE_ROLES = ("critic", "reward")
+DEFAULT_ADV_ESTIMATOR = {"ppo": "gae", "ppo_ema": "gae", "grpo": "grpo", "rloo": "rloo", "remax": "remax"}
+GROUP_ESTIMATORS = ("grpo", "rloo")
+
+# Calls the driver issues besides the algorithm's graph: held-out evaluation (greedy rollout,
+# rule-based score) and the SFT warm-up of the actor before RL.
+EVAL_GEN, EVAL_REWARD, WARMUP_SFT = "eval_gen", "eval_reward", "warmup_sft"
+SCORER = "scorer"  # the rule-based reward of held-out evaluation (a model name without weights)
+
+
+def run_dir_of(cfg: RLFlowConfig) -> Path:
+    path = Path(cfg.logging.dir or os.path.join("runs", cfg.experiment_name))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def materialize_tokenizer(cfg: RLFlowConfig, run_dir: Path) -> str:
+    """The tokenizer directory: the configured one, or the built-in character tokenizer saved once."""
+    if cfg.data.tokenizer is not None:
+        load_tokenizer(cfg.data.tokenizer)  # fails early with the path in the message
+        return cfg.data.tokenizer
+    path = run_dir / "tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        build_char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) -> dict[str, str]:
+    """Model name -> local HF directory; tiny models are built from the config and saved once.
+
+    ``init: copy`` models start from another model's directory (a reference copy of the actor,
+    or a critic whose backbone is the actor's).
+    """
+    vocab = len(load_tokenizer(tokenizer_path))
+    paths: dict[str, str] = {}
+    order = sorted(cfg.models, key=lambda n: cfg.models[n].init == "copy")  # sources first
+    for name in order:
+        m = cfg.models[name]
+        if m.init == "path":
+            paths[name] = m.path
+        elif m.init == "tiny":
+            paths[name] = _save_tiny(m, name, run_dir / "models" / name, vocab, cfg.seed)
+        else:
+            source = paths[m.init_from]
+            paths[name] = _copy_model(name, source, run_dir / "models" / name)
+    return paths
+
+
+def _save_tiny(m: ModelConfig, name: str, path: Path, vocab: int, seed: int) -> str:
+    if not (path / "config.json").is_file():
+        model = build_tiny_model(
+            family=m.family,
+            vocab_size=vocab,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size,
+            tie_word_embeddings=m.tie_word_embeddings,
+            seed=seed,
+        )
+        save_model(model, path)
+        if name in VALUE_ROLES:  # a value model gets the tiny backbone and a fresh scalar head
+            save_model(init_value_model_from_lm(path), path)
+    return str(path)
+
+
+def _copy_model(name: str, source: str, path: Path) -> str:
+    if name not in VALUE_ROLES:
+        return source  # a frozen copy reads the same weights; nothing to write
+    if not (path / "config.json").is_file():
+        save_model(init_value_model_from_lm(source), path)
+    return str(path)
+
+
+def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
+    """The algorithm's dataflow graph with the config's mini-batches and reference use."""
+    kw = {}
+    name = cfg.algorithm.name
+    if name not in ("sft", "dpo", "rm"):
+        kw["n_ppo_minibatches"] = cfg.algorithm.n_minibatches
+        kw["rule_based_reward"] = rule_reward
+    if name in ("grpo", "rloo"):
+        kw["use_ref"] = "ref" in cfg.models
+    if name == "ppo_ema":
+        kw["ref_ema_eta"] = cfg.algorithm.ema_eta
+    return algorithm_graph(name, **kw)
+
+
+def extra_calls(
+    cfg: RLFlowConfig, calls: Mapping[str, CallPlacement], reward_fn: str | None
+) -> dict[str, CallPlacement]:
+    """Placements of the evaluation and warm-up calls, on the layouts the plan already uses.
+
+    Evaluation generates where the algorithm generates (or on the actor's home when the graph
+    has no rollout) and scores data-parallel on every worker.
+    """
+    home = next((c for c in calls.values() if c.mfc.model_name == "actor" and c.mfc.is_train), None)
+    gen = next((c for c in calls.values() if c.mfc.interface_type == "generate" and c.mfc.model_name == "actor"), None)
+    if home is None and gen is None:
+        return {}
+    extra: dict[str, CallPlacement] = {}
+    if reward_fn is not None:
+        src = gen or home
+        strategy = src.strategy if src.strategy.pp == 1 else type(src.strategy)(dp=len(src.ranks))
+        eval_gen = MFCDef(EVAL_GEN, "actor", "generate", ("prompts", "prompt_mask"), _GEN_KEYS)
+        hooks = gen.hook_ranks if gen is not None else tuple(sorted(src.ranks))
+        extra[EVAL_GEN] = CallPlacement(eval_gen, src.ranks, strategy, hooks)
+        everyone = _all_ranks(cfg)
+        score = MFCDef(EVAL_REWARD, SCORER, "inference", (*_GEN_KEYS[:3], "answers"), ("rewards",), runs_on_host=True)
+        extra[EVAL_REWARD] = CallPlacement(score, everyone, type(src.strategy)(dp=len(everyone)))
+    if cfg.warmup.steps > 0 and home is not None:
+        sft = MFCDef(WARMUP_SFT, "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), ())
+        extra[WARMUP_SFT] = CallPlacement(sft, home.ranks, home.strategy)
+    return extra
+
+
+_GEN_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp")
+
+
+def _all_ranks(cfg: RLFlowConfig) -> tuple[int, ...]:
+    return tuple(range(cfg.placement.num_nodes * cfg.placement.devices_per_node))
+
+
+def model_setups(
+    cfg: RLFlowConfig, paths: Mapping[str, str], calls: Mapping[str, CallPlacement], reward_fn: str | None
+) -> dict[str, ModelSetup]:
+    """One :class:`ModelSetup` per model the calls use; a rule-based reward has no weights."""
+    trained = {c.mfc.model_name for c in calls.values() if c.mfc.is_train}
+    setups = {}
+    for name in sorted({c.mfc.model_name for c in calls.values()}):
+        if name == SCORER:
+            setups[name] = ModelSetup(name=name, role="reward", path=None, reward_fn=reward_fn)
+            continue
+        if name not in cfg.models:
+            if name != "reward" or reward_fn is None:
+                raise ValueError(f"the dataflow needs model {name!r}; add models.{name} to the config")
+            setups[name] = ModelSetup(name=name, role="reward", path=None, reward_fn=reward_fn)
+            continue
+        m = cfg.models[name]
+        trainable = name in trained if m.trainable is None else m.trainable
+        setups[name] = ModelSetup(
+            name=name,
+            role=name,
+            path=paths[name],
+            trainable=trainable,
+            optim=_optim(cfg, m) if trainable else None,
+            gradient_checkpointing=m.gradient_checkpointing,
+            max_tokens_per_micro_batch=m.micro_batch_tokens,
+            value_head=name in VALUE_ROLES,
+        )
+    return setups
+
+
+def _optim(cfg: RLFlowConfig, m: ModelConfig) -> OptimConfig:
+    steps_per_iteration = cfg.algorithm.n_minibatches * cfg.algorithm.ppo_epochs
+    return OptimConfig(
+        lr=m.lr,
+        weight_decay=m.weight_decay,
+        betas=tuple(m.betas),
+        eps=m.eps,
+        warmup_steps=m.warmup_steps,
+        # A constant schedule has no horizon; a cosine one decays over the whole run.
+        total_steps=max(m.warmup_steps, cfg.trainer.total_steps * steps_per_iteration)
+        if m.lr_schedule == "cosine"
+        else None,
+        min_lr_ratio=m.min_lr_ratio,
+        max_grad_norm=m.grad_clip,
+    )
+
+
+def algo_setup(cfg: RLFlowConfig) -> AlgoSetup:
+    a = cfg.algorithm
+    estimator = a.adv_estimator or DEFAULT_ADV_ESTIMATOR.get(a.name)
+    return AlgoSetup(
+        name=a.name,
+        adv_estimator=estimator,
+        policy_loss=a.policy_loss,
+        n_samples=a.n_samples,
+        gamma=a.gamma,
+        lam=a.lam,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        dual_clip_c=a.dual_clip_c,
+        entropy_coef=a.entropy_coef,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        kl_in_reward=a.kl_in_reward,
+        kl_target=a.kl_target,
+        kl_horizon=a.kl_horizon,
+        loss_agg_mode=a.loss_agg_mode,
+        norm_adv_by_std=a.norm_adv_by_std,
+        value_clip=a.value_clip,
+        vf_coef=a.vf_coef,
+        n_minibatches=a.n_minibatches,
+        ppo_epochs=a.ppo_epochs,
+        dpo_beta=a.dpo_beta,
+        dpo_loss=a.dpo_loss,
+        ema_eta=a.ema_eta,
+    )
+
+
+def sampling_params(cfg: RLFlowConfig) -> tuple[SamplingParams, SamplingParams]:
+    """Rollout and evaluation sampling settings (eval: greedy unless configured otherwise)."""
+    r = cfg.rollout
+    common = {"max_new_tokens": r.max_new_tokens or cfg.data.max_response_len, "seed": cfg.seed}
+    n = cfg.algorithm.n_samples if cfg.algorithm.name not in ("sft", "dpo", "rm") else 1
+    sample = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=n, **common)
+    evaluate = (
+        SamplingParams(greedy=True, **common)
+        if r.eval_greedy
+        else SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=1, **common)
+    )
+    return sample, evaluate
+
+
+def worker_setup(
+    cfg: RLFlowConfig,
+    calls: Mapping[str, CallPlacement],
+    paths: Mapping[str, str],
+    tokenizer_path: str,
+    reward_fn: str | None,
+) -> WorkerSetup:
+    sample, evaluate = sampling_params(cfg)
+    return WorkerSetup(
+        models=model_setups(cfg, paths, calls, reward_fn),
+        mfcs={name: c.mfc for name, c in calls.items()},
+        layouts={name: CallLayout(c.ranks, c.strategy) for name, c in calls.items()},
+        algo=algo_setup(cfg),
+        sampling=sample,
+        eval_sampling=evaluate,
+        tokenizer_path=str(Path(tokenizer_path).resolve()),
+        seed=cfg.seed,
+    )
+
+
+def row_group_size(cfg: RLFlowConfig) -> int:
+    """Rows that must share a dp rank: a prompt's samples for group-relative estimators, a
+    (chosen, rejected) pair for DPO and reward modelling."""
+    if cfg.algorithm.name in ("dpo", "rm"):
+        return 2
+    estimator = cfg.algorithm.adv_estimator or DEFAULT_ADV_ESTIMATOR.get(cfg.algorithm.name)
+    return cfg.algorithm.n_samples if estimator in GROUP_ESTIMATORS or cfg.algorithm.name == "remax" else 1
+
+
+def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> dict[str, CallPlacement]:
+    """The placements with the ranks of each call's pre/post hooks, as the workers define them."""
+    return {name: replace(c, hook_ranks=setup.hook_ranks(name)) for name, c in calls.items()}
+
+
+def ensure_ray(cfg: RLFlowConfig) -> None:
+    """Joins the configured Ray cluster, or starts a local one sized for the workers."""
+    if ray.is_initialized():
+        return
+    p = cfg.placement
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if p.ray_address is not None:
+        ray.init(address=p.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        return
+    workers = p.num_nodes * p.devices_per_node
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, int(workers * p.cpus_per_worker) + 1),
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+    )
+
+
+def uses_gpu(cfg: RLFlowConfig) -> bool:
+    if cfg.placement.use_gpu is not None:
+        return cfg.placement.use_gpu
+    return bool(ray.cluster_resources().get("GPU", 0))
+
+
+def start_workers(cfg: RLFlowConfig, setup: WorkerSetup, use_gpu: bool) -> RayWorkerGroup:
+    """One :class:`ModelWorker` per device of the pool; process groups and models built."""
+    p = cfg.placement
+    pool = ResourcePool([p.devices_per_node] * p.num_nodes, use_gpu=use_gpu, cpus_per_worker=p.cpus_per_worker)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup), role="model")
+    group.init_process_group()
+    group.build()
+    return group

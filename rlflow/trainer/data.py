@@ -1,0 +1,155 @@
+"""The trainer's data: records from a synthetic task or JSONL files, loaders, and batches as DataProto.
+
+Every algorithm reads its rows under the dataflow keys of ``rlflow.dataflow.algorithms``:
+
+* RL algorithms (GRPO, PPO, ReMax, RLOO): ``prompts`` / ``prompt_mask`` (left-padded) and the
+  non-tensor ``answers`` (ground truths for rule-based rewards) and ``uid`` (prompt index);
+* SFT: ``input_ids`` / ``attention_mask`` / ``loss_mask`` (right-padded prompt + answer);
+* DPO and reward modelling: the same keys with pairs interleaved, row ``2i`` chosen and
+  ``2i+1`` rejected.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlflow.data.datasets import PreferenceDataset, PromptDataset, SFTDataset, read_jsonl
+from rlflow.data.loader import StatefulDataLoader
+from rlflow.data.tasks import ArithmeticTask, CountdownTask
+from rlflow.protocol import DataProto
+from rlflow.trainer.config import RLFlowConfig
+
+PAIR_ALGORITHMS = ("dpo", "rm")
+
+# Enough training problems that a short run never repeats a prompt within an epoch.
+TASK_TRAIN_SIZE = 4096
+
+
+@dataclass
+class TrainerData:
+    """Loaders of one run.
+
+    Attributes:
+        train: batches of the algorithm (prompts for RL; pairs for DPO/RM; examples for SFT).
+        eval_prompts: held-out prompts with answers, scored by greedy generation (RL and SFT).
+        warmup: SFT batches for the warm-up stage before RL (``None`` without warm-up).
+        reward_fn: rule-based reward named by the task or the config.
+    """
+
+    train: StatefulDataLoader
+    eval_prompts: DataProto | None
+    warmup: StatefulDataLoader | None
+    reward_fn: str | None
+
+
+def build_task(cfg: RLFlowConfig) -> ArithmeticTask | CountdownTask:
+    d = cfg.data
+    if d.task == "arithmetic":
+        return ArithmeticTask(num_digits=d.num_digits, ops=tuple(d.ops), reverse_answer=d.reverse_answer, seed=cfg.seed)
+    return CountdownTask(num_numbers=d.num_numbers, max_number=d.max_number, max_target=d.max_target, seed=cfg.seed)
+
+
+def _records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]] | str:
+    """Task examples as records, or the configured JSONL path."""
+    path = cfg.data.train_file if split == "train" else cfg.data.eval_file
+    if path is not None:
+        return path
+    if cfg.data.task is None:
+        raise ValueError(f"data.{split}_file is not set and data.task is null: nothing to train on")
+    return [e.to_dict() for e in build_task(cfg).sample(split, size, seed=cfg.seed)]
+
+
+def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
+    """Datasets and loaders for ``cfg.algorithm.name`` (and the warm-up stage)."""
+    algo, d = cfg.algorithm.name, cfg.data
+    max_len = d.max_prompt_len + d.max_response_len
+    loader = _loader_factory(cfg)
+    if algo in PAIR_ALGORITHMS:
+        records = _records(cfg, "train", TASK_TRAIN_SIZE)
+        pairs = records if isinstance(records, str) else preference_pairs(records, cfg.seed)
+        train = loader(PreferenceDataset(pairs, tokenizer, max_len), pairs=True)
+    elif algo == "sft":
+        train = loader(SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len), sft=True)
+    else:
+        train = loader(PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len))
+    eval_prompts = None
+    if d.eval_size > 0 and algo not in PAIR_ALGORITHMS:
+        records = _records(cfg, "test", d.eval_size)
+        if isinstance(records, str):
+            records = read_jsonl(records, {"prompt": str})[: d.eval_size]
+        eval_set = PromptDataset(records, tokenizer, d.max_prompt_len)
+        eval_prompts = prompts_to_proto(eval_set.collate([eval_set[i] for i in range(len(eval_set))]))
+    warmup = None
+    if cfg.warmup.steps > 0:
+        sft = SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len)
+        warmup = loader(sft, sft=True, batch_size=cfg.warmup.batch_size)
+    reward_fn = cfg.algorithm.reward_fn
+    if reward_fn is None and d.task is not None:
+        reward_fn = build_task(cfg).reward_name
+    return TrainerData(train, eval_prompts, warmup, reward_fn)
+
+
+def preference_pairs(records: list[dict[str, Any]], seed: int) -> list[dict[str, str]]:
+    """Task examples → preference pairs: the correct answer chosen, a corrupted one rejected.
+
+    The rejected answer changes one character of the correct one to another digit, so the
+    pair differs in exactly the token a model must get right.
+    """
+    rng = random.Random(seed)
+    pairs = []
+    for r in records:
+        answer = r["answer"]
+        digits = [i for i, ch in enumerate(answer) if ch.isdigit()]
+        i = rng.choice(digits) if digits else 0
+        wrong = rng.choice([d for d in "0123456789" if d != answer[i : i + 1]])
+        pairs.append({"prompt": r["prompt"], "chosen": answer, "rejected": answer[:i] + wrong + answer[i + 1 :]})
+    return pairs
+
+
+def _loader_factory(cfg: RLFlowConfig):
+    def make(dataset, *, pairs: bool = False, sft: bool = False, batch_size: int | None = None) -> StatefulDataLoader:
+        to_proto = pairs_to_proto if pairs else (sft_to_proto if sft else prompts_to_proto)
+        return StatefulDataLoader(
+            dataset,
+            batch_size or cfg.data.batch_size,
+            collate_fn=lambda items: to_proto(dataset.collate(items)),
+            shuffle=cfg.data.shuffle,
+            seed=cfg.seed,
+        )
+
+    return make
+
+
+def _objects(values: list) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def prompts_to_proto(batch: dict[str, Any]) -> DataProto:
+    """Collated prompts → ``prompts``, ``prompt_mask``, ``answers``, ``uid``."""
+    answers = batch.get("ground_truth", batch.get("answer", [None] * len(batch["index"])))
+    return DataProto.from_dict(
+        tensors={"prompts": batch["input_ids"], "prompt_mask": batch["attention_mask"]},
+        non_tensors={"answers": _objects(list(answers)), "uid": np.asarray(batch["index"], dtype=np.int64)},
+    )
+
+
+def sft_to_proto(batch: dict[str, Any]) -> DataProto:
+    """Collated SFT examples → ``input_ids``, ``attention_mask``, ``loss_mask``."""
+    keys = ("input_ids", "attention_mask", "loss_mask")
+    return DataProto.from_dict(tensors={k: batch[k] for k in keys})
+
+
+def pairs_to_proto(batch: dict[str, Any]) -> DataProto:
+    """Collated preference pairs → rows interleaved chosen, rejected (``2i``, ``2i+1``)."""
+    tensors = {}
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        chosen, rejected = batch[f"chosen_{key}"], batch[f"rejected_{key}"]
+        tensors[key] = torch.stack([chosen, rejected], dim=1).reshape(-1, chosen.shape[-1])  # (2B, T)
+    return DataProto.from_dict(tensors=tensors)

@@ -1,0 +1,194 @@
+"""From a config and a dataflow graph to a placement of every MFC: mesh, strategy, hook ranks.
+
+Four modes, all priced by the same simulator so their estimates can be compared:
+
+* ``auto``: build the planning problem with the cost model (calibrated by a measured profile
+  of this machine on CPU), then Metropolis–Hastings search seeded with the baselines;
+* ``heuristic``: every call on the whole cluster, tp inside hosts, pp across hosts;
+* ``colocated``: every call on all devices, FSDP over all of them (verl's layout);
+* ``manual``: meshes and strategies written in the config.
+
+Rule-based reward calls need no device; they run data-parallel over every worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+from transformers import AutoConfig
+
+from rlflow.dataflow import mfcs_of
+from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
+from rlflow.planner.build import Workload, build_problem
+from rlflow.planner.cluster import ClusterSpec, cluster_preset
+from rlflow.planner.mesh import ParallelStrategy
+from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.plan import ExecutionPlan
+from rlflow.planner.problem import PlanProblem
+from rlflow.planner.search import search
+from rlflow.planner.space import RuntimeCapabilities
+from rlflow.trainer.config import RLFlowConfig
+from rlflow.trainer.runner import CallPlacement
+
+GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
+
+
+@dataclass
+class Placement:
+    """The outcome of planning.
+
+    Attributes:
+        calls: MFC name -> where it runs (every MFC of the graph, host calls included).
+        plan: the chosen plan with its estimates (``None`` for a graph without device calls).
+        baselines: the baselines priced by the same simulator, for comparison.
+        problem: the planning problem the plan indexes into.
+    """
+
+    calls: dict[str, CallPlacement]
+    plan: ExecutionPlan | None
+    baselines: list[BaselinePlan] = field(default_factory=list)
+    problem: PlanProblem | None = None
+
+    def estimated_call_seconds(self) -> dict[str, float]:
+        """MFC name -> the cost model's estimate of one call (s)."""
+        return {} if self.plan is None else {c.name: c.time_s for c in self.plan.calls}
+
+
+def model_specs(model_paths: Mapping[str, str | None], value_heads: set[str]) -> dict[str, ModelSpec]:
+    """Planner specs of the models that have weights, read from their HF configs."""
+    return {
+        name: ModelSpec.from_hf_config(AutoConfig.from_pretrained(path), value_head=name in value_heads, name=name)
+        for name, path in model_paths.items()
+        if path is not None
+    }
+
+
+def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: dict | None) -> ClusterSpec:
+    """The cluster the planner prices: measured CPU workers, or GPUs of the preset type."""
+    p = cfg.placement
+    if use_gpu:
+        return cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
+    return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile)
+
+
+def planning_workload(cfg: RLFlowConfig) -> Workload:
+    """Batch and lengths of one iteration as the cost model sees them."""
+    return Workload(
+        batch_size=cfg.data.batch_size,
+        prompt_len=cfg.data.max_prompt_len,
+        gen_len=cfg.rollout.max_new_tokens or cfg.data.max_response_len,
+        n_samples_per_prompt=cfg.algorithm.n_samples if _samples(cfg) else 1,
+        n_ppo_minibatches=cfg.algorithm.n_minibatches,
+        gradient_checkpointing=any(m.gradient_checkpointing for m in cfg.models.values()),
+    )
+
+
+def _samples(cfg: RLFlowConfig) -> bool:
+    return cfg.algorithm.name not in ("sft", "dpo", "rm")
+
+
+def plan_placement(
+    cfg: RLFlowConfig,
+    graph: nx.DiGraph,
+    specs: Mapping[str, ModelSpec],
+    *,
+    use_gpu: bool,
+    profile: dict | None = None,
+    progress: bool = True,
+) -> Placement:
+    """Plans every MFC of ``graph`` according to ``cfg.placement.mode``.
+
+    Raises:
+        ValueError: a manual plan that is not among the valid options (names the MFC), or a
+            plan that does not fit device memory in a mode that cannot choose another.
+    """
+    p = cfg.placement
+    device_mfcs = [m for m in mfcs_of(graph) if not m.runs_on_host]
+    problem = plan = None
+    baselines: list[BaselinePlan] = []
+    if device_mfcs:
+        cluster = planning_cluster(cfg, use_gpu, profile)
+        problem = build_problem(
+            graph,
+            dict(specs),
+            cluster,
+            planning_workload(cfg),
+            capabilities=RuntimeCapabilities(pipeline_generate=False),
+            profile=profile,
+        )
+        generate = [m.name for m in device_mfcs if m.interface_type == "generate"]
+        baselines = baseline_plans(problem, generate)
+        plan = _choose(p.mode, problem, baselines, generate, cfg, progress)
+    calls = _call_placements(graph, plan, cfg)
+    return Placement(calls, plan, baselines, problem)
+
+
+def _choose(
+    mode: str,
+    problem: PlanProblem,
+    baselines: list[BaselinePlan],
+    generate: list[str],
+    cfg: RLFlowConfig,
+    progress: bool,
+) -> ExecutionPlan:
+    if mode == "auto":
+        seeds = [b.choice for b in baselines if b.feasible]
+        result = search(
+            problem,
+            seconds=max(cfg.placement.search_seconds, 0.1),
+            seed=cfg.seed,
+            initial_plans=seeds,
+            progress=progress,
+        )
+        return ExecutionPlan.from_choice(problem, result.choice, result.result, name="search")
+    if mode == "heuristic":
+        chosen = heuristic_plan(problem)
+    elif mode == "colocated":
+        chosen = colocated_plan(problem)
+    else:
+        chosen = manual_plan(problem, _manual_config(cfg, problem))
+    if chosen.choice is None:
+        raise ValueError(f"placement.mode={mode!r}: {chosen.reason}")
+    return ExecutionPlan.from_choice(problem, chosen.choice, chosen.result, name=mode)
+
+
+def _manual_config(cfg: RLFlowConfig, problem: PlanProblem) -> dict:
+    manual = cfg.placement.manual
+    missing = [n for n in problem.mfc_names if n not in manual]
+    if missing:
+        raise ValueError(f"placement.manual has no entry for MFC(s) {missing}; the device MFCs are {problem.mfc_names}")
+    return {
+        name: {
+            "mesh": {**dict(manual[name].mesh), "devices_per_node": problem.devices_per_node},
+            "strategy": dict(manual[name].strategy),
+        }
+        for name in problem.mfc_names
+    }
+
+
+def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowConfig) -> dict[str, CallPlacement]:
+    """Turns the plan into run-time placements; host calls run data-parallel on every worker."""
+    num_workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
+    planned = {} if plan is None else {c.name: c for c in plan.calls}
+    mfcs = mfcs_of(graph)
+    layout = {}
+    for mfc in mfcs:
+        if mfc.name in planned:
+            c = planned[mfc.name]
+            layout[mfc.name] = (tuple(c.mesh.device_ids), c.strategy)
+        else:
+            layout[mfc.name] = (tuple(range(num_workers)), ParallelStrategy(dp=num_workers))
+    # Hook ranks follow from every call's layout; the trainer fills them in from the worker setup.
+    return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
+
+
+def load_profile_for(cfg: RLFlowConfig, use_gpu: bool, run_dir: Path) -> dict | None:
+    """A measured profile of this machine when ``placement.profile`` asks for one (CPU only)."""
+    if use_gpu or not cfg.placement.profile:
+        return None
+    from rlflow.planner.profile import run_profile
+
+    return run_profile(path=run_dir / "profile.json", progress=True)

@@ -1,0 +1,320 @@
+"""The driver: ``Trainer(cfg).fit()`` runs the planned dataflow graph and reports what it learned.
+
+``fit()`` reads as a list of named stages — resume, evaluate, warm up, train (steps of the
+graph, overlapping iterations where the graph allows), evaluate, save, report — and every
+stage is a method of its own. Variants are configuration, never copies of this loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlflow.planner.timeline import Interval, draw_timeline
+from rlflow.protocol import DataProto
+from rlflow.trainer import build
+from rlflow.trainer.checkpoint import (
+    CheckpointManager,
+    read_trainer_state,
+    restore_rng_state,
+    write_trainer_state,
+)
+from rlflow.trainer.config import RLFlowConfig, to_yaml
+from rlflow.trainer.data import build_trainer_data
+from rlflow.trainer.metrics import MetricsLogger, mean_metrics, progress, timing_table
+from rlflow.trainer.placement import Placement, load_profile_for, model_specs, plan_placement
+from rlflow.trainer.runner import DataflowRunner, Submitted
+
+
+@dataclass
+class FitResult:
+    """What a run achieved.
+
+    Attributes:
+        steps: training steps completed (including earlier runs when resumed).
+        eval_history: ``(step, held-out score)`` at every evaluation, in order.
+        score_before: held-out score before RL (after the warm-up when there is one).
+        score_after: held-out score at the end.
+        mfc_seconds: MFC name -> measured seconds of each call.
+        estimated_seconds: MFC name -> the planner's estimate of one call.
+        run_dir: where metrics, checkpoints and pictures went.
+    """
+
+    steps: int
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+    score_before: float | None = None
+    score_after: float | None = None
+    mfc_seconds: dict[str, list[float]] = field(default_factory=dict)
+    estimated_seconds: dict[str, float] = field(default_factory=dict)
+    run_dir: str = ""
+
+
+class Trainer:
+    """Builds a run from a config: models, data, plan, workers; :meth:`fit` trains.
+
+    Args:
+        cfg: a validated config (``rlflow.trainer.config.load_config``).
+        progress_bars: show progress bars (planner search, steps).
+    """
+
+    def __init__(self, cfg: RLFlowConfig, progress_bars: bool = True) -> None:
+        self.cfg, self.progress_bars = cfg, progress_bars
+        self.run_dir = build.run_dir_of(cfg)
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.tokenizer_path = build.materialize_tokenizer(cfg, self.run_dir)
+        self.model_paths = build.materialize_models(cfg, self.run_dir, self.tokenizer_path)
+        from rlflow.data.tokenizer import load_tokenizer
+
+        self.data = build_trainer_data(cfg, load_tokenizer(self.tokenizer_path))
+        rule_reward = "reward" not in cfg.models and self.data.reward_fn is not None
+        self.graph = build.build_dataflow(cfg, rule_reward)
+        build.ensure_ray(cfg)
+        self.use_gpu = build.uses_gpu(cfg)
+        self.placement = self._plan()
+        calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn)}
+        setup = build.worker_setup(cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn)
+        calls = build.with_hook_ranks(calls, setup)
+        self.workers = build.start_workers(cfg, setup, self.use_gpu)
+        group_size = build.row_group_size(cfg)
+        main = {n: calls[n] for n in self.placement.calls}
+        self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
+        extra = {n: c for n, c in calls.items() if n not in self.placement.calls}
+        self.side_runner = _side_runner(self.workers, extra) if extra else None
+        self.logger = MetricsLogger(cfg.logging, self.run_dir, run_config=_plain(cfg))
+        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir)
+        self.step = 0
+        self.result = FitResult(
+            steps=0, run_dir=str(self.run_dir), estimated_seconds=self.placement.estimated_call_seconds()
+        )
+        self._issued: dict[str, int] = defaultdict(int)  # calls issued per MFC name (matches the workers' counters)
+        self._call_step: dict[tuple[str, int], int] = {}
+        self._intervals: list[Interval] = []
+        self._records: list[dict[str, Any]] = []  # popped metric records not logged yet
+
+    # ------------------------------------------------------------------ building
+    def _plan(self) -> Placement:
+        values = {n for n in self.cfg.models if n in build.VALUE_ROLES}
+        specs = model_specs(self.model_paths, values)
+        profile = load_profile_for(self.cfg, self.use_gpu, self.run_dir)
+        placement = plan_placement(
+            self.cfg, self.graph, specs, use_gpu=self.use_gpu, profile=profile, progress=self.progress_bars
+        )
+        if placement.plan is not None:
+            (self.run_dir / "plan.json").write_text(placement.plan.to_json())
+            print(placement.plan.to_table())
+            for b in placement.baselines:
+                est = "infeasible: " + b.reason if not b.feasible else f"{b.iteration_time_s:.3f} s/iteration"
+                print(f"  baseline {b.name:<10} {est}")
+        return placement
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> FitResult:
+        """Runs the configured number of steps; returns scores, timings and where files went."""
+        self._resume()
+        if self.step == 0:
+            if self.cfg.trainer.eval_before_train:
+                self.evaluate()
+            if self.data.warmup is not None and self.side_runner is not None:
+                self._warmup()
+                self.evaluate()
+        self.result.score_before = self.result.eval_history[-1][1] if self.result.eval_history else None
+        self._train()
+        self.result.score_after = self.evaluate()
+        self._save(final=True)
+        self._report()
+        return self.result
+
+    def _train(self) -> None:
+        total, loop = self.cfg.trainer.total_steps, self.cfg.trainer
+        started = time.time()
+        batches = self._batches()
+        bar = progress(total - self.step, "train", disable=not self.progress_bars)
+        pending: tuple[int, Submitted] | None = None
+        while self.step < total or pending is not None:
+            if pending is None:
+                pending = (self.step + 1, self._submit(next(batches), self.step + 1))
+            step, submitted = pending
+            # Overlap: issue the next iteration before waiting when no evaluation or checkpoint
+            # needs the workers quiet at this step (ReaLHF's cross-iteration overlap).
+            following = None
+            if step < total and not self._sync_point(step) and not self._out_of_time(started):
+                following = (step + 1, self._submit(next(batches), step + 1))
+            self.runner.wait(submitted)
+            self.step = step
+            self._log_step(step)
+            bar.update(1)
+            pending = following
+            if self._sync_point(step):
+                if loop.eval_every and step % loop.eval_every == 0 and step < total:
+                    self.evaluate()
+                if self.cfg.checkpoint.every_n_steps and step % self.cfg.checkpoint.every_n_steps == 0:
+                    self._save()
+            if pending is None and self._out_of_time(started):
+                break
+        bar.close()
+        self.result.steps = self.step
+
+    def _sync_point(self, step: int) -> bool:
+        every = [self.cfg.trainer.eval_every, self.cfg.checkpoint.every_n_steps]
+        return step >= self.cfg.trainer.total_steps or any(e and step % e == 0 for e in every)
+
+    def _out_of_time(self, started: float) -> bool:
+        limit = self.cfg.trainer.max_wall_seconds
+        return limit is not None and time.time() - started > limit
+
+    def _batches(self):
+        while True:
+            yield from self.data.train
+
+    def _submit(self, batch: DataProto, step: int) -> Submitted:
+        for name in self.runner.order:
+            self._note_call(name, step)
+        return self.runner.submit(batch)
+
+    def _note_call(self, name: str, step: int) -> None:
+        self._issued[name] += 1
+        self._call_step[(name, self._issued[name])] = step
+
+    # ------------------------------------------------------------------ stages
+    def _warmup(self) -> None:
+        """SFT steps on the actor's home layout before RL (the main job's warm-up)."""
+        w = self.cfg.warmup
+        bar = progress(w.steps, "sft warm-up", disable=not self.progress_bars)
+        batches = iter(self._cycle(self.data.warmup))
+        for _ in range(w.steps):
+            self._note_call(build.WARMUP_SFT, 0)
+            submitted = self.side_runner.submit(next(batches), [build.WARMUP_SFT], {build.WARMUP_SFT: {"lr": w.lr}})
+            self.side_runner.wait(submitted)
+            bar.update(1)
+        bar.close()
+        records = self._pop_metrics()
+        losses = [r["loss"] for r in records if r.get("mfc") == build.WARMUP_SFT and "loss" in r]
+        if losses:
+            print(f"sft warm-up: {w.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+    @staticmethod
+    def _cycle(loader):
+        while True:
+            yield from loader
+
+    def evaluate(self) -> float | None:
+        """Greedy (or sampled) answers to the held-out prompts, scored by the rule reward.
+
+        Returns:
+            the mean score (the accuracy for 0/1 rewards), or ``None`` without held-out data.
+        """
+        if (
+            self.data.eval_prompts is None
+            or self.side_runner is None
+            or build.EVAL_GEN not in self.side_runner.placements
+        ):
+            return None
+        for name in (build.EVAL_GEN, build.EVAL_REWARD):
+            self._note_call(name, self.step)
+        submitted = self.side_runner.submit(
+            self.data.eval_prompts, [build.EVAL_GEN, build.EVAL_REWARD], {build.EVAL_GEN: {"evaluate": True}}
+        )
+        out = self.side_runner.wait(submitted, fetch=[build.EVAL_REWARD])[build.EVAL_REWARD]
+        score = float(out.batch["rewards"].float().mean())
+        self.result.eval_history.append((self.step, score))
+        self.logger.log(self.step, {"eval/score": score})
+        return score
+
+    def _log_step(self, step: int) -> None:
+        """Logs the records of ``step``'s calls; records of a later, already issued step wait for it."""
+        self._records.extend(self._pop_metrics())
+        mine = [r for r in self._records if self._call_step.get((r["mfc"], r["seq"])) == step]
+        self._records = [r for r in self._records if self._call_step.get((r["mfc"], r["seq"]), step) > step]
+        metrics: dict[str, float] = {}
+        by_call: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for r in mine:
+            by_call[(r["mfc"], r.get("hook", "call"))].append(r)
+        for (name, hook), rs in by_call.items():
+            seconds = max(r["end"] - r["start"] for r in rs)  # the slowest rank
+            if hook != "call":
+                metrics[f"time/{name}/{hook}"] = seconds
+                continue
+            self.result.mfc_seconds.setdefault(name, []).append(seconds)
+            metrics[f"time/{name}"] = seconds
+            values = mean_metrics([{k: v for k, v in r.items() if _is_metric(k, v)} for r in rs])
+            metrics.update({f"{name}/{k}": v for k, v in values.items()})
+        if step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.total_steps:
+            self.logger.log(step, metrics)
+
+    def _pop_metrics(self) -> list[dict[str, Any]]:
+        """Per-call records of every worker since the last pop; also feeds the measured timeline."""
+        records = [r for per_rank in self.workers.pop_metrics() for r in per_rank]
+        for r in records:
+            self._intervals.append(Interval(r["rank"], r["start"], r["end"], r["mfc"], r.get("kind", "call")))
+        return records
+
+    def _save(self, final: bool = False) -> Path | None:
+        if final and not self.cfg.checkpoint.save_final:
+            return None
+
+        def write(directory: Path) -> None:
+            self.workers.save_checkpoint(str(directory))
+            write_trainer_state(
+                directory,
+                step=self.step,
+                data_state=self.data.train.state_dict(),
+                extra={"eval_history": self.result.eval_history, "issued": dict(self._issued)},
+            )
+
+        return self.checkpoints.save(self.step, write)
+
+    def _resume(self) -> None:
+        path = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
+        if path is None:
+            return
+        state = read_trainer_state(path)
+        self.workers.load_checkpoint(str(path))
+        self.data.train.load_state_dict(state["data"])
+        restore_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.result.eval_history = [tuple(e) for e in state["extra"].get("eval_history", [])]
+        for name, count in state["extra"].get("issued", {}).items():
+            self._issued[name] = int(count)
+        print(f"resumed from {path} at step {self.step}")
+
+    def _report(self) -> None:
+        """Measured vs estimated time per MFC, and the measured timeline as a picture."""
+        table = timing_table(self.result.mfc_seconds, self.result.estimated_seconds)
+        print(table)
+        (self.run_dir / "timings.txt").write_text(table + "\n")
+        if self._intervals:
+            t0 = min(i.start for i in self._intervals)
+            shifted = [Interval(i.device, i.start - t0, i.end - t0, i.label, i.kind) for i in self._intervals]
+            draw_timeline(shifted, self.run_dir / "timeline.png", title=f"{self.cfg.experiment_name}: measured")
+
+    def close(self) -> None:
+        """Stops the workers and closes the metric sinks."""
+        self.logger.close()
+        self.workers.shutdown()
+
+
+def _side_runner(workers, calls) -> DataflowRunner:
+    """A runner for the evaluation and warm-up calls, which are not part of the algorithm's graph."""
+    from rlflow.dataflow import build_graph
+
+    return DataflowRunner(workers, build_graph([c.mfc for c in calls.values()]), calls)
+
+
+def _is_metric(key: str, value: Any) -> bool:
+    return key not in ("mfc", "seq", "rank", "start", "end", "kind", "hook") and isinstance(
+        value, (int, float, np.floating)
+    )
+
+
+def _plain(cfg: RLFlowConfig) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+__all__ = ["FitResult", "Trainer"]
