@@ -227,10 +227,14 @@ def algo_setup(cfg: RLFlowConfig) -> AlgoSetup:
     )
 
 
-def sampling_params(cfg: RLFlowConfig) -> tuple[SamplingParams, SamplingParams]:
-    """Rollout and evaluation sampling settings (eval: greedy unless configured otherwise)."""
+def sampling_params(cfg: RLFlowConfig, eos_token_id: int | None) -> tuple[SamplingParams, SamplingParams]:
+    """Rollout and evaluation sampling settings (eval: greedy unless configured otherwise).
+
+    A response ends at the tokenizer's EOS, as the SFT data taught the model to end answers.
+    """
     r = cfg.rollout
-    common = {"max_new_tokens": r.max_new_tokens or cfg.data.max_response_len, "seed": cfg.seed}
+    stop = () if eos_token_id is None else (eos_token_id,)
+    common = {"max_new_tokens": r.max_new_tokens or cfg.data.max_response_len, "seed": cfg.seed, "stop_token_ids": stop}
     n = cfg.algorithm.n_samples if cfg.algorithm.name not in ("sft", "dpo", "rm") else 1
     sample = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=n, **common)
     evaluate = (
@@ -248,7 +252,7 @@ def worker_setup(
     tokenizer_path: str,
     reward_fn: str | None,
 ) -> WorkerSetup:
-    sample, evaluate = sampling_params(cfg)
+    sample, evaluate = sampling_params(cfg, load_tokenizer(tokenizer_path).eos_token_id)
     return WorkerSetup(
         models=model_setups(cfg, paths, calls, reward_fn),
         mfcs={name: c.mfc for name, c in calls.items()},
