@@ -1,0 +1,355 @@
+"""The documentation stays true to the repository.
+
+* every command in docs/ (fenced shell blocks, and inline code of the forms ``make X``,
+  ``python -m benchmarks.run X``, ``python recipes/X.py``, ``rlflow X``) names a Makefile
+  target, benchmark module, file, CLI subcommand and flags, and config keys that exist;
+* every relative link in docs/ and README.md points to an existing file (and heading);
+* docs/benchmarks.md carries every per-topic page of docs/benchmarks/ unchanged: linked, and
+  each of its paragraphs, tables and commands present word for word.
+
+Pure text checks: nothing here imports torch or Ray, so the file runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from rlflow.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+DOC_PAGES = sorted(DOCS.rglob("*.md"))
+LINKED_PAGES = [*DOC_PAGES, ROOT / "README.md"]
+TOPIC_PAGES = sorted((DOCS / "benchmarks").glob("*.md"))
+
+_FENCE = re.compile(r"^(```|~~~)(\w*)[^\n]*\n(.*?)^\1[ \t]*$", re.DOTALL | re.MULTILINE)
+_SHELL_LANGS = ("", "bash", "sh", "shell", "console")
+_INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.DOTALL)
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
+_IMG_SRC = re.compile(r"<img\s[^>]*src=\"([^\"]+)\"")
+_SEPARATORS = ("&&", "||", ";", "|", "--")
+_PYTHONS = ("python", "python3")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [_rel(p) for p in paths]
+
+
+# ----------------------------------------------------------------------------- what exists
+
+
+@cache
+def make_targets() -> frozenset[str]:
+    text = (ROOT / "Makefile").read_text()
+    return frozenset(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, re.MULTILINE))
+
+
+@cache
+def bench_modules() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py")))
+
+
+@cache
+def cli_subcommands() -> frozenset[str]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return frozenset(sub.choices)
+
+
+@cache
+def config_fields() -> dict[str, dict[str, str]]:
+    """``{class name: {field: annotation}}`` of the config dataclasses, read from the source."""
+    tree = ast.parse((ROOT / "rlflow" / "trainer" / "config.py").read_text())
+    fields: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            fields[node.name] = {
+                item.target.id: ast.unparse(item.annotation)
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            }
+    return fields
+
+
+def config_key_error(key: str) -> str | None:
+    """Why the dotted override ``key`` is not a config field, or None when it is one."""
+    fields, cls, parts, i = config_fields(), "RLFlowConfig", key.split("."), 0
+    while i < len(parts):
+        if cls is None or parts[i] not in fields.get(cls, {}):
+            return f"{key!r}: no field {parts[i]!r} in {cls or 'a plain value'}"
+        annotation = fields[cls][parts[i]]
+        entry = re.fullmatch(r"dict\[str, (\w+)\]", annotation)
+        if entry:  # models.<role>..., placement.manual.<mfc>...
+            i, cls = i + 1, entry.group(1)
+        else:
+            cls = annotation if annotation in fields else None
+        i += 1
+    return None
+
+
+# ----------------------------------------------------------------------------- reading pages
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    return [(m.group(2).lower(), m.group(3)) for m in _FENCE.finditer(text)]
+
+
+def prose(text: str) -> str:
+    """The text outside fenced blocks."""
+    return _FENCE.sub("", text)
+
+
+def shell_commands(code: str) -> list[list[str]]:
+    """Token lists of the commands of a shell block: continuation lines joined, comments dropped."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:  # not shell (an unlabelled block of prose or a tree): nothing to check
+            continue
+        if tokens and not tokens[0].startswith(("$", ">>>")):
+            commands.append(tokens)
+    return commands
+
+
+def inline_commands(text: str) -> list[list[str]]:
+    """Inline code spans that are commands of the checked forms."""
+    found = []
+    for match in _INLINE_CODE.finditer(prose(text)):
+        try:
+            tokens = shlex.split(match.group(2))
+        except ValueError:
+            continue
+        tokens = _strip_env(tokens)
+        if len(tokens) < 2:
+            continue
+        program = _program(tokens[0])
+        if program in ("make", "rlflow") or (
+            program == "python" and (tokens[1] == "-m" or tokens[1].startswith("recipes/"))
+        ):
+            found.append(tokens)
+    return found
+
+
+def _strip_env(tokens: list[str]) -> list[str]:
+    i = 0
+    while i < len(tokens) and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", tokens[i]):
+        i += 1
+    return tokens[i:]
+
+
+def _program(token: str) -> str:
+    name = token.rsplit("/", 1)[-1]
+    return "python" if name in _PYTHONS else name
+
+
+def invocations(tokens: list[str]) -> list[tuple[str, list[str], Path]]:
+    """``(program, arguments, working directory)`` of every command in a token list.
+
+    Commands are split at shell separators and at ``--`` (``ray job submit ... -- python x.py``);
+    ``--working-dir D`` of a ``ray job submit`` makes the command after it run in ``D``.
+    """
+    segments, current = [], []
+    for token in tokens:
+        if token in _SEPARATORS:
+            segments.append(current)
+            current = []
+        else:
+            current.append(token)
+    segments.append(current)
+    found, cwd = [], ROOT
+    for segment in segments:
+        segment = _strip_env(segment)
+        if not segment:
+            continue
+        program = _program(segment[0])
+        if program == "ray" and "--working-dir" in segment:
+            cwd = ROOT / segment[segment.index("--working-dir") + 1]
+        found.append((program, segment[1:], cwd))
+    return found
+
+
+# ----------------------------------------------------------------------------- checking commands
+
+
+def _placeholder(arg: str) -> bool:
+    """``<name>``, ``key=value ...``: words standing for what the reader fills in."""
+    return any(mark in arg for mark in ("<", ">", "...", "…"))
+
+
+def command_problems(tokens: list[str], full: bool) -> list[str]:
+    """What is wrong with a documented command; ``full`` also parses flags and config keys."""
+    problems = []
+    for program, args, cwd in invocations(tokens):
+        args = [a for a in args if not _placeholder(a)]
+        if program == "make":
+            problems += [f"no Makefile target {t!r}" for t in args if "=" not in t and t not in make_targets()]
+        elif program == "rlflow":
+            problems += _rlflow_problems(args, full)
+        elif program == "python" and args[:1] == ["-m"] and len(args) > 1:
+            problems += _module_problems(args[1], args[2:])
+        elif program == "python" and args and args[0].endswith(".py") and (full or args[0].startswith("recipes/")):
+            problems += _script_problems(cwd / args[0], args[1:], full)
+    return problems
+
+
+def _rlflow_problems(args: list[str], full: bool) -> list[str]:
+    if not args or args[0] not in cli_subcommands():
+        return [f"rlflow has no subcommand {args[:1]}; it has {sorted(cli_subcommands())}"]
+    if full:
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            return [f"`rlflow {' '.join(args)}` does not parse (see the argparse message above)"]
+    return []
+
+
+def _module_problems(module: str, args: list[str]) -> list[str]:
+    if module == "benchmarks.run":
+        patterns = [a for a in args if not a.startswith("-")]
+        return [
+            f"no benchmark module benchmarks/bench_*{p}*.py"
+            for p in patterns
+            if not any(p in m for m in bench_modules())
+        ]
+    if module.split(".")[0] not in ("rlflow", "benchmarks"):
+        return []  # pip, pytest, ...
+    base = ROOT.joinpath(*module.split("."))
+    if base.with_suffix(".py").is_file() or (base / "__main__.py").is_file():
+        return []
+    return [f"no module {module!r} to run with python -m"]
+
+
+def _script_problems(script: Path, args: list[str], full: bool) -> list[str]:
+    if not script.is_file():
+        return [f"no script {_rel(script)}"]
+    if not full or script.parent != ROOT / "recipes":
+        return []
+    problems = []
+    if args and args[0].endswith((".yaml", ".yml")):
+        problems += [] if (script.parent / args[0]).is_file() else [f"no recipe YAML {args[0]}"]
+        args = args[1:]
+    for arg in args:
+        key, sep, _ = arg.partition("=")
+        error = config_key_error(key) if sep else f"{arg!r} is not a key=value override"
+        problems += [error] if error else []
+    return problems
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=_ids(DOC_PAGES))
+def test_documented_commands_exist(page: Path):
+    text = page.read_text()
+    problems = []
+    for lang, code in fenced_blocks(text):
+        if lang in _SHELL_LANGS:
+            for tokens in shell_commands(code):
+                problems += [f"`{shlex.join(tokens)}`: {p}" for p in command_problems(tokens, full=True)]
+    for tokens in inline_commands(text):
+        problems += [f"`{shlex.join(tokens)}`: {p}" for p in command_problems(tokens, full=False)]
+    assert not problems, f"{_rel(page)}:\n" + "\n".join(problems)
+
+
+def test_command_checker_catches_mistakes():
+    """The checks above are only worth something if they fail on wrong commands."""
+    assert command_problems(["make", "demo"], full=True) == []
+    assert command_problems(["make", "dem0"], full=True)
+    assert command_problems(["python", "-m", "benchmarks.run", "planner"], full=True) == []
+    assert command_problems(["python", "-m", "benchmarks.run", "no_such_topic"], full=True)
+    assert command_problems([".venv/bin/rlflow", "draw", "--algo", "ppo", "--out", "x.svg"], full=True) == []
+    assert command_problems([".venv/bin/rlflow", "draw", "--algo", "ppo", "--outfile", "x.svg"], full=True)
+    assert command_problems(["rlflow", "nosuchcommand"], full=False)
+    recipe = ["python", "recipes/grpo_arithmetic.py", "trainer.total_steps=5", "models.actor.lr=1e-4"]
+    assert command_problems(recipe, full=True) == []
+    assert command_problems([*recipe, "trainer.total_stepz=5"], full=True)
+    assert command_problems(["python", "recipes/no_such_recipe.py"], full=False)
+    submit = ["ray", "job", "submit", "--working-dir", "recipes", "--", "python", "grpo_arithmetic.py", "seed=1"]
+    assert command_problems(submit, full=True) == []
+    assert config_key_error("placement.manual.actor_gen.mesh.num_devices") is None
+    assert config_key_error("placement.manual.actor_gen.mesh.devices") is not None
+    assert config_key_error("trainer.total_steps.x") is not None
+
+
+# ----------------------------------------------------------------------------- links
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", prose(page.read_text()), re.MULTILINE):
+        base = slug(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def links(page: Path) -> list[str]:
+    text = _INLINE_CODE.sub("", prose(page.read_text()))
+    return _LINK.findall(text) + _IMG_SRC.findall(text)
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=_ids(LINKED_PAGES))
+def test_relative_links_resolve(page: Path):
+    problems = []
+    for target in links(page):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path_part, _, anchor = target.partition("#")
+        path = (page.parent / path_part).resolve() if path_part else page
+        if not path.exists():
+            problems.append(f"{target}: no file {path_part}")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            problems.append(f"{target}: no heading #{anchor} in {_rel(path)}")
+    assert not problems, f"{_rel(page)}:\n" + "\n".join(problems)
+
+
+def test_slugs_follow_github():
+    assert slug("Planner: building the planning problem (`build_problem`)") == (
+        "planner-building-the-planning-problem-build_problem"
+    )
+    assert slug("Adding an estimator, a policy loss or a reward") == "adding-an-estimator-a-policy-loss-or-a-reward"
+    assert slug("## `(top level)`".lstrip("# ")) == "top-level"
+
+
+# ----------------------------------------------------------------------------- benchmarks page
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _blocks(text: str) -> list[str]:
+    """Paragraphs, tables and code blocks of a page (blank-line separated), whitespace normalised."""
+    return [_normalised(b) for b in re.split(r"\n\s*\n", text) if b.strip()]
+
+
+@pytest.mark.parametrize("topic", TOPIC_PAGES, ids=_ids(TOPIC_PAGES))
+def test_benchmarks_page_carries_topic_page(topic: Path):
+    merged = (DOCS / "benchmarks.md").read_text()
+    assert f"](benchmarks/{topic.name})" in merged, f"docs/benchmarks.md does not link {_rel(topic)}"
+    whole = _normalised(merged)
+    missing = [b for b in _blocks(topic.read_text()) if b not in whole]
+    assert not missing, (
+        f"docs/benchmarks.md lacks these parts of {_rel(topic)} (copy the page in unchanged):\n"
+        + "\n".join(m[:160] for m in missing)
+    )
+
+
+def test_benchmark_pages_state_their_command():
+    for topic in TOPIC_PAGES:
+        assert re.search(r"^Commands?:", topic.read_text(), re.MULTILINE), f"{_rel(topic)} has no 'Command:' line"
