@@ -162,8 +162,8 @@ def _manual_config(cfg: RLFlowConfig, problem: PlanProblem) -> dict:
         raise ValueError(f"placement.manual has no entry for MFC(s) {missing}; the device MFCs are {problem.mfc_names}")
     return {
         name: {
-            "mesh": {**dict(manual[name].mesh), "devices_per_node": problem.devices_per_node},
-            "strategy": dict(manual[name].strategy),
+            "mesh": manual[name].mesh.to_device_mesh(problem.devices_per_node),
+            "strategy": manual[name].strategy.to_strategy(),
         }
         for name in problem.mfc_names
     }

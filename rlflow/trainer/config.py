@@ -1,0 +1,803 @@
+"""Typed configuration of an rlflow run: dataclasses, loading, validation and the reference doc.
+
+A run is described by one :class:`RLFlowConfig`, normally read from a YAML recipe with
+command-line overrides::
+
+    cfg = load_config("recipes/grpo_arithmetic.yaml", ["trainer.total_steps=20", "models.actor.lr=1e-4"])
+
+How a YAML file becomes a config:
+
+1. ``OmegaConf.structured(RLFlowConfig)`` gives the typed defaults; the YAML is merged into it,
+   then the ``key=value`` overrides. OmegaConf rejects unknown keys and values of the wrong type
+   here. A ``models:`` section in the YAML *replaces* the default model set (``{actor: tiny}``),
+   so a recipe lists exactly the models it uses.
+2. The merged tree is turned into dataclasses bottom-up. Every class checks its own fields in
+   ``__post_init__`` (allowed values and bounds come from field metadata, so the checks and the
+   generated reference in ``docs/configuration.md`` cannot drift apart) and the root checks the
+   combinations (e.g. PPO's GAE needs a critic). OmegaConf does not run ``__post_init__`` on
+   merges, which is why validation happens in this second step and not earlier.
+
+Every problem raises :class:`ConfigError` naming the full dotted key, the allowed values, and
+where the bad value came from (the YAML file or the override).
+
+The SFT warm-up of the main recipe is the ``warmup`` section, not a second stage file: one run,
+one Ray start, one set of workers; the actor simply takes ``warmup.steps`` supervised steps on
+the task's reference answers before the RL loop starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from rlflow.algos.advantages import list_adv_estimators
+from rlflow.algos.kl import KL_ESTIMATORS
+from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
+from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
+from rlflow.engine.optim import OptimConfig
+from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+
+__all__ = [
+    "ALGORITHMS",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DEFAULT_ADV_ESTIMATOR",
+    "GROUP_ESTIMATORS",
+    "DataConfig",
+    "LoggingConfig",
+    "LoopConfig",
+    "ManualPlacementConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "MODEL_ROLES",
+    "PlacementConfig",
+    "RLFlowConfig",
+    "RL_ALGORITHMS",
+    "RolloutConfig",
+    "StrategyConfig",
+    "WarmupConfig",
+    "load_config",
+    "parse_cli",
+    "render_config_reference",
+    "to_yaml",
+]
+
+ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "dpo", "sft", "rm", "ppo_ema")
+RL_ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "ppo_ema")  # sample responses and score them
+MODEL_ROLES = ("actor", "ref", "critic", "reward")
+DEFAULT_ADV_ESTIMATOR = {"grpo": "grpo", "ppo": "gae", "ppo_ema": "gae", "remax": "remax", "rloo": "rloo"}
+# Estimators that compare the responses of one prompt need at least two of them.
+GROUP_ESTIMATORS = ("grpo", "rloo")
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type, out of range or inconsistent with another.
+
+    ``key`` is the full dotted key (``"models.actor.lr"``; relative to the section for a section
+    built directly in Python), ``problem`` says what is wrong and what is allowed, ``source`` the
+    YAML file or override the value came from, when known.
+    """
+
+    def __init__(self, key: str, problem: str, source: str | None = None) -> None:
+        self.key, self.problem, self.source = key, problem, source
+        where = f" ({source})" if source else ""
+        super().__init__(f"{key}: {problem}{where}")
+
+    def prefixed(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix.`` put in front of its key."""
+        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.problem, self.source)
+
+    def with_source(self, source: str | None) -> ConfigError:
+        return ConfigError(self.key, self.problem, source)
+
+
+# --- Field declarations: default + one-line help + allowed values, checked by _check_fields. ---
+
+
+def _f(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A dataclass field with its documentation and constraints in ``metadata``.
+
+    ``choices`` may be a callable so that registries users extend (advantage estimators,
+    policy losses) are read when a config is validated, not when this module is imported.
+    """
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
+    choices = f.metadata.get("choices")
+    return tuple(choices() if callable(choices) else choices) if choices is not None else None
+
+
+def _bounds_text(f: dataclasses.Field) -> str:
+    ops = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+    return ", ".join(f"{op} {f.metadata[k]:g}" for k, op in ops if f.metadata.get(k) is not None)
+
+
+def _check_scalar(name: str, value: Any, f: dataclasses.Field) -> None:
+    choices = _choices_of(f)
+    if choices is not None and value not in choices:
+        raise ConfigError(name, f"{value!r} is not allowed; expected one of {list(choices)}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        m = f.metadata
+        ok = (
+            (m.get("gt") is None or value > m["gt"])
+            and (m.get("ge") is None or value >= m["ge"])
+            and (m.get("lt") is None or value < m["lt"])
+            and (m.get("le") is None or value <= m["le"])
+        )
+        if not ok:
+            raise ConfigError(name, f"{value!r} is out of range; expected {_bounds_text(f)}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Shallow runtime check of ``value`` against a resolved type hint (containers by kind only)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, hint)
+
+
+def _check_fields(obj: Any) -> None:
+    """Type, choices and bounds of every field of the dataclass ``obj`` (keys relative to it)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _type_ok(value, hints[f.name]):
+            raise ConfigError(f.name, f"{value!r} has type {type(value).__name__}; expected {f.type}")
+        items = value if isinstance(value, (list, tuple)) and f.metadata.get("choices") is not None else [value]
+        if value is not None:
+            for item in items:
+                _check_scalar(f.name, item, f)
+
+
+def _reward_names() -> list[str]:
+    # Read when a config is validated, not at import: users register their own rewards before
+    # loading a config, and importing rlflow.workers here would pull Ray into every config user.
+    from rlflow.workers.rewards import list_rewards
+
+    return list_rewards()
+
+
+class _Section:
+    """Base of every config dataclass: field checks from metadata, then the class's own ``_check``."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        self._check()
+
+    def _check(self) -> None:
+        """Checks across fields; raise :class:`ConfigError` with a key relative to this section."""
+
+
+# --- Sections ---
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig(_Section):
+    """What is optimised: the algorithm, its advantage estimator and loss coefficients."""
+
+    name: str = _f("grpo", "training algorithm; decides the dataflow graph", choices=ALGORITHMS)
+    adv_estimator: str | None = _f(None, "null: the algorithm's (ppo: gae, grpo: grpo...)", choices=list_adv_estimators)
+    policy_loss: str = _f("ppo", "policy-gradient loss (registry in rlflow.algos.losses)", choices=list_policy_losses)
+    n_samples: int = _f(8, "responses sampled per prompt (the GRPO/RLOO group size)", ge=1)
+    gamma: float = _f(1.0, "discount factor of GAE / discounted returns", ge=0.0, le=1.0)
+    lam: float = _f(1.0, "GAE lambda", ge=0.0, le=1.0)
+    clip_ratio_low: float = _f(0.2, "PPO clip: ratio kept above 1 - clip_ratio_low", gt=0.0, lt=1.0)
+    clip_ratio_high: float = _f(0.2, "PPO clip: ratio kept below 1 + clip_ratio_high (DAPO clip-higher)", gt=0.0)
+    dual_clip_c: float | None = _f(None, "dual-clip bound c for negative advantages; null: off", gt=1.0)
+    entropy_coef: float = _f(0.0, "weight of the entropy bonus in the policy loss", ge=0.0)
+    kl_coef: float = _f(0.0, "weight of KL(actor || ref); 0 disables the reference model's KL", ge=0.0)
+    kl_estimator: str = _f("k3", "per-token KL estimator", choices=KL_ESTIMATORS)
+    kl_in_reward: bool = _f(False, "true: subtract kl_coef*KL from the token rewards (PPO); false: add a KL loss")
+    kl_target: float | None = _f(None, "target KL of the adaptive controller; null: fixed kl_coef", gt=0.0)
+    kl_horizon: int = _f(10000, "horizon (in samples) of the adaptive KL controller", ge=1)
+    loss_agg_mode: str = _f("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
+    norm_adv_by_std: bool = _f(True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)")
+    value_clip: float | None = _f(0.5, "clip of value predictions around the old values; null: off", gt=0.0)
+    vf_coef: float = _f(0.5, "weight of the value loss in the critic's loss", gt=0.0)
+    n_minibatches: int = _f(1, "optimizer steps per epoch over one batch (PPO mini-batches)", ge=1)
+    ppo_epochs: int = _f(1, "passes over each batch of samples", ge=1)
+    reward_fn: str | None = _f(
+        None, "rule-based reward; null: models.reward, else the task's reward", choices=_reward_names
+    )
+    dpo_beta: float = _f(0.1, "DPO inverse temperature beta", gt=0.0)
+    dpo_loss: str = _f("sigmoid", "DPO loss variant", choices=("sigmoid", "ipo"))
+    ema_eta: float = _f(0.01, "ppo_ema: weight of the actor in the reference's moving average per step", gt=0.0, le=1.0)
+
+    @property
+    def resolved_adv_estimator(self) -> str | None:
+        """``adv_estimator``, or the algorithm's default when null; None for dpo, sft and rm."""
+        return self.adv_estimator or DEFAULT_ADV_ESTIMATOR.get(self.name)
+
+
+@dataclass(kw_only=True)
+class ModelConfig(_Section):
+    """One model (actor, ref, critic or reward): where its weights come from and how it trains."""
+
+    init: str = _f("tiny", "weights: a local HF dir, a fresh tiny model, or a copy", choices=("path", "tiny", "copy"))
+    path: str | None = _f(None, "local Hugging Face model directory (init: path)")
+    init_from: str | None = _f(None, "init: copy: start from this model's initial weights", choices=MODEL_ROLES)
+    family: str = _f("llama", "tiny model architecture", choices=("llama", "qwen2"))
+    hidden_size: int = _f(128, "tiny model: hidden size", ge=1)
+    num_layers: int = _f(4, "tiny model: decoder layers", ge=1)
+    num_heads: int = _f(4, "tiny model: attention heads", ge=1)
+    num_kv_heads: int = _f(4, "tiny model: key/value heads (grouped-query attention)", ge=1)
+    intermediate_size: int = _f(512, "tiny model: MLP width", ge=1)
+    tie_word_embeddings: bool = _f(True, "tiny model: share the embedding and LM-head weights")
+    dtype: str = _f("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+    trainable: bool | None = _f(None, "null: actor and critic train (and reward under rm); ref never trains")
+    lr: float = _f(1e-5, "peak learning rate", gt=0.0)
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay", ge=0.0)
+    betas: tuple[float, float] = _f((0.9, 0.999), "AdamW betas")
+    eps: float = _f(1e-8, "AdamW epsilon", gt=0.0)
+    warmup_steps: int = _f(0, "optimizer steps of linear learning-rate warm-up", ge=0)
+    lr_schedule: str = _f("constant", "learning rate after warm-up", choices=("constant", "cosine"))
+    min_lr_ratio: float = _f(0.0, "cosine floor as a fraction of lr", ge=0.0, le=1.0)
+    grad_clip: float | None = _f(1.0, "clip the global gradient norm to this; null: off", gt=0.0)
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    micro_batch_tokens: int | None = _f(None, "tokens per forward/backward micro-batch; null: whole batch", ge=1)
+
+    def _check(self) -> None:
+        if (self.init == "path") != (self.path is not None):
+            raise ConfigError("path", f"init={self.init!r} needs path {'set' if self.init == 'path' else 'null'}")
+        if (self.init == "copy") != (self.init_from is not None):
+            raise ConfigError(
+                "init_from", f"init={self.init!r} needs init_from {'set' if self.init == 'copy' else 'null'}"
+            )
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("betas", f"{list(self.betas)} must be two values in [0, 1)")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.init == "tiny":
+            if self.hidden_size % self.num_heads:
+                raise ConfigError("num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}")
+            if self.num_heads % self.num_kv_heads:
+                raise ConfigError("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
+
+    def optim_config(self, total_steps: int | None) -> OptimConfig:
+        """The engine's :class:`OptimConfig`; ``total_steps`` (optimizer steps) ends the cosine."""
+        return OptimConfig(
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps,
+            total_steps=total_steps if self.lr_schedule == "cosine" else None,
+            min_lr_ratio=self.min_lr_ratio,
+            max_grad_norm=self.grad_clip,
+        )
+
+
+@dataclass(kw_only=True)
+class DataConfig(_Section):
+    """Prompts (and answers): a built-in synthetic task or JSONL files."""
+
+    task: str | None = _f("arithmetic", "synthetic task; null: train_file", choices=("arithmetic", "countdown"))
+    num_digits: int = _f(2, "arithmetic: operands are drawn from [0, 10**num_digits)", ge=1, le=18)
+    ops: list[str] = _f(["+"], "arithmetic: operators drawn for each problem", choices=("+", "-", "*"))
+    reverse_answer: bool = _f(True, "arithmetic: write the answer's digits least-significant first (easier to learn)")
+    num_numbers: int = _f(3, "countdown: numbers given per puzzle", ge=2, le=5)
+    max_number: int = _f(10, "countdown: numbers are drawn from [1, max_number]", ge=1)
+    max_target: int = _f(100, "countdown: targets are drawn from [1, max_target]", ge=1)
+    train_file: str | None = _f(None, "JSONL training data (prompt / answer / chosen+rejected per algorithm)")
+    eval_file: str | None = _f(None, "JSONL held-out data; null: held-out problems of the task")
+    tokenizer: str | None = _f(None, "local HF tokenizer directory; null: the built-in character tokenizer")
+    batch_size: int = _f(32, "prompts per training step", ge=1)
+    max_prompt_len: int = _f(16, "prompt length limit in tokens (longer prompts are an error)", ge=1)
+    max_response_len: int = _f(8, "response length limit in tokens", ge=1)
+    eval_size: int = _f(256, "held-out prompts scored at each evaluation; 0: no evaluation", ge=0)
+    shuffle: bool = _f(True, "reshuffle file-based training data every epoch")
+
+    def _check(self) -> None:
+        if (self.task is None) == (self.train_file is None):
+            raise ConfigError("task", "give exactly one of task and train_file")
+        if not self.ops:
+            raise ConfigError("ops", "needs at least one operator from ['+', '-', '*']")
+
+    def build_task(self, seed: int) -> SyntheticTask:
+        """The synthetic task of ``task`` (its train/test split is fixed by ``seed``)."""
+        if self.task == "arithmetic":
+            return ArithmeticTask(self.num_digits, tuple(self.ops), self.reverse_answer, seed=seed)
+        if self.task == "countdown":
+            return CountdownTask(self.num_numbers, self.max_number, self.max_target, seed=seed)
+        raise ConfigError("task", f"no synthetic task (task={self.task!r}); data comes from {self.train_file!r}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(_Section):
+    """How responses are sampled."""
+
+    engine: str = _f("hf", "rollout engine (vllm needs a GPU and the vllm package)", choices=("hf", "vllm"))
+    temperature: float = _f(1.0, "sampling temperature", gt=0.0)
+    top_p: float = _f(1.0, "nucleus sampling mass; 1: off", gt=0.0, le=1.0)
+    top_k: int = _f(0, "keep the k most likely tokens; 0: off", ge=0)
+    max_new_tokens: int | None = _f(None, "response tokens sampled; null: data.max_response_len", ge=1)
+    eval_greedy: bool = _f(True, "evaluate with greedy decoding (else with the sampling settings)")
+
+
+@dataclass(kw_only=True)
+class WarmupConfig(_Section):
+    """Supervised warm-up of the actor on reference answers before the RL loop (0 steps: off).
+
+    It uses its own AdamW at a constant ``lr``, discarded afterwards; the RL optimizer starts fresh.
+    Models with ``init: copy`` of the actor (a reference policy, a critic backbone) copy the actor
+    as it is after the warm-up, so the KL anchor is the warmed-up policy, not random weights.
+    """
+
+    steps: int = _f(0, "SFT steps before RL; 0: no warm-up", ge=0)
+    batch_size: int = _f(64, "examples per warm-up step", ge=1)
+    lr: float = _f(1e-3, "warm-up learning rate (constant)", gt=0.0)
+
+
+@dataclass(kw_only=True)
+class MeshConfig(_Section):
+    """A device mesh of a manual placement (see rlflow.planner.mesh.DeviceMesh)."""
+
+    node_start: int = _f(0, "first node", ge=0)
+    device_start: int = _f(0, "first device on node_start; a multiple of num_devices", ge=0)
+    num_nodes: int = _f(1, "nodes spanned", ge=1)
+    num_devices: int = _f(1, "devices used on each node", ge=1)
+
+    def to_device_mesh(self, devices_per_node: int) -> DeviceMesh:
+        """The planner's mesh (raises ``ValueError`` for a mesh that is not node-aligned)."""
+        return DeviceMesh(self.num_nodes, self.num_devices, self.node_start, self.device_start, devices_per_node)
+
+
+@dataclass(kw_only=True)
+class StrategyConfig(_Section):
+    """A parallel strategy; dp * tp * pp must equal the mesh size."""
+
+    dp: int = _f(1, "data-parallel degree", ge=1)
+    tp: int = _f(1, "tensor-parallel degree (inside one node)", ge=1)
+    pp: int = _f(1, "pipeline-parallel degree", ge=1)
+
+    def to_strategy(self) -> ParallelStrategy:
+        return ParallelStrategy(self.dp, self.tp, self.pp)
+
+
+@dataclass(kw_only=True)
+class ManualPlacementConfig(_Section):
+    """Where and how one MFC runs under ``placement.mode: manual``."""
+
+    mesh: MeshConfig = _f(MeshConfig(), "devices of the call")
+    strategy: StrategyConfig = _f(StrategyConfig(), "parallel strategy of the call")
+
+    def _check(self) -> None:
+        size = self.mesh.num_nodes * self.mesh.num_devices
+        s = self.strategy
+        if s.dp * s.tp * s.pp != size:
+            raise ConfigError("strategy", f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} does not equal the mesh size {size}")
+        if self.mesh.num_devices % s.tp:  # ranks are tp-innermost: a tp group must not cross nodes
+            raise ConfigError("strategy.tp", f"{s.tp} does not divide the devices per node {self.mesh.num_devices}")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig(_Section):
+    """The cluster and how MFCs are placed on it."""
+
+    mode: str = _f(
+        "auto",
+        "auto: MCMC search; heuristic: rule of thumb; colocated: every call on all devices; manual",
+        choices=("auto", "heuristic", "colocated", "manual"),
+    )
+    num_nodes: int = _f(1, "nodes used", ge=1)
+    devices_per_node: int = _f(1, "workers per node: GPUs, or CPU worker processes without GPUs", ge=1)
+    cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", gt=0.0)
+    use_gpu: bool | None = _f(None, "null: use GPUs when Ray sees them")
+    ray_address: str | None = _f(None, "null: start Ray in this process; 'auto' or 'ray://host:port': join a cluster")
+    search_seconds: float = _f(10.0, "time budget of the auto search", ge=0.0)
+    profile: bool = _f(False, "calibrate the cost model by a quick profile of this machine first")
+    manual: dict[str, ManualPlacementConfig] = _f({}, "mode manual: MFC name → mesh and strategy")
+
+    def _check(self) -> None:
+        if self.mode == "manual" and not self.manual:
+            raise ConfigError("manual", "mode 'manual' needs a mesh and strategy for every MFC")
+        if self.mode != "manual" and self.manual:
+            raise ConfigError("manual", f"is only read in mode 'manual', got mode={self.mode!r}")
+        for name, m in self.manual.items():
+            self._check_mesh(name, m.mesh)
+
+    def _check_mesh(self, name: str, mesh: MeshConfig) -> None:
+        key = f"manual.{name}.mesh"
+        try:
+            device_mesh = mesh.to_device_mesh(self.devices_per_node)
+        except ValueError as err:
+            raise ConfigError(key, str(err)) from None
+        if (
+            device_mesh.node_start + device_mesh.num_nodes > self.num_nodes
+            or mesh.device_start >= self.devices_per_node
+        ):
+            raise ConfigError(
+                key, f"{device_mesh} lies outside {self.num_nodes} node(s) x {self.devices_per_node} devices"
+            )
+
+
+@dataclass(kw_only=True)
+class LoopConfig(_Section):
+    """The driver loop."""
+
+    total_steps: int = _f(100, "RL (or SFT/DPO/RM) steps; one step = one batch of prompts", ge=1)
+    eval_every: int = _f(10, "evaluate every this many steps; 0: only at the end", ge=0)
+    eval_before_train: bool = _f(True, "evaluate before the first step (and after the warm-up)")
+    log_every: int = _f(1, "log metrics every this many steps", ge=1)
+    max_wall_seconds: float | None = _f(None, "stop (after a final eval and checkpoint) past this wall time", gt=0.0)
+
+
+@dataclass(kw_only=True)
+class LoggingConfig(_Section):
+    """Where metrics go."""
+
+    dir: str | None = _f(None, "run directory; null: runs/{experiment_name}")
+    console: bool = _f(True, "print one compact line per logged step")
+    jsonl: bool = _f(True, "append metrics to {run dir}/metrics.jsonl")
+    tensorboard: bool = _f(True, "write TensorBoard events to {run dir}/tensorboard")
+    wandb: bool = _f(False, "log to Weights & Biases (needs the wandb package)")
+    mlflow: bool = _f(False, "log to MLflow (needs the mlflow package)")
+    project: str = _f("rlflow", "wandb project / mlflow experiment name")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig(_Section):
+    """Saving and resuming."""
+
+    dir: str | None = _f(None, "checkpoint directory; null: {run dir}/checkpoints")
+    every_n_steps: int = _f(0, "save every this many steps; 0: no periodic saves", ge=0)
+    save_final: bool = _f(True, "save after the last step")
+    resume: str = _f("none", "'none', 'auto' (latest checkpoint if any) or a checkpoint path")
+    keep_last: int = _f(2, "checkpoints kept (older ones deleted); 0: keep all", ge=0)
+    save_hf: bool = _f(True, "also export the trainable models as HF directories in each checkpoint")
+
+    def _check(self) -> None:
+        if not self.resume:
+            raise ConfigError("resume", "empty; expected 'none', 'auto' or a checkpoint path")
+
+
+# --- Root ---
+
+
+@dataclass(kw_only=True)
+class RLFlowConfig(_Section):
+    """A whole run: what to train, on which data, where, and what to record."""
+
+    experiment_name: str = _f("rlflow", "names the run directory runs/{experiment_name}")
+    seed: int = _f(0, "seed of model init, data order, sampling and the task's train/test split", ge=0)
+    algorithm: AlgorithmConfig = _f(AlgorithmConfig(), "the algorithm")
+    models: dict[str, ModelConfig] = _f({"actor": ModelConfig()}, "models by role (actor, ref, critic, reward)")
+    data: DataConfig = _f(DataConfig(), "prompts and answers")
+    rollout: RolloutConfig = _f(RolloutConfig(), "sampling")
+    warmup: WarmupConfig = _f(WarmupConfig(), "SFT warm-up before the RL loop")
+    placement: PlacementConfig = _f(PlacementConfig(), "cluster and MFC placement")
+    trainer: LoopConfig = _f(LoopConfig(), "the driver loop")
+    logging: LoggingConfig = _f(LoggingConfig(), "metrics")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig(), "checkpoints")
+
+    def _check(self) -> None:
+        if not _NAME_PATTERN.match(self.experiment_name):
+            raise ConfigError("experiment_name", f"{self.experiment_name!r} must be letters, digits, '_', '-', '.'")
+        self._check_models()
+        self._check_algorithm()
+        self._check_sampling()
+
+    @property
+    def run_dir(self) -> Path:
+        """``logging.dir``, or ``runs/{experiment_name}``."""
+        return Path(self.logging.dir) if self.logging.dir else Path("runs") / self.experiment_name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.dir``, or ``<run_dir>/checkpoints``."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    @property
+    def max_new_tokens(self) -> int:
+        """``rollout.max_new_tokens``, or ``data.max_response_len``."""
+        return self.rollout.max_new_tokens or self.data.max_response_len
+
+    @property
+    def reward_fn(self) -> str | None:
+        """The rule-based reward of an RL run: ``algorithm.reward_fn``, else the task's own reward
+        when there is no reward model; None when ``models.reward`` scores responses."""
+        if self.algorithm.reward_fn is not None or "reward" in self.models:
+            return self.algorithm.reward_fn
+        return self.data.build_task(self.seed).reward_name if self.data.task else None
+
+    def is_trainable(self, role: str) -> bool:
+        """``models.<role>.trainable``, defaulting to: actor and critic yes, reward only under rm, ref no."""
+        explicit = self.models[role].trainable
+        if explicit is not None:
+            return explicit
+        return role in ("actor", "critic") or (role == "reward" and self.algorithm.name == "rm")
+
+    def required_models(self) -> tuple[str, ...]:
+        """The roles the algorithm uses, in ``MODEL_ROLES`` order; other configured models are not built."""
+        algo = self.algorithm
+        if algo.name == "rm":
+            return ("reward",)
+        needed = {"actor"}
+        if algo.name == "dpo" or (algo.name in RL_ALGORITHMS and (algo.kl_coef > 0 or algo.name == "ppo_ema")):
+            needed.add("ref")
+        if algo.resolved_adv_estimator == "gae":
+            needed.add("critic")
+        if algo.name in RL_ALGORITHMS and "reward" in self.models and algo.reward_fn is None:
+            needed.add("reward")
+        return tuple(r for r in MODEL_ROLES if r in needed)
+
+    def _check_models(self) -> None:
+        for role, model in self.models.items():
+            if role not in MODEL_ROLES:
+                raise ConfigError(f"models.{role}", f"unknown model role; expected one of {list(MODEL_ROLES)}")
+            if model.init == "copy":
+                source = self.models.get(model.init_from)
+                if model.init_from == role or source is None:
+                    raise ConfigError(
+                        f"models.{role}.init_from", f"{model.init_from!r}; expected one of {sorted(self.models)}"
+                    )
+                if source.init == "copy":
+                    raise ConfigError(
+                        f"models.{role}.init_from", f"{model.init_from!r} is a copy itself; name its source"
+                    )
+        if "ref" in self.models and self.models["ref"].trainable:
+            raise ConfigError("models.ref.trainable", "the reference model never trains; set false or null")
+        for role in self.required_models():
+            if role not in self.models:
+                raise ConfigError(f"models.{role}", f"missing: algorithm {self.algorithm.name!r} needs a {role} model")
+        if self.algorithm.name == "rm" and "actor" in self.models:
+            raise ConfigError("models.actor", "the rm algorithm trains models.reward only; remove the actor")
+
+    def _check_algorithm(self) -> None:
+        algo = self.algorithm
+        if algo.name in RL_ALGORITHMS and algo.resolved_adv_estimator is None:
+            raise ConfigError("algorithm.adv_estimator", f"algorithm {algo.name!r} needs an estimator")
+        if algo.resolved_adv_estimator in GROUP_ESTIMATORS and algo.n_samples < 2:
+            raise ConfigError(
+                "algorithm.n_samples", f"{algo.n_samples}; the {algo.resolved_adv_estimator} estimator needs >= 2"
+            )
+        if algo.resolved_adv_estimator == "gae" and "critic" in self.models and not self.is_trainable("critic"):
+            raise ConfigError("models.critic.trainable", "GAE needs a trainable critic")
+        if algo.name in RL_ALGORITHMS:
+            if algo.reward_fn is not None and "reward" in self.models:
+                raise ConfigError(
+                    "algorithm.reward_fn", f"{algo.reward_fn!r} and models.reward both give rewards; keep one"
+                )
+            if self.reward_fn is None and "reward" not in self.models:
+                raise ConfigError("algorithm.reward_fn", "null, and neither models.reward nor data.task gives a reward")
+        if self.warmup.steps and algo.name in ("sft", "rm"):
+            raise ConfigError("warmup.steps", f"{self.warmup.steps}; a warm-up precedes RL or DPO, not {algo.name!r}")
+
+    def _check_sampling(self) -> None:
+        if self.rollout.max_new_tokens is not None and self.rollout.max_new_tokens > self.data.max_response_len:
+            limit = self.data.max_response_len
+            raise ConfigError(
+                "rollout.max_new_tokens", f"{self.rollout.max_new_tokens} > data.max_response_len={limit}"
+            )
+        if self.rollout.engine == "vllm" and self.placement.use_gpu is False:
+            raise ConfigError("rollout.engine", "'vllm' needs GPUs but placement.use_gpu is false; use 'hf'")
+
+
+# --- Loading ---
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> RLFlowConfig:
+    """Build a validated config from a YAML file (or a dict) and ``key=value`` overrides.
+
+    Args:
+        source: a YAML path, a nested dict of settings, or None for the defaults. A ``models``
+            section replaces the default model set instead of merging into it.
+        overrides: dotted ``key=value`` strings (``"models.actor.lr=1e-4"``, ``"data.ops=[+,-]"``),
+            applied in order after ``source``; values are parsed as YAML.
+
+    Returns:
+        The validated :class:`RLFlowConfig`.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, a value outside its allowed set
+            or range, or an inconsistent combination; the message names the full dotted key and
+            where the value came from.
+        FileNotFoundError: ``source`` is a path that does not exist.
+
+    >>> load_config({"trainer": {"total_steps": 5}}, ["algorithm.n_samples=4"]).algorithm.n_samples
+    4
+    """
+    raw, origin = _read_source(source)
+    base = OmegaConf.structured(RLFlowConfig)
+    if "models" in raw:
+        base.models = {}
+    merged = _merge(base, raw, origin)
+    for override in overrides:
+        merged = _merge(merged, _parse_override(override), f"override {override!r}")
+    data = OmegaConf.to_container(merged, resolve=True)
+    try:
+        return _build(RLFlowConfig, data, "")
+    except ConfigError as err:
+        raise err.with_source(_source_of(err.key, raw, origin, overrides)) from None
+
+
+def parse_cli(argv: Sequence[str]) -> RLFlowConfig:
+    """``[recipe.yaml, key=value, ...]`` → config (the form of ``rlflow train`` and the recipes)."""
+    if not argv or "=" in argv[0] or argv[0].startswith("-"):
+        raise ConfigError("argv", f"{list(argv)}; expected: <recipe.yaml> [key=value ...]")
+    return load_config(argv[0], argv[1:])
+
+
+def to_yaml(cfg: RLFlowConfig) -> str:
+    """The complete config as YAML; ``load_config`` of it gives back an equal config."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _read_source(source: str | Path | Mapping[str, Any] | None) -> tuple[DictConfig, str | None]:
+    if source is None:
+        return OmegaConf.create({}), None
+    if isinstance(source, Mapping):
+        return OmegaConf.create(dict(source)), None
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as err:  # yaml.YAMLError and OmegaConf's own parse errors
+        raise ConfigError("<file>", f"cannot parse YAML: {err}", f"in {path}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError("<file>", "the top level must be a mapping of sections", f"in {path}")
+    return raw, f"in {path}"
+
+
+def _parse_override(override: str) -> DictConfig:
+    key, sep, _ = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(override, "an override must read key=value (e.g. trainer.total_steps=10)")
+    try:
+        return OmegaConf.from_dotlist([override])
+    except OmegaConfBaseException as err:
+        raise ConfigError(key, f"cannot parse the value: {err}", f"override {override!r}") from None
+
+
+def _merge(base: DictConfig, update: DictConfig, origin: str | None) -> DictConfig:
+    """``OmegaConf.merge`` with its key and type errors turned into :class:`ConfigError`."""
+    try:
+        return OmegaConf.merge(base, update)
+    except OmegaConfBaseException as err:
+        key, parent = err.full_key or "?", err.object_type
+        declared = {f.name: f.type for f in dataclasses.fields(parent)} if dataclasses.is_dataclass(parent) else {}
+        if isinstance(err, ConfigKeyError):
+            raise ConfigError(key, f"unknown key; valid keys here: {list(declared)}", origin) from None
+        expected = declared.get(key.rsplit(".", 1)[-1])
+        detail = str(err).splitlines()[0]
+        raise ConfigError(key, detail + (f"; expected {expected}" if expected else ""), origin) from None
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    """Instantiate ``cls`` from plain ``data`` bottom-up, prefixing errors with ``path``."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _build_value(hints[f.name], data[f.name], f"{path}.{f.name}" if path else f.name)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.prefixed(path) from None
+
+
+def _build_value(hint: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict and args and dataclasses.is_dataclass(args[1]):
+        return {key: _build(args[1], item, f"{path}.{key}") for key, item in value.items()}
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _source_of(key: str, raw: DictConfig, origin: str | None, overrides: Sequence[str]) -> str | None:
+    """The override or file that set ``key`` (or a parent or child of it), for error messages."""
+    for override in reversed(overrides):
+        set_key = override.partition("=")[0].strip()
+        if set_key == key or set_key.startswith(key + ".") or key.startswith(set_key + "."):
+            return f"override {override!r}"
+    return origin if origin is not None and OmegaConf.select(raw, key, default=None) is not None else None
+
+
+# --- Reference documentation (docs/configuration.md) ---
+
+
+def render_config_reference() -> str:
+    """The whole of ``docs/configuration.md``: this module's docstring, then one table per section
+    (key, type, default, allowed values, description) in the order of :class:`RLFlowConfig`.
+
+    Dictionary entries appear under a placeholder key (``models.<role>``, ``placement.manual.<mfc>``).
+    Regenerate the file with ``python -m rlflow.trainer.config > docs/configuration.md``.
+    """
+    intro = re.sub(r":\w+:`", "`", __doc__.split("\n", 1)[1]).replace("``", "`").replace("::\n", ":\n")
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- generated by: python -m rlflow.trainer.config > docs/configuration.md -->",
+    ]
+    lines.append("")
+    lines += [intro.strip(), "", "Recipes: `recipes/*.yaml`. Every field:", ""]
+    _render_section(RLFlowConfig, "", lines)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _render_section(cls: type, path: str, lines: list[str]) -> None:
+    hints = typing.get_type_hints(cls)
+    doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    lines += [f"## `{path or '(top level)'}`", "", f"{cls.__name__}: {doc}", ""]
+    lines += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
+    nested: list[tuple[type, str]] = []
+    for f in dataclasses.fields(cls):
+        key = f"{path}.{f.name}" if path else f.name
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            nested.append((hint, key))
+        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]):
+            nested.append((args[1], f"{key}.<{_PLACEHOLDERS.get(f.name, 'name')}>"))
+        default = _default_of(f)
+        allowed = ", ".join(f"`{c}`" for c in _choices_of(f) or ()) or _bounds_text(f)
+        row = [f"`{key}`", f"`{f.type}`", f"`{default}`" if default else "", allowed, f.metadata.get("help", "")]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    lines.append("")
+    for sub, sub_path in nested:
+        _render_section(sub, sub_path, lines)
+
+
+_PLACEHOLDERS = {"models": "role", "manual": "mfc"}
+
+
+def _default_of(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if dataclasses.is_dataclass(value):
+        return ""  # a section: its own table follows
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: …" for k in value) + "}" if value else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml_scalar(v) for v in value) + "]"
+    return _yaml_scalar(value)
+
+
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_config_reference())
