@@ -122,13 +122,21 @@ class MetricsLogger:
         self.close()
 
 
+# Bookkeeping metrics every call reports; they go to the files, not to the one-line console summary.
+CONSOLE_HIDDEN = ("/time_s", "/tokens", "/rows", "/peak_memory_bytes", "/pre_call", "/post_call", "/lr")
+
+
 def format_metrics(step: int, values: Mapping[str, float]) -> str:
     """The console line: ``step 12 | reward 0.531 | time/step 1.02``, 4 significant digits.
 
-    >>> format_metrics(3, {"reward": 0.53125, "n": 256.0})
+    Per-call bookkeeping (``CONSOLE_HIDDEN``) is left out of the line; every sink but the
+    console records it.
+
+    >>> format_metrics(3, {"reward": 0.53125, "n": 256.0, "actor_gen/rows": 64.0})
     'step 3 | reward 0.5312 | n 256'
     """
-    return " | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in values.items())])
+    shown = ((k, v) for k, v in values.items() if not k.endswith(CONSOLE_HIDDEN))
+    return " | ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in shown)])
 
 
 def _to_float(key: Any, value: Any) -> float:

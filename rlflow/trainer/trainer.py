@@ -278,8 +278,6 @@ class Trainer:
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
         self.result.eval_history = [tuple(e) for e in state["extra"].get("eval_history", [])]
-        for name, count in state["extra"].get("issued", {}).items():
-            self._issued[name] = int(count)
         print(f"resumed from {path} at step {self.step}")
 
     def _report(self) -> None:
