@@ -28,34 +28,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.parallel.tensor_parallel import check_tp_degree
+from rlflow.planner.mesh import ParallelStrategy
 
 __all__ = ["MESH_AXES", "ParallelDims", "apply_ac", "apply_fsdp", "mixed_precision_dtype"]
 
 MESH_AXES = ("pp", "dp", "tp")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ParallelDims:
-    """A validated ``(dp, tp, pp)`` strategy of one engine.
+@dataclass(frozen=True)
+class ParallelDims(ParallelStrategy):
+    """A ``(dp, tp, pp)`` strategy of one engine, read from its mesh and checked against the model.
 
     Args:
         dp: data-parallel (FSDP) degree.
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
     """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
