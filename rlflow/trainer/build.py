@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -20,14 +21,12 @@ from rlflow.dataflow import MFCDef, algorithm_graph
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
-from rlflow.trainer.config import ModelConfig, RLFlowConfig
+from rlflow.trainer.config import GROUP_ESTIMATORS, ModelConfig, RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
 
 VALUE_ROLES = ("critic", "reward")
-DEFAULT_ADV_ESTIMATOR = {"ppo": "gae", "ppo_ema": "gae", "grpo": "grpo", "rloo": "rloo", "remax": "remax"}
-GROUP_ESTIMATORS = ("grpo", "rloo")
 
 # Calls the driver issues besides the algorithm's graph: held-out evaluation (greedy rollout,
 # rule-based score) and the SFT warm-up of the actor before RL.
@@ -197,34 +196,10 @@ def _optim(cfg: RLFlowConfig, m: ModelConfig) -> OptimConfig:
 
 
 def algo_setup(cfg: RLFlowConfig) -> AlgoSetup:
-    a = cfg.algorithm
-    estimator = a.adv_estimator or DEFAULT_ADV_ESTIMATOR.get(a.name)
-    return AlgoSetup(
-        name=a.name,
-        adv_estimator=estimator,
-        policy_loss=a.policy_loss,
-        n_samples=a.n_samples,
-        gamma=a.gamma,
-        lam=a.lam,
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        dual_clip_c=a.dual_clip_c,
-        entropy_coef=a.entropy_coef,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        kl_in_reward=a.kl_in_reward,
-        kl_target=a.kl_target,
-        kl_horizon=a.kl_horizon,
-        loss_agg_mode=a.loss_agg_mode,
-        norm_adv_by_std=a.norm_adv_by_std,
-        value_clip=a.value_clip,
-        vf_coef=a.vf_coef,
-        n_minibatches=a.n_minibatches,
-        ppo_epochs=a.ppo_epochs,
-        dpo_beta=a.dpo_beta,
-        dpo_loss=a.dpo_loss,
-        ema_eta=a.ema_eta,
-    )
+    """The worker-side algorithm settings: the config's algorithm section, estimator resolved."""
+    names = {f.name for f in dataclasses.fields(AlgoSetup)}
+    values = {k: v for k, v in dataclasses.asdict(cfg.algorithm).items() if k in names}
+    return AlgoSetup(**{**values, "adv_estimator": cfg.algorithm.resolved_adv_estimator})
 
 
 def sampling_params(cfg: RLFlowConfig, eos_token_id: int | None) -> tuple[SamplingParams, SamplingParams]:
@@ -270,7 +245,7 @@ def row_group_size(cfg: RLFlowConfig) -> int:
     (chosen, rejected) pair for DPO and reward modelling."""
     if cfg.algorithm.name in ("dpo", "rm"):
         return 2
-    estimator = cfg.algorithm.adv_estimator or DEFAULT_ADV_ESTIMATOR.get(cfg.algorithm.name)
+    estimator = cfg.algorithm.resolved_adv_estimator
     return cfg.algorithm.n_samples if estimator in GROUP_ESTIMATORS or cfg.algorithm.name == "remax" else 1
 
 
