@@ -1,9 +1,9 @@
-"""The ``rlflow`` command: ``plan``, ``profile`` and ``draw``.
+"""The ``rlflow`` command: ``train``, ``plan``, ``profile`` and ``draw``.
 
 Every subcommand is one entry of :data:`COMMANDS`: a help line, a function adding its arguments
-to an ``argparse`` sub-parser and a function running it (returning the exit status). A new
-subcommand (``train``) is one more entry.
+to an ``argparse`` sub-parser and a function running it (returning the exit status).
 
+    rlflow train recipes/grpo_arithmetic.yaml trainer.total_steps=20 models.actor.lr=1e-4
     rlflow plan --algo ppo --actor llama2-7b --critic llama2-7b --nodes 1 --batch 512 \\
         --prompt-len 128 --gen-len 896 --search-seconds 30 --out plan.json --timeline plan.png
     rlflow profile --out profile.json
@@ -27,6 +27,38 @@ class Command:
 
 class UsageError(ValueError):
     """Bad user input found after argument parsing (an unknown model, algorithm or device)."""
+
+
+# ----------------------------------------------------------------------------- rlflow train
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML, e.g. recipes/grpo_arithmetic.yaml")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides applied after the recipe, e.g. trainer.total_steps=20 (see docs/configuration.md)",
+    )
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlflow.trainer import ConfigError, run_recipe
+
+    if not args.recipe.endswith((".yaml", ".yml")) or not Path(args.recipe).is_file():
+        raise UsageError(f"recipe {args.recipe!r}: expected an existing YAML file such as recipes/grpo_arithmetic.yaml")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise UsageError(f"{bad[0]!r} is not an override; expected key=value (e.g. trainer.total_steps=20)")
+    try:
+        # The recipe goes first in argv, so that an override whose value ends in .yaml is never
+        # taken for the recipe.
+        run_recipe(args.recipe, [args.recipe, *args.overrides])
+    except ConfigError as exc:
+        raise UsageError(f"bad config: {exc}") from exc
+    return 0
 
 
 # ----------------------------------------------------------------------------- rlflow plan
@@ -183,6 +215,7 @@ def _run_draw(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
+    "train": Command("train a recipe (YAML) with key=value overrides", _train_arguments, _run_train),
     "plan": Command("search the execution plan of an algorithm on a cluster", _plan_arguments, _run_plan),
     "profile": Command("measure this machine for the cost model", _profile_arguments, _run_profile),
     "draw": Command("draw an algorithm's dataflow graph", _draw_arguments, _run_draw),
