@@ -37,6 +37,9 @@ def rlflow_command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "rlflow.cli"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_rlflow_train_runs_a_recipe_on_a_searched_plan(ray_session, tmp_path):
     # The run joins this session's Ray cluster (placement.ray_address) instead of starting one.
     address = ray_session.get_runtime_context().gcs_address

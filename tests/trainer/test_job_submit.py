@@ -46,8 +46,10 @@ TINY = [
     "placement.search_seconds=0.5",
     "logging.tensorboard=false",
 ]
-# What the working-dir upload leaves out. The built C++ extensions (rlflow/_C_*.so) are
-# git-ignored but needed, so .gitignore is not applied (RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1).
+# What the working-dir upload leaves out. The uploaded copy of rlflow comes first on the job's
+# PYTHONPATH, so it must carry the built C++ extensions (rlflow/_C_*.so); they are git-ignored,
+# hence RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 and explicit excludes. (Without it the copy imports
+# them here only through the editable install of this same checkout.)
 EXCLUDES = [".venv", ".git", "runs", "build", "outputs", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache"]
 PORTS = (
     "port",
@@ -123,6 +125,8 @@ def stop_cluster(head: subprocess.Popen, temp_dir: str) -> None:
             pass
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_recipe_runs_as_a_ray_job_on_a_standalone_cluster(tmp_path):
     if not RAY.is_file():

@@ -40,6 +40,9 @@ def outputs_of(cell) -> tuple[str, list[str]]:
     return text, mimes
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_quickstart_notebook_runs_and_draws_the_learning_curve_and_timelines(ray_session, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     env = {

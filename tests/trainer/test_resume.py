@@ -34,6 +34,8 @@ CONFIG = [
     "models.actor.hidden_size=64",
     "models.actor.intermediate_size=128",
     "models.actor.num_layers=2",
+    "models.actor.num_heads=4",
+    "models.actor.num_kv_heads=2",
     "warmup.steps=2",
     "warmup.batch_size=16",
     "trainer.eval_every=2",
@@ -48,6 +50,8 @@ CONFIG = [
     "logging.console=false",
     "logging.tensorboard=false",
 ]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
 # Wall-clock and memory figures differ between any two runs; everything else must not.
 UNCOMPARED = ("time", "time_s", "peak_memory_bytes")
 
