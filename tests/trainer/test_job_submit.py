@@ -30,22 +30,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from recipe_helpers import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
-TINY = [
-    "trainer.total_steps=1",
-    "warmup.steps=1",
-    "warmup.batch_size=8",
-    "data.batch_size=4",
-    "data.eval_size=8",
-    "algorithm.n_samples=2",
-    "models.actor.hidden_size=64",
-    "models.actor.intermediate_size=128",
-    "models.actor.num_layers=2",
-    "placement.search_seconds=0.5",
-    "logging.tensorboard=false",
-]
 # What the working-dir upload leaves out. The uploaded copy of rlflow comes first on the job's
 # PYTHONPATH, so it must carry the built C++ extensions (rlflow/_C_*.so); they are git-ignored,
 # hence RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 and explicit excludes. (Without it the copy imports

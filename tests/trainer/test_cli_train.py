@@ -10,25 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from recipe_helpers import TINY
 
 from rlflow.cli import main
 from rlflow.planner.plan import ExecutionPlan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
-TINY = [
-    "trainer.total_steps=1",
-    "warmup.steps=1",
-    "warmup.batch_size=8",
-    "data.batch_size=4",
-    "data.eval_size=8",
-    "algorithm.n_samples=2",
-    "models.actor.hidden_size=64",
-    "models.actor.intermediate_size=128",
-    "models.actor.num_layers=2",
-    "placement.search_seconds=0.5",
-    "logging.tensorboard=false",
-]
 
 
 def rlflow_command() -> list[str]:
