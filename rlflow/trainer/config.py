@@ -27,14 +27,12 @@ the task's reference answers before the RL loop starts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 import sys
-import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +45,7 @@ from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
 from rlflow.engine.optim import OptimConfig
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
 
 __all__ = [
     "ALGORITHMS",
@@ -81,127 +80,6 @@ DEFAULT_ADV_ESTIMATOR = {"grpo": "grpo", "ppo": "gae", "ppo_ema": "gae", "remax"
 # Estimators that compare the responses of one prompt need at least two of them.
 GROUP_ESTIMATORS = ("grpo", "rloo")
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, of the wrong type, out of range or inconsistent with another.
-
-    ``key`` is the full dotted key (``"models.actor.lr"``; relative to the section for a section
-    built directly in Python), ``problem`` says what is wrong and what is allowed, ``source`` the
-    YAML file or override the value came from, when known.
-    """
-
-    def __init__(self, key: str, problem: str, source: str | None = None) -> None:
-        self.key, self.problem, self.source = key, problem, source
-        where = f" ({source})" if source else ""
-        super().__init__(f"{key}: {problem}{where}")
-
-    def prefixed(self, prefix: str) -> ConfigError:
-        """The same error with ``prefix.`` put in front of its key."""
-        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.problem, self.source)
-
-    def with_source(self, source: str | None) -> ConfigError:
-        return ConfigError(self.key, self.problem, source)
-
-
-# --- Field declarations: default + one-line help + allowed values, checked by _check_fields. ---
-
-
-def _f(
-    default: Any,
-    help: str,
-    *,
-    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-) -> Any:
-    """A dataclass field with its documentation and constraints in ``metadata``.
-
-    ``choices`` may be a callable so that registries users extend (advantage estimators,
-    policy losses) are read when a config is validated, not when this module is imported.
-    """
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
-    choices = f.metadata.get("choices")
-    return tuple(choices() if callable(choices) else choices) if choices is not None else None
-
-
-def _bounds_text(f: dataclasses.Field) -> str:
-    ops = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
-    return ", ".join(f"{op} {f.metadata[k]:g}" for k, op in ops if f.metadata.get(k) is not None)
-
-
-def _check_scalar(name: str, value: Any, f: dataclasses.Field) -> None:
-    choices = _choices_of(f)
-    if choices is not None and value not in choices:
-        raise ConfigError(name, f"{value!r} is not allowed; expected one of {list(choices)}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        m = f.metadata
-        ok = (
-            (m.get("gt") is None or value > m["gt"])
-            and (m.get("ge") is None or value >= m["ge"])
-            and (m.get("lt") is None or value < m["lt"])
-            and (m.get("le") is None or value <= m["le"])
-        )
-        if not ok:
-            raise ConfigError(name, f"{value!r} is out of range; expected {_bounds_text(f)}")
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    """Shallow runtime check of ``value`` against a resolved type hint (containers by kind only)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is Any:
-        return True
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is not None:
-        return isinstance(value, origin)
-    return isinstance(value, hint)
-
-
-def _check_fields(obj: Any) -> None:
-    """Type, choices and bounds of every field of the dataclass ``obj`` (keys relative to it)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if not _type_ok(value, hints[f.name]):
-            raise ConfigError(f.name, f"{value!r} has type {type(value).__name__}; expected {f.type}")
-        items = value if isinstance(value, (list, tuple)) and f.metadata.get("choices") is not None else [value]
-        if value is not None:
-            for item in items:
-                _check_scalar(f.name, item, f)
-
-
-def _reward_names() -> list[str]:
-    # Read when a config is validated, not at import: users register their own rewards before
-    # loading a config, and importing rlflow.workers here would pull Ray into every config user.
-    from rlflow.workers.rewards import list_rewards
-
-    return list_rewards()
-
-
-class _Section:
-    """Base of every config dataclass: field checks from metadata, then the class's own ``_check``."""
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        self._check()
-
-    def _check(self) -> None:
-        """Checks across fields; raise :class:`ConfigError` with a key relative to this section."""
 
 
 # --- Sections ---
@@ -736,67 +614,13 @@ def _source_of(key: str, raw: DictConfig, origin: str | None, overrides: Sequenc
 
 
 def render_config_reference() -> str:
-    """The whole of ``docs/configuration.md``: this module's docstring, then one table per section
-    (key, type, default, allowed values, description) in the order of :class:`RLFlowConfig`.
+    """The whole of ``docs/configuration.md`` (see :func:`rlflow.trainer.config_docs.render_reference`).
 
-    Dictionary entries appear under a placeholder key (``models.<role>``, ``placement.manual.<mfc>``).
     Regenerate the file with ``python -m rlflow.trainer.config > docs/configuration.md``.
     """
-    intro = re.sub(r":\w+:`", "`", __doc__.split("\n", 1)[1]).replace("``", "`").replace("::\n", ":\n")
-    lines = [
-        "# Configuration reference",
-        "",
-        "<!-- generated by: python -m rlflow.trainer.config > docs/configuration.md -->",
-    ]
-    lines.append("")
-    lines += [intro.strip(), "", "Recipes: `recipes/*.yaml`. Every field:", ""]
-    _render_section(RLFlowConfig, "", lines)
-    return "\n".join(lines).rstrip() + "\n"
+    from rlflow.trainer.config_docs import render_reference
 
-
-def _render_section(cls: type, path: str, lines: list[str]) -> None:
-    hints = typing.get_type_hints(cls)
-    doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-    lines += [f"## `{path or '(top level)'}`", "", f"{cls.__name__}: {doc}", ""]
-    lines += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
-    nested: list[tuple[type, str]] = []
-    for f in dataclasses.fields(cls):
-        key = f"{path}.{f.name}" if path else f.name
-        hint = hints[f.name]
-        args = typing.get_args(hint)
-        if dataclasses.is_dataclass(hint):
-            nested.append((hint, key))
-        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]):
-            nested.append((args[1], f"{key}.<{_PLACEHOLDERS.get(f.name, 'name')}>"))
-        default = _default_of(f)
-        allowed = ", ".join(f"`{c}`" for c in _choices_of(f) or ()) or _bounds_text(f)
-        row = [f"`{key}`", f"`{f.type}`", f"`{default}`" if default else "", allowed, f.metadata.get("help", "")]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
-    lines.append("")
-    for sub, sub_path in nested:
-        _render_section(sub, sub_path, lines)
-
-
-_PLACEHOLDERS = {"models": "role", "manual": "mfc"}
-
-
-def _default_of(f: dataclasses.Field) -> str:
-    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if dataclasses.is_dataclass(value):
-        return ""  # a section: its own table follows
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: …" for k in value) + "}" if value else "{}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_yaml_scalar(v) for v in value) + "]"
-    return _yaml_scalar(value)
-
-
-def _yaml_scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return render_reference(RLFlowConfig, __doc__)
 
 
 if __name__ == "__main__":
