@@ -47,19 +47,20 @@ def draw(graph: nx.DiGraph, path: str | Path, title: str | None = None) -> Path:
     Returns:
         The path written.
     """
+    # The object-oriented API, not pyplot: no backend is selected or switched (a notebook keeps its own).
     import matplotlib
-
-    matplotlib.use("Agg")  # headless: never open a window
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     path = Path(path)
     if path.suffix.lower() not in _FORMATS:
         raise ValueError(f"cannot draw to {path.name!r}: the suffix must be one of {_FORMATS}")
     pos, n_layers, height = _layout(graph)
     models = list(dict.fromkeys(graph.nodes[n]["mfc"].model_name for n in graph.nodes))
-    cmap = plt.get_cmap("tab10")
+    cmap = matplotlib.colormaps["tab10"]
     colour = {m: cmap(i % 10) for i, m in enumerate(models)}
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.8 * n_layers), max(4.0, 1.5 * height)))
+    fig = Figure(figsize=(max(6.0, 2.8 * n_layers), max(4.0, 1.5 * height)))
+    ax = fig.subplots()
     for interface, marker in _SHAPES.items():
         nodes = [n for n in graph.nodes if graph.nodes[n]["mfc"].interface_type == interface]
         nx.draw_networkx_nodes(
@@ -75,12 +76,11 @@ def draw(graph: nx.DiGraph, path: str | Path, title: str | None = None) -> Path:
     nx.draw_networkx_edges(graph, pos, edgelist=version, node_size=2600, style="dashed", edge_color="grey", ax=ax)
     keys = {(u, v): "\n".join(graph.edges[u, v].get("keys", ())) for u, v in data}
     nx.draw_networkx_edge_labels(graph, pos, edge_labels=keys, font_size=6, ax=ax, label_pos=0.5)
-    handles = [plt.Line2D([], [], marker="o", ls="", color=colour[m], label=m, markersize=9) for m in models]
+    handles = [Line2D([], [], marker="o", ls="", color=colour[m], label=m, markersize=9) for m in models]
     ax.legend(handles=handles, loc="upper left", fontsize=8, title="model", title_fontsize=8)
     ax.set_title(title or graph.graph.get("algorithm", "dataflow graph"))
     ax.axis("off")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
-    plt.close(fig)
     return path

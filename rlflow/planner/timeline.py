@@ -64,15 +64,15 @@ def draw_timeline(
     Returns:
         The path written, as a string.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display here; keep the backend off screen
-    import matplotlib.pyplot as plt
+    # The object-oriented API, not pyplot: no backend is selected or switched (a notebook keeps its own).
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     rows = num_devices if num_devices is not None else 1 + max((iv.device for iv in intervals), default=0)
     colours = _colours(sorted({iv.label for iv in intervals}))
-    fig, ax = plt.subplots(figsize=(12, max(2.5, 0.28 * rows + 1.6)))
+    fig = Figure(figsize=(12, max(2.5, 0.28 * rows + 1.6)))
+    ax = fig.subplots()
     groups: dict[tuple[str, str], list[Interval]] = defaultdict(list)
     for iv in intervals:
         if iv.end > iv.start:
@@ -103,11 +103,10 @@ def draw_timeline(
     kinds = sorted({iv.kind for iv in intervals} - {"call"})
     handles += [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=_KIND_LABEL[k]) for k in kinds]
     if boundaries:
-        handles.append(plt.Line2D([], [], color="black", linestyle="--", label="iteration end"))
+        handles.append(Line2D([], [], color="black", linestyle="--", label="iteration end"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return str(path)
 
 

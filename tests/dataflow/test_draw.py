@@ -23,3 +23,20 @@ def test_draw_writes_a_png_and_an_svg(tmp_path):
 def test_draw_rejects_unknown_formats(tmp_path):
     with pytest.raises(ValueError, match=r"'g.gif'.*\.png"):
         draw(algorithm_graph("sft"), tmp_path / "g.gif")
+
+
+def test_drawing_leaves_the_matplotlib_backend_alone(tmp_path):
+    """A notebook's inline backend must survive rlflow's drawings (they use no pyplot state)."""
+    import matplotlib
+
+    from rlflow.planner.timeline import Interval, draw_timeline
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        draw(algorithm_graph("grpo"), tmp_path / "g.png")
+        draw_timeline([Interval(device=0, start=0.0, end=1.0, label="actor_gen")], tmp_path / "t.png")
+        assert matplotlib.get_backend() == "svg"
+        assert (tmp_path / "g.png").stat().st_size > 0 and (tmp_path / "t.png").stat().st_size > 0
+    finally:
+        matplotlib.use(before)
