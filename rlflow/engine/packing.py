@@ -17,9 +17,12 @@ puts every value back at the position it came from.
 >>> unpack(packed, mask).tolist()
 [[0, 5, 6], [7, 8, 9]]
 
-HF models run a packed row when called with ``position_ids`` and without ``attention_mask``
-*and* with ``use_cache=False`` (with a cache, HF skips its packed-sequence detection and
-lets the sequences attend to each other)::
+The training engine runs a packed row through a varlen attention kernel and hands it the
+boundaries explicitly (``cu_seqlens`` and :func:`max_seqlen`, see
+:mod:`rlflow.engine.attention`). A plain HF model can also run one: called with
+``position_ids``, without ``attention_mask`` *and* with ``use_cache=False``, it detects the
+restarts of ``position_ids`` and masks each sequence off (with a cache, HF skips that
+detection and lets the sequences attend to each other)::
 
     logits = model(input_ids=packed, position_ids=position_ids, use_cache=False).logits
 """

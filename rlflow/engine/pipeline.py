@@ -15,6 +15,10 @@ Every stage computes its own rotary embeddings and attention mask from ``positio
 ``attention_mask``, which the schedule hands to all stages as keyword arguments, so only
 the hidden states travel between stages.
 
+A stage also runs packed rows (``pp == 1`` only, see the engine): one row of sequences laid
+end to end, described by ``cu_seqlens`` and ``max_seqlen``, which go to every attention call
+as HF's varlen keyword arguments (:mod:`rlflow.engine.attention`); no mask is built.
+
 Tied embeddings: the first stage holds ``embed_tokens`` and the last stage ``lm_head``; with
 ``pp > 1`` they are two copies of one tensor, initialised equal. After every backward the
 engine all-reduces (sums) the two copies' gradients between the first and last stage
@@ -32,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from rlflow.engine.attention import check_varlen_implementation, varlen_kwargs
 from rlflow.parallel.layout import pipeline_stages
 
 __all__ = ["DecoderStage", "build_schedule", "build_stage", "head_kind", "tied_embedding_group", "token_log_probs"]
@@ -85,8 +90,11 @@ class DecoderStage(nn.Module):
     Forward contract (``B`` rows, ``T`` tokens, ``H`` hidden size):
 
     * input ``x``: ``(B, T)`` token ids on the first stage, ``(B, T, H)`` hidden states else;
-      keyword ``attention_mask`` ``(B, T)`` (or ``None`` for a packed row) and
-      ``position_ids`` ``(B, T)``; on an LM's last stage optionally ``labels`` ``(B, T)``.
+      keyword ``attention_mask`` ``(B, T)`` and ``position_ids`` ``(B, T)``; on an LM's last
+      stage optionally ``labels`` ``(B, T)``.
+    * a packed row instead: ``B == 1``, ``attention_mask=None``, ``position_ids`` restarting
+      at 0 for each sequence, and ``cu_seqlens`` ``(S + 1,)`` int32 with ``max_seqlen`` (int)
+      for its ``S`` sequences; the model must use a varlen attention implementation.
     * output: ``(B, T, H)`` hidden states, except on the last stage: values ``(B, T)`` for a
       value head; for an LM head the logits ``(B, T, V)``, or with ``labels`` the tuple
       ``(log_probs, entropy[, logits])`` of :func:`token_log_probs` (logits when
@@ -133,33 +141,49 @@ class DecoderStage(nn.Module):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
         return masks
 
+    def _packed_kwargs(self, attention_mask, cu_seqlens, max_seqlen) -> dict:
+        """The varlen keyword arguments of every layer for a packed row."""
+        if attention_mask is not None or max_seqlen is None:
+            raise ValueError("a packed row (cu_seqlens given) needs attention_mask=None and max_seqlen")
+        check_varlen_implementation(self.config._attn_implementation)
+        return varlen_kwargs(cu_seqlens, max_seqlen)
+
     def forward(
         self,
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ):
         if position_ids is None:
             raise ValueError("DecoderStage.forward needs position_ids (B, T)")
         hidden = self.model.embed_tokens(x) if self.is_first else x
         if len(self.model.layers):
             position_embeddings = self.model.rotary_emb(hidden, position_ids)
-            masks = self._masks(hidden, attention_mask, position_ids)
+            if cu_seqlens is None:
+                masks, extra = self._masks(hidden, attention_mask, position_ids), {}
+            else:  # the varlen kernel keeps each sequence to itself: no mask
+                masks, extra = {}, self._packed_kwargs(attention_mask, cu_seqlens, max_seqlen)
             layer_types = getattr(self.config, "layer_types", None)
             for key, layer in self.model.layers.items():
                 layer_type = layer_types[int(key)] if layer_types else "full_attention"
                 hidden = layer(
                     hidden,
-                    attention_mask=masks[layer_type],
+                    attention_mask=masks.get(layer_type),
                     position_embeddings=position_embeddings,
                     position_ids=position_ids,
+                    **extra,
                 )
         if not self.is_last:
             return hidden
         hidden = self.model.norm(hidden) if hasattr(self.model, "norm") else hidden
         if self.kind == "value":
-            return self.score(hidden).squeeze(-1).float()
+            # (B, T, 1) -> (B, T) fp32 as a new tensor: `squeeze` would return a view of the
+            # head's output, and FSDP2 hooks backward on the module's outputs, which an in-place
+            # op on a view would silently bypass (it warns "returned a view tensor").
+            return self.score(hidden).sum(dim=-1, dtype=torch.float32)
         logits = self.lm_head(hidden)
         if labels is None:
             return logits

@@ -34,9 +34,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.engine import engine_state
+from rlflow.engine.attention import flash_attn_available, varlen_implementation
 from rlflow.engine.micro_batch import MicroBatch, select, split_micro_batches
 from rlflow.engine.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm_
-from rlflow.engine.packing import pack, position_ids_from_mask, unpack
+from rlflow.engine.packing import max_seqlen, pack, position_ids_from_mask, unpack
 from rlflow.engine.parallelize import ParallelDims, apply_ac, apply_fsdp, mixed_precision_dtype
 from rlflow.engine.pipeline import DecoderStage, build_stage, tied_embedding_group
 from rlflow.engine.pipeline_runner import PipelineRunner
@@ -83,7 +84,9 @@ class EngineConfig:
         mixed_precision: ``"auto"`` (bf16 compute on CUDA, fp32 on CPU), ``"bf16"``, ``"fp32"``.
             Master weights, gradients' reduction and optimizer state are fp32 either way.
         packing: ``"auto"`` (on with CUDA and flash-attn, without pipelining), ``"on"``, ``"off"``:
-            run each micro-batch as one packed row of valid tokens (padding-free).
+            run each micro-batch as one packed row of valid tokens (padding-free) through a
+            varlen attention kernel — flash-attn's on CUDA when installed, else PyTorch SDPA
+            (:mod:`rlflow.engine.attention`). Not with ``pp > 1``.
         pp_schedule: ``"1f1b"`` or ``"gpipe"``.
         compute_entropy: return per-token entropies from LM forwards.
         device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``None`` for CUDA when available.
@@ -116,14 +119,6 @@ class EngineConfig:
         return {"num_micro_batches": self.num_micro_batches or 1}
 
 
-def _flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _resolve_device(name: str | None) -> torch.device:
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,8 +147,8 @@ class TrainEngine:
         self.device = _resolve_device(self.config.device)
         self.compute_dtype = mixed_precision_dtype(self.device, self.config.mixed_precision)
         self.packing = self._resolve_packing()
-        if self.packing and self.device.type == "cuda" and _flash_attn_available():
-            model.set_attn_implementation("flash_attention_2")  # varlen kernels for packed rows
+        if self.packing:
+            model.set_attn_implementation(varlen_implementation(self.device))
         self.hf_class, self.hf_config = type(model), model.config
         self.stage = self._build_stage(model)
         self.kind = self.stage.kind
@@ -168,10 +163,17 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ building
     def _resolve_packing(self) -> bool:
+        # Pipelining keeps padded rows: torch's schedules cut every input and keyword tensor
+        # along dim 0 into equal micro-batches and the stages exchange activation buffers of
+        # one fixed shape, while a packed micro-batch is one row of a different length, with
+        # its own cu_seqlens (of a different length too) that a dim-0 split cannot carry.
         if self.config.packing == "on" and self.dims.pp > 1:
-            raise ValueError("packing='on' is not supported with pp > 1 (stages exchange fixed-shape buffers)")
+            raise ValueError(
+                f"packing='on' is not supported with pp={self.dims.pp}: pipeline stages exchange "
+                "fixed-shape micro-batches, packed rows vary in length; use packing='off' or 'auto'"
+            )
         if self.config.packing == "auto":
-            return self.device.type == "cuda" and self.dims.pp == 1 and _flash_attn_available()
+            return self.device.type == "cuda" and self.dims.pp == 1 and flash_attn_available()
         return self.config.packing == "on"
 
     def _build_stage(self, model: nn.Module) -> DecoderStage:
@@ -210,17 +212,23 @@ class TrainEngine:
         """Forward one micro-batch through the (single) stage: ``{log_probs, entropy, logits}`` or ``{values}``.
 
         Every output is ``(b, t[, V])`` aligned with ``data["attention_mask"]``; with packing
-        the micro-batch runs as one packed row and the outputs are scattered back.
+        the micro-batch runs as one packed row ``(1, total)`` with its ``cu_seqlens`` and
+        ``max_seqlen`` given to the varlen attention, and the outputs are scattered back.
         """
         inp = self.stage_inputs(data)
-        labels = inp["input_ids"] if self.kind == "lm" else None
+        is_lm = self.kind == "lm"
         if not self.packing:
-            out = self.stage(
-                inp["input_ids"], attention_mask=inp["attention_mask"], position_ids=inp["position_ids"], labels=labels
-            )
+            ids, mask = inp["input_ids"], inp["attention_mask"]
+            out = self.stage(ids, attention_mask=mask, position_ids=inp["position_ids"], labels=ids if is_lm else None)
             return self.named_outputs(out)
-        ids, _, pos = pack(inp["input_ids"], inp["attention_mask"])
-        out = self.stage(ids, attention_mask=None, position_ids=pos, labels=ids if labels is not None else None)
+        ids, cu_seqlens, pos = pack(inp["input_ids"], inp["attention_mask"])
+        out = self.stage(
+            ids,
+            position_ids=pos,
+            labels=ids if is_lm else None,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen(cu_seqlens),
+        )
         return {k: unpack(v, inp["attention_mask"]) for k, v in self.named_outputs(out).items()}
 
     def named_outputs(self, out) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The engine on one CUDA device: bf16 mixed precision, and flash-attn packed rows when installed."""
+"""The engine on one CUDA device: bf16 mixed precision, and packed rows (flash-attn varlen when installed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 import torch
-from train_engine_helpers import actor_loss, build_model, make_batch, reference_outputs
+from train_engine_helpers import actor_loss, build_model, critic_loss, make_batch, reference_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +31,12 @@ def cuda_mesh():
         dist.destroy_process_group()
 
 
-def _engine(mesh, packing: str):
+def _engine(mesh, packing: str, head: str = "lm"):
     from rlflow.engine.optim import OptimConfig
     from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
     config = EngineConfig(optim=OptimConfig(lr=1e-3), device="cuda", packing=packing, num_micro_batches=2)
-    return TrainEngine(build_model(), mesh, config)
+    return TrainEngine(build_model(head=head), mesh, config)
 
 
 def test_bf16_forward_and_step_on_cuda(cuda_mesh) -> None:
@@ -54,11 +54,31 @@ def test_bf16_forward_and_step_on_cuda(cuda_mesh) -> None:
     assert all(p.dtype == torch.float32 for p in engine.stage.parameters())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
-def test_flash_attn_packed_rows_equal_padded(cuda_mesh) -> None:
+def _packed_equals_padded(mesh, packed_mode: str, implementation: str) -> None:
+    """Packed engines (``packed_mode``) against padded SDPA engines, bf16, LM and value head."""
     batch = make_batch()
-    packed = _engine(cuda_mesh, packing="auto")
-    assert packed.packing, "auto packing must turn on with CUDA and flash-attn"
-    padded = _engine(cuda_mesh, packing="off")
-    a, b = packed.forward(batch), padded.forward(batch)
-    torch.testing.assert_close(a["log_probs"], b["log_probs"], atol=0.05, rtol=0.05)
+    valid = batch["attention_mask"].bool()
+    for head, loss_fn in (("lm", actor_loss), ("value", critic_loss)):
+        packed, padded = _engine(mesh, packed_mode, head), _engine(mesh, "off", head)
+        assert packed.packing and packed.hf_config._attn_implementation == implementation
+        assert padded.hf_config._attn_implementation == "sdpa"
+        a, b = packed.forward(batch), padded.forward(batch)
+        for key in a:  # bf16 compute: ~3 significant digits per op, a few layers deep
+            got, want = (a[key][valid], b[key][valid]) if a[key].shape == valid.shape else (a[key], b[key])
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.05, msg=f"{head}: {key}")
+        la = packed.train_step(batch, loss_fn, loss_mask_key="response_mask")["loss"]
+        lb = padded.train_step(batch, loss_fn, loss_mask_key="response_mask")["loss"]
+        assert la == pytest.approx(lb, rel=0.02, abs=0.01), head
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
+def test_flash_attn_packed_rows_equal_padded_sdpa(cuda_mesh) -> None:
+    _packed_equals_padded(cuda_mesh, "auto", "flash_attention_2")  # auto: on with CUDA and flash-attn
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn takes the packed path")
+def test_varlen_sdpa_packed_rows_on_cuda_equal_padded_sdpa(cuda_mesh) -> None:
+    from rlflow.engine.attention import VARLEN_SDPA
+
+    assert not _engine(cuda_mesh, "auto").packing, "auto packing needs flash-attn"
+    _packed_equals_padded(cuda_mesh, "on", VARLEN_SDPA)
