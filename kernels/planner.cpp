@@ -33,9 +33,10 @@ constexpr i64 kPreReload = 2;
 const std::vector<std::string> kIntFields = {
     "opt_offset", "opt_lo",  "opt_size", "opt_layout", "nbr_offset",    "nbr",           "mfc_model",
     "pre_kind",   "home",    "realloc_offset", "reload_offset", "model_trainable", "model_home",
-    "model_calls_offset", "model_calls", "edge_src", "edge_dst", "edge_offset", "child_offset", "child", "indegree"};
+    "model_calls_offset", "model_calls", "edge_src", "edge_dst", "edge_offset", "child_offset", "child", "indegree",
+    "hook_src", "hook_offset"};
 const std::vector<std::string> kFloatFields = {"opt_time",      "opt_act",      "opt_weight", "opt_state",
-                                               "realloc_table", "reload_table", "data_table"};
+                                               "realloc_table", "reload_table", "data_table", "hook_table"};
 
 // ------------------------------------------------------------------------------------------ problem
 
@@ -44,8 +45,8 @@ struct Problem {
   double mem_cap, penalty;
   std::vector<i64> opt_offset, opt_lo, opt_size, opt_layout, nbr_offset, nbr, mfc_model, pre_kind, home,
       realloc_offset, reload_offset, model_trainable, model_home, model_calls_offset, model_calls, edge_src,
-      edge_dst, edge_offset, child_offset, child, indegree;
-  std::vector<double> opt_time, opt_act, opt_weight, opt_state, realloc_table, reload_table, data_table;
+      edge_dst, edge_offset, child_offset, child, indegree, hook_src, hook_offset;
+  std::vector<double> opt_time, opt_act, opt_weight, opt_state, realloc_table, reload_table, data_table, hook_table;
   std::vector<uint64_t> opt_bits;  // (num_options, W)
   std::vector<int> movable;        // MFCs with more than one option
 
@@ -54,9 +55,10 @@ struct Problem {
     std::vector<std::vector<i64>*> ints = {&opt_offset, &opt_lo, &opt_size, &opt_layout, &nbr_offset, &nbr,
                                            &mfc_model, &pre_kind, &home, &realloc_offset, &reload_offset,
                                            &model_trainable, &model_home, &model_calls_offset, &model_calls,
-                                           &edge_src, &edge_dst, &edge_offset, &child_offset, &child, &indegree};
+                                           &edge_src, &edge_dst, &edge_offset, &child_offset, &child, &indegree,
+                                           &hook_src, &hook_offset};
     std::vector<std::vector<double>*> floats = {&opt_time, &opt_act, &opt_weight, &opt_state,
-                                                &realloc_table, &reload_table, &data_table};
+                                                &realloc_table, &reload_table, &data_table, &hook_table};
     for (size_t f = 0; f < kIntFields.size(); ++f) {
       auto a = arrays[kIntFields[f].c_str()].cast<py::array_t<i64, py::array::c_style | py::array::forcecast>>();
       ints[f]->assign(a.data(), a.data() + a.size());
@@ -128,6 +130,16 @@ struct Evaluator {
       bits[j * p.W + w] = p.opt_bits[f1 * p.W + w] | (f2 >= 0 ? p.opt_bits[f2 * p.W + w] : 0);
   }
 
+  // Extends node j (active or not) by `duration` seconds and the meshes of options f1 and f2.
+  void add_to_node(int j, double duration, i64 f1, i64 f2) {
+    if (!active[j]) {
+      set_node(j, 0.0, f1, f2);
+    } else {
+      for (int w = 0; w < p.W; ++w) bits[j * p.W + w] |= p.opt_bits[f1 * p.W + w] | p.opt_bits[f2 * p.W + w];
+    }
+    dur[j] += duration;
+  }
+
   void build_nodes(const i64* choice) {
     std::fill(active.begin(), active.end(), 0);
     std::fill(dur.begin(), dur.end(), 0.0);
@@ -145,6 +157,11 @@ struct Evaluator {
       } else if (p.pre_kind[i] == kPreReload && !resident(choice, p.mfc_model[i])) {
         set_node(ne + 2 * i, p.reload_table[p.reload_offset[i] + choice[i]], f, -1);
         copy[i] = 1;
+      }
+      if (p.hook_src[i] >= 0) {  // a weight hook (EMA blend) after the realloc/reload, on both meshes
+        const i64 s = p.hook_src[i], fs = p.opt_offset[s] + choice[s];
+        const double t = p.hook_table[p.hook_offset[i] + choice[s] * p.num_options(i) + choice[i]];
+        add_to_node(ne + 2 * i, t, fs, f);
       }
     }
     for (int e = 0; e < ne; ++e) {

@@ -4,7 +4,9 @@ For every MFC placed on devices it enumerates the options of the search space, p
 with the cost model (one estimate per mesh *shape* and strategy: a call's own time does not
 depend on where the mesh sits), and drops options that cannot fit in device memory even
 alone. Then it fills the transfer tables the simulator reads: data edges, reallocation of
-trainable models from their home (train) option, and reloads of frozen models.
+trainable models from their home (train) option, reloads of frozen models, and the EMA blends
+of weight hooks (``ParamReallocHook``: from the source model's home onto the call's layout).
+Every size is priced in the dtypes of ``cluster.precision``.
 
 Calls with ``runs_on_host`` (rule-based rewards) take no devices: they are left out, and
 their producers are linked to their consumers so that the order of the graph is kept.
@@ -24,7 +26,7 @@ from rlflow.planner.cost import CallCost, Rates, Workload, call_cost
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.problem import CallOption, ModelEntry, PlanProblem
 from rlflow.planner.space import RuntimeCapabilities, enumerate_options
-from rlflow.planner.transfer import data_time_table, key_bytes, realloc_time_table, reload_time
+from rlflow.planner.transfer import data_time_table, ema_time_table, key_bytes, realloc_time_table, reload_time
 
 __all__ = ["Workload", "build_problem", "device_graph", "mfc_options"]
 
@@ -71,7 +73,10 @@ def mfc_options(
         if key not in cache:
             cache[key] = call_cost(mfc, model, strategy, mesh, cluster, workload, rates)
         c = cache[key]
-        options.append(CallOption(mesh, strategy, c.time_s, c.act_bytes, c.weight_bytes, c.train_state_bytes))
+        replicated = mfc.interface_type == "generate"
+        options.append(
+            CallOption(mesh, strategy, c.time_s, c.act_bytes, c.weight_bytes, c.train_state_bytes, replicated)
+        )
         costs.append(c)
     return options, costs
 
@@ -123,19 +128,48 @@ def _data_tables(dgraph: nx.DiGraph, index: dict[str, int], options, cluster: Cl
     return edges, tables
 
 
+def _pairs(options: list[CallOption]) -> list[tuple]:
+    return [(o.mesh, o.strategy) for o in options]
+
+
 def _weight_tables(mfcs: list[MFCDef], models, homes: dict[str, int | None], options, costs, cluster: ClusterSpec):
     """Reallocation tables ``(home, i)`` of trained models and reload times of frozen ones."""
     realloc, reload = {}, {}
     for i, m in enumerate(mfcs):
         home, model = homes[m.model_name], models[m.model_name]
         if home is not None and home != i:
-            src = [(o.mesh, o.strategy) for o in options[home]]
-            realloc[(home, i)] = realloc_time_table(model, src, [(o.mesh, o.strategy) for o in options[i]], cluster)
+            replicated = m.interface_type == "generate"
+            realloc[(home, i)] = realloc_time_table(
+                model, _pairs(options[home]), _pairs(options[i]), cluster, replicated=replicated
+            )
         elif home is None:
             weights = np.array([o.weight_bytes for o in options[i]])
             first = np.array([c.first_pass_s for c in costs[i]])
             reload[i] = reload_time(weights, first, model.num_layers, cluster)
     return realloc, reload
+
+
+def _hook_tables(mfcs: list[MFCDef], models, homes: dict[str, int | None], options, cluster: ClusterSpec):
+    """EMA tables ``(src, i)`` of the weight hooks of every call ``i``: from the home option of the
+    source model (its train MFC ``src``, or its first call when frozen) onto call ``i``'s option.
+
+    The blend runs in the target model's home layout; for a model with one layout (a resident
+    reference: PPO-EMA's ``ref``) that is call ``i``'s. Pre- and post-hooks are priced alike.
+    """
+    first = {}
+    for i, m in enumerate(mfcs):
+        first.setdefault(m.model_name, i)
+    tables: dict[tuple[int, int], np.ndarray] = {}
+    for i, m in enumerate(mfcs):
+        for hook in m.pre_hooks + m.post_hooks:
+            if hook.source not in first:
+                raise ValueError(f"MFC {m.name!r} has a weight hook from {hook.source!r}, which has no device call")
+            src = homes[hook.source] if homes.get(hook.source) is not None else first[hook.source]
+            table = ema_time_table(models[hook.source], _pairs(options[src]), _pairs(options[i]), cluster)
+            if (src, i) in tables:
+                table = tables[(src, i)] + table
+            tables[(src, i)] = table
+    return tables
 
 
 def build_problem(
@@ -187,6 +221,7 @@ def build_problem(
         costs.append(cs)
     data_edges, data_time = _data_tables(device_graph(graph), index, options, cluster, workload)
     realloc, reload = _weight_tables(mfcs, models, homes, options, costs, cluster)
+    hooks = _hook_tables(mfcs, models, homes, options, cluster)
     return PlanProblem(
         num_nodes=cluster.num_nodes,
         devices_per_node=cluster.devices_per_node,
@@ -200,5 +235,6 @@ def build_problem(
         version_edges=[(index[a], index[b]) for a, b in version_edges(graph) if a in index and b in index],
         realloc_time=realloc,
         reload_time=reload,
+        hook_time=hooks,
         num_iterations=num_iterations,
     )

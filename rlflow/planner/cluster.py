@@ -10,11 +10,15 @@ protocol): a collective costs a base latency of 6.6 us plus 0.6 us per NVLink st
 2.7 us per network step. The sustained-efficiency factors come from measurements on an H100
 lent to this project (docs/reference: 798 TFLOP/s on an 8192^3 bf16 matmul against 989 peak;
 3.0 TB/s device-to-device copy against 3.35 TB/s); they are applied to every GPU preset.
+
+Dtypes are the engines', not the model's: :class:`Precision` says how many bytes every weight,
+gradient, activation and transfer takes on this kind of device (fp32 master weights
+everywhere; bf16 compute on GPUs, fp32 on CPU workers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 GiB = 1024**3
@@ -28,6 +32,64 @@ NCCL_NET_STEP_S = 2.7e-6
 # Measured on an H100 SXM here (see module docstring): sustained / peak.
 H100_MATMUL_EFFICIENCY = 798.0 / 989.0
 H100_MEMORY_EFFICIENCY = 3.0 / 3.35
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what rlflow's engines hold, compute and move on a cluster.
+
+    rlflow keeps fp32 master weights everywhere (``rlflow.workers.residency.PARAM_DTYPE``): the
+    home shards, the reallocated copies and the reshard wire format are fp32, FSDP reduces the
+    gradients in fp32 into fp32 shards, and AdamW keeps two fp32 moments. The training engine
+    computes in bf16 on CUDA and in fp32 on CPU (``mixed_precision="auto"``): FSDP all-gathers
+    the weights in that dtype, and activations and the KV cache of a forward are in it. The HF
+    rollout engine runs the fp32 copy it is given (weights, activations and KV cache in fp32);
+    vLLM runs bf16. Log-softmax and entropies are computed on fp32 logits.
+
+    Attributes:
+        compute_bytes: the training engine's compute dtype (activations, FSDP-gathered weights).
+        param_bytes: master weights, reallocated copies and the reshard wire format.
+        grad_bytes: sharded gradients (reduce dtype).
+        optimizer_bytes: optimizer state per parameter (AdamW: two fp32 moments).
+        logit_bytes: logits as the log-softmax reads them.
+        rollout_bytes: weights, activations and KV cache of a generation; ``None``: ``param_bytes``
+            (the HF rollout engine runs the fp32 copy).
+
+    >>> Precision().train_bytes_per_param, Precision().generate_bytes, GPU_PRECISION.generate_bytes
+    (16, 4, 2)
+    """
+
+    compute_bytes: int = 2
+    param_bytes: int = 4
+    grad_bytes: int = 4
+    optimizer_bytes: int = 8
+    logit_bytes: int = 4
+    rollout_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for attr in ("compute_bytes", "param_bytes", "grad_bytes", "logit_bytes", "rollout_bytes"):
+            value = getattr(self, attr)
+            if value is not None and value not in (1, 2, 4, 8):
+                raise ValueError(f"Precision.{attr}={value}; expected 1, 2, 4 or 8 bytes")
+        if self.optimizer_bytes < 0:
+            raise ValueError(f"Precision.optimizer_bytes={self.optimizer_bytes} must be >= 0")
+
+    @property
+    def generate_bytes(self) -> int:
+        """Bytes per weight, activation and KV entry of a generation."""
+        return self.param_bytes if self.rollout_bytes is None else self.rollout_bytes
+
+    @property
+    def train_bytes_per_param(self) -> int:
+        """Master weight + gradient + optimizer state of one trained parameter."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+# The engines' dtypes by device kind. GPUs: bf16 compute, and bf16 generation — vLLM's, the
+# rollout engine for GPU runs (the HF sampler's fp32 copy: ``with_precision(rollout_bytes=4)``).
+# CPU workers: fp32 everything (the HF sampler runs the fp32 copy).
+GPU_PRECISION = Precision(compute_bytes=2, rollout_bytes=2)
+CPU_PRECISION = Precision(compute_bytes=4)
 
 
 @dataclass(frozen=True)
@@ -46,6 +108,8 @@ class ClusterSpec:
             across hosts.
         matmul_efficiency / memory_efficiency: sustained fraction of ``peak_flops`` /
             ``mem_bandwidth`` the roofline uses.
+        precision: dtypes the engines use on these devices (:class:`Precision`); what every
+            weight, gradient, activation and transfer is priced in.
         name: preset name, for reports.
     """
 
@@ -62,6 +126,7 @@ class ClusterSpec:
     inter_host_latency_s: float = NCCL_NET_STEP_S
     matmul_efficiency: float = 1.0
     memory_efficiency: float = 1.0
+    precision: Precision = field(default_factory=lambda: GPU_PRECISION)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -80,6 +145,8 @@ class ClusterSpec:
         for attr in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be in (0, 1]")
+        if not isinstance(self.precision, Precision):
+            raise ValueError(f"ClusterSpec.precision={self.precision!r} must be a Precision")
 
     @property
     def num_devices(self) -> int:
@@ -94,6 +161,11 @@ class ClusterSpec:
     def bandwidth(self) -> float:
         """Sustained device-memory bytes/s of one device."""
         return self.mem_bandwidth * self.memory_efficiency
+
+    def with_precision(self, **dtypes: int | None) -> ClusterSpec:
+        """The same hardware with some dtypes changed, e.g. ``with_precision(rollout_bytes=4)`` for
+        the HF sampler on GPUs (it runs the fp32 copy it is given)."""
+        return replace(self, precision=replace(self.precision, **dtypes))
 
     def with_shape(self, num_nodes: int, devices_per_node: int | None = None) -> ClusterSpec:
         """The same hardware with another number of hosts (and devices per host)."""
@@ -145,6 +217,7 @@ def cluster_preset(
             devices_per_node=devices_per_node,
             matmul_efficiency=H100_MATMUL_EFFICIENCY,
             memory_efficiency=H100_MEMORY_EFFICIENCY,
+            precision=GPU_PRECISION,
             name=name,
             **_GPU_PRESETS[name],
         )
@@ -178,5 +251,6 @@ def _cpu_cluster(num_nodes: int, devices_per_node: int, profile: str | Path | di
         collective_latency_s=hw["loopback_latency_s"],
         intra_host_latency_s=hw["loopback_latency_s"],
         inter_host_latency_s=hw["loopback_latency_s"],
+        precision=CPU_PRECISION,
         name="cpu",
     )

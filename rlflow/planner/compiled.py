@@ -8,9 +8,9 @@ read the same arrays, so they differ only in how they schedule.
 
 Unrolled graph. Every iteration has ``K = E + 2*M`` nodes (E data edges, M MFCs): node ``e``
 is the transfer of data edge ``e`` (inactive when its time is 0), node ``E+2*i`` the
-*pre-node* of MFC ``i`` (its reallocation or reload; inactive when none is needed), node
-``E+2*i+1`` the call itself. Transfers come first so that, at equal ready times, the short
-transfers that unblock a consumer are placed before calls. Node ``(t, j)`` has global id ``t*K + j``. Edges: pre → call; call(i) →
+*pre-node* of MFC ``i`` (its reallocation or reload, then its weight hook — an EMA blend — if
+any; inactive when none is needed), node ``E+2*i+1`` the call itself. Transfers come first so
+that, at equal ready times, the short transfers that unblock a consumer are placed before calls. Node ``(t, j)`` has global id ``t*K + j``. Edges: pre → call; call(i) →
 transfer(e) → pre(k) for a data edge ``e = (i, k)``; call(t-1, i) → pre(t, k) for a version
 edge ``(i, k)``. Every parent of a call thus feeds its pre-node, and the simulators place a
 call right after its pre-node, so a reallocation runs just before its call — as the runtime's
@@ -37,11 +37,12 @@ class CompiledProblem:
 
     Per flat option (length ``num_options``): ``opt_time`` (s), ``opt_act``, ``opt_weight``,
     ``opt_state`` (bytes per device), ``opt_lo``/``opt_size`` (device range), ``opt_layout``
-    (equal ids ⇔ equal mesh and strategy), ``nbr_offset``/``nbr`` (local moves, as option
-    indices local to the MFC).
+    (equal ids ⇔ equal mesh, strategy and replication), ``nbr_offset``/``nbr`` (local moves, as
+    option indices local to the MFC).
     Per MFC: ``mfc_model``, ``pre_kind`` (PRE_*), ``home`` (train MFC of its model or -1),
     ``realloc_offset`` into ``realloc_table`` (row-major ``(n_home, n_i)``), ``reload_offset``
-    into ``reload_table``.
+    into ``reload_table``, ``hook_src`` (source MFC of its weight hook or -1) and ``hook_offset``
+    into ``hook_table`` (row-major ``(n_src, n_i)``).
     Per model: ``model_trainable``, ``model_home``, ``model_calls_offset``/``model_calls``.
     Per data edge: ``edge_src``, ``edge_dst``, ``edge_offset`` into ``data_table``
     (row-major ``(n_src, n_dst)``).
@@ -72,6 +73,9 @@ class CompiledProblem:
     realloc_table: np.ndarray
     reload_offset: np.ndarray
     reload_table: np.ndarray
+    hook_src: np.ndarray
+    hook_offset: np.ndarray
+    hook_table: np.ndarray
     model_trainable: np.ndarray
     model_home: np.ndarray
     model_calls_offset: np.ndarray
@@ -167,7 +171,7 @@ def _check_acyclic(problem: PlanProblem) -> None:
 def _option_arrays(problem: PlanProblem) -> dict[str, np.ndarray]:
     flat = [(i, j, o) for i, opts in enumerate(problem.options) for j, o in enumerate(opts)]
     layouts: dict[tuple, int] = {}
-    layout_ids = [layouts.setdefault((o.mesh, o.strategy), len(layouts)) for _, _, o in flat]
+    layout_ids = [layouts.setdefault((o.mesh, o.strategy, o.replicated), len(layouts)) for _, _, o in flat]
     offset = np.zeros(problem.num_mfcs + 1, dtype=np.int64)
     offset[1:] = np.cumsum([len(o) for o in problem.options])
     nbr_offset, nbr = [0], []
@@ -255,7 +259,17 @@ def _mfc_arrays(problem: PlanProblem, opt_offset: np.ndarray) -> dict[str, np.nd
             reload_len += n_i
     calls_offset = np.zeros(n_models + 1, dtype=np.int64)
     calls_offset[1:] = np.cumsum([len(c) for c in calls])
+    hook_src = np.full(m_count, -1, dtype=np.int64)
+    hook_offset = np.full(m_count, -1, dtype=np.int64)
+    hook_parts, hook_len = [], 0
+    for (src, i), table in sorted(problem.hook_time.items()):
+        hook_src[i], hook_offset[i] = src, hook_len
+        hook_parts.append(np.asarray(table, dtype=np.float64).ravel())
+        hook_len += hook_parts[-1].size
     return {
+        "hook_src": hook_src,
+        "hook_offset": hook_offset,
+        "hook_table": np.concatenate(hook_parts) if hook_parts else np.zeros(0),
         "mfc_model": np.asarray(problem.mfc_models, dtype=np.int64),
         "pre_kind": pre_kind,
         "home": home,

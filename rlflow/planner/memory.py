@@ -1,13 +1,24 @@
 """Per-device memory of a call: static state of trained models and the dynamic peak of a call.
 
-Static (lives across calls): a trained model's bf16 weights, bf16 gradients and Adam state —
-an fp32 master copy and two fp32 moments, 12 bytes per parameter — all sharded by FSDP over dp
-and split by tp and pp: ``(2 + 2 + 12) * P_stage / (tp * dp)`` bytes. Weights of a model used
-without training are split by tp and pp and replicated over dp: ``2 * P_stage / tp``.
+Bytes follow rlflow's engines, in the dtypes of the cluster (:class:`~rlflow.planner.cluster.Precision`):
+
+Static (lives across calls). Every call but a generation runs on FSDP2 over dp
+(``rlflow.workers.residency``: homes and forward copies are ``TrainEngine`` stages), so a
+model's weights on such a layout are its fp32 master shards: ``param_bytes * P_stage / (tp * dp)``.
+A trained model adds its fp32 gradient shards and AdamW's two fp32 moments:
+``(grad_bytes + optimizer_bytes) * P_stage / (tp * dp)`` — 16 bytes per parameter in all, on CPU
+and GPU alike. A generation runs on a dp-replicated tensor-parallel copy in the generation dtype
+(bf16 for vLLM on GPUs; the HF sampler runs the fp32 copy): ``generate_bytes * P_stage / tp``.
 
 Dynamic (during one call, weights excluded): the KV cache of a generation, the activations a
 training micro-batch saves for backward (or, with gradient checkpointing, only each layer's
-input plus one layer being recomputed), the logits, and the transient buffers of FSDP.
+input plus one layer being recomputed), the logits, and the buffers FSDP gathers in the compute
+dtype (two layers — the current and the prefetched one — plus the root group: embedding, final
+norm and head stay gathered).
+
+Logits: the LM head is column-parallel and its output is all-gathered over tp, so every tp rank
+holds the full-vocabulary logits of its micro-batch (compute dtype) and the fp32 tensors of the
+log-softmax and the entropy's softmax (``rlflow.engine.pipeline.token_log_probs``).
 
 All functions return bytes per device for the busiest pipeline stage (the first stage holds
 the most in-flight micro-batches under 1F1B; stages are balanced by parameter count).
@@ -17,12 +28,12 @@ from __future__ import annotations
 
 import math
 
+from rlflow.planner.cluster import Precision
 from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec
 
-ADAM_STATE_BYTES_PER_PARAM = 12  # fp32 master weights + fp32 first and second moments
-GRAD_BYTES_PER_PARAM = 2  # bf16 gradients
-LOGIT_BYTES = 4  # logits and log-softmax are computed in fp32
+# fp32 tensors of the vocabulary's size besides the logits: the log-softmax input and the softmax.
+LOGIT_WORK_TENSORS = 2
 
 
 def max_stage_params(model: ModelSpec, pp: int) -> int:
@@ -30,78 +41,127 @@ def max_stage_params(model: ModelSpec, pp: int) -> int:
     return int(model.stage_params(pp).max())
 
 
-def weight_bytes(model: ModelSpec, strategy: ParallelStrategy, fsdp: bool = False) -> float:
-    """Bytes of weights per device: the stage's tp shard, further split over dp when ``fsdp``.
+def weight_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precision, generate: bool = False) -> float:
+    """Bytes of weights per device.
 
+    Args:
+        model: the model.
+        strategy: its strategy.
+        precision: the engines' dtypes.
+        generate: a generation's dp-replicated copy (``generate_bytes * P_stage / tp``); else an
+            FSDP layout (fp32 master shards, ``param_bytes * P_stage / (tp * dp)``).
+
+    >>> from rlflow.planner.cluster import Precision
     >>> from rlflow.planner.model_spec import model_preset
-    >>> round(weight_bytes(model_preset("llama2-7b"), ParallelStrategy(dp=8), fsdp=True) / 1e9, 3)
-    1.685
+    >>> round(weight_bytes(model_preset("llama2-7b"), ParallelStrategy(dp=8), Precision()) / 1e9, 3)
+    3.369
     """
-    shard = max_stage_params(model, strategy.pp) * model.bytes_per_param / strategy.tp
-    return shard / strategy.dp if fsdp else shard
+    stage = max_stage_params(model, strategy.pp) / strategy.tp
+    if generate:
+        return stage * precision.generate_bytes
+    return stage * precision.param_bytes / strategy.dp
 
 
-def train_state_bytes(model: ModelSpec, strategy: ParallelStrategy) -> float:
-    """Gradients and Adam state per device of a model trained under ``strategy`` with FSDP over dp."""
-    per_param = GRAD_BYTES_PER_PARAM + ADAM_STATE_BYTES_PER_PARAM
+def train_state_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precision) -> float:
+    """Gradient shards and optimizer state per device of a model trained under ``strategy`` (FSDP over dp)."""
+    per_param = precision.grad_bytes + precision.optimizer_bytes
     return max_stage_params(model, strategy.pp) * per_param / (strategy.tp * strategy.dp)
 
 
-def kv_cache_bytes(model: ModelSpec, strategy: ParallelStrategy, seqs: int, seq_len: int) -> float:
-    """KV cache of ``seqs`` sequences of ``seq_len`` tokens on one device (keys and values of its layers)."""
+def kv_cache_bytes(model: ModelSpec, strategy: ParallelStrategy, seqs: int, seq_len: int, nbytes: int) -> float:
+    """KV cache of ``seqs`` sequences of ``seq_len`` tokens on one device, ``nbytes`` per entry."""
     layers = int(model.stage_layers(strategy.pp).max())
-    return 2.0 * seqs * seq_len * layers * model.kv_size / strategy.tp * model.bytes_per_param
+    return 2.0 * seqs * seq_len * layers * model.kv_size / strategy.tp * nbytes
 
 
-def saved_bytes_per_token(model: ModelSpec, tp: int) -> float:
-    """Bytes one layer saves for backward per token without checkpointing.
+def saved_bytes_per_token(model: ModelSpec, tp: int, nbytes: int) -> float:
+    """Bytes one layer saves for backward per token without checkpointing, ``nbytes`` per element.
 
     Saved tensors: the inputs of the two norms and of the qkv and gate/up projections (hidden
     size each, replicated over tp without sequence parallelism), q/k/v and the attention output
     (flash attention keeps no score matrix), the gate and up outputs and their product.
     """
     h, i = model.hidden_size, model.intermediate_size
-    return model.bytes_per_param * (4 * h + (model.q_size + 2 * model.kv_size + model.q_size + 3 * i) / tp)
+    return nbytes * (4 * h + (model.q_size + 2 * model.kv_size + model.q_size + 3 * i) / tp)
 
 
-def logits_bytes(model: ModelSpec, tp: int, tokens: int) -> float:
-    """fp32 logits and their log-softmax (or gradient) for ``tokens`` tokens of a tp shard of the head."""
-    return 2.0 * tokens * math.ceil(model.head_out / tp) * LOGIT_BYTES
+def logits_bytes(model: ModelSpec, tp: int, tokens: float, precision: Precision, compute_bytes: int) -> float:
+    """Logits of ``tokens`` tokens on one tp rank: the head's vocabulary shard (``tp > 1``), the
+    all-gathered full-vocabulary logits (``compute_bytes`` each), and the fp32 log-softmax/softmax."""
+    v = model.head_out
+    local = tokens * math.ceil(v / tp) * compute_bytes if tp > 1 else 0.0
+    return local + tokens * v * (compute_bytes + LOGIT_WORK_TENSORS * precision.logit_bytes)
 
 
-def generate_act_bytes(model: ModelSpec, strategy: ParallelStrategy, seqs: int, prompt_len: int, gen_len: int) -> float:
-    """Peak of a generation: full KV cache, plus the larger of the prefill's one-layer working set
-    and one decode step's logits."""
-    kv = kv_cache_bytes(model, strategy, seqs, prompt_len + gen_len)
-    prefill = seqs * prompt_len * saved_bytes_per_token(model, strategy.tp)
-    return kv + max(prefill, logits_bytes(model, strategy.tp, seqs))
+def fsdp_buffer_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precision, train: bool) -> float:
+    """Weights FSDP2 gathers in the compute dtype: two layers (current and prefetched) and the root
+    group (embedding, norm, head are kept gathered), plus one layer's unsharded gradients in training.
+
+    Nothing when ``dp == 1`` and the compute dtype is the master dtype (the shard is the tensor).
+    """
+    if strategy.dp == 1 and precision.compute_bytes == precision.param_bytes:
+        return 0.0
+    layers = 3 if train else 2
+    root = (model.embedding_params + model.final_norm_params + model.head_params) / strategy.tp
+    return (layers * model.layer_params / strategy.tp + root) * precision.compute_bytes
 
 
-def inference_act_bytes(model: ModelSpec, strategy: ParallelStrategy, mb_seqs: int, seq_len: int, n_mbs: int) -> float:
-    """Peak of a forward-only call: one layer's working set and the logits of a micro-batch, plus the
-    hidden states of the micro-batches in flight through the pipeline."""
+def generate_act_bytes(
+    model: ModelSpec,
+    strategy: ParallelStrategy,
+    precision: Precision,
+    prompts: int,
+    seqs: int,
+    prompt_len: int,
+    gen_len: int,
+) -> float:
+    """Peak of a generation on one device: the KV cache of ``seqs`` rows at full length (plus one
+    layer's cache being copied by the append), and the larger of the prefill's one-layer working
+    set over ``prompts`` prompts and one decode step's logits."""
+    b = precision.generate_bytes
+    kv = kv_cache_bytes(model, strategy, seqs, prompt_len + gen_len, b)
+    layers = max(1, int(model.stage_layers(strategy.pp).max()))
+    prefill = prompts * prompt_len * saved_bytes_per_token(model, strategy.tp, b)
+    return kv * (1 + 1 / layers) + max(prefill, logits_bytes(model, strategy.tp, seqs, precision, b))
+
+
+def inference_act_bytes(
+    model: ModelSpec, strategy: ParallelStrategy, precision: Precision, mb_seqs: int, seq_len: int, n_mbs: int
+) -> float:
+    """Peak of a forward-only call: one layer's working set and the logits of a micro-batch, the
+    hidden states of the micro-batches in flight through the pipeline, and FSDP's gathered weights."""
+    b = precision.compute_bytes
     tokens = mb_seqs * seq_len
-    in_flight = min(n_mbs, strategy.pp) * tokens * model.hidden_size * model.bytes_per_param
-    return tokens * saved_bytes_per_token(model, strategy.tp) + logits_bytes(model, strategy.tp, tokens) + in_flight
+    in_flight = min(n_mbs, strategy.pp) * tokens * model.hidden_size * b
+    logits = logits_bytes(model, strategy.tp, tokens, precision, b)
+    fsdp = fsdp_buffer_bytes(model, strategy, precision, train=False)
+    return tokens * saved_bytes_per_token(model, strategy.tp, b) + logits + in_flight + fsdp
 
 
 def train_act_bytes(
-    model: ModelSpec, strategy: ParallelStrategy, mb_seqs: int, seq_len: int, n_mbs: int, checkpointing: bool = True
+    model: ModelSpec,
+    strategy: ParallelStrategy,
+    precision: Precision,
+    mb_seqs: int,
+    seq_len: int,
+    n_mbs: int,
+    checkpointing: bool = True,
 ) -> float:
     """Peak of a training call (1F1B, FSDP over dp).
 
     The first stage holds ``min(n_mbs, pp)`` micro-batches in flight; each saves either every
     layer's activations or, with checkpointing, every layer's input plus one layer being
-    recomputed. Add the logits of one micro-batch and, under FSDP (dp > 1), the unsharded
-    weights of two layers (current and prefetched) and the gradients of one.
+    recomputed. Add the logits of one micro-batch (and their gradient, as large) and FSDP's
+    gathered weights and gradients.
     """
+    b = precision.compute_bytes
     tokens = mb_seqs * seq_len
     layers = int(model.stage_layers(strategy.pp).max())
-    per_layer = tokens * saved_bytes_per_token(model, strategy.tp)
+    per_layer = tokens * saved_bytes_per_token(model, strategy.tp, b)
     in_flight = min(n_mbs, strategy.pp)
     if checkpointing:
-        saved = in_flight * layers * tokens * model.hidden_size * model.bytes_per_param + per_layer
+        saved = in_flight * layers * tokens * model.hidden_size * b + per_layer
     else:
         saved = in_flight * layers * per_layer
-    fsdp = 3.0 * model.layer_params / strategy.tp * model.bytes_per_param if strategy.dp > 1 else 0.0
-    return saved + logits_bytes(model, strategy.tp, tokens) + fsdp
+    logits = 2 * logits_bytes(model, strategy.tp, tokens, precision, b)
+    return saved + logits + fsdp_buffer_bytes(model, strategy, precision, train=True)

@@ -33,8 +33,10 @@ class ModelSpec:
         qk_norm: per-head RMSNorm on q and k (Qwen3).
         value_head: the head is a scalar value/score head (critic, reward model) instead of
             the LM head.
-        bytes_per_param: bytes of one weight in compute precision (2 for bf16).
         name: for reports.
+
+    Shapes only: the bytes of a weight or an activation depend on the engine and the device,
+    and come from the cluster (:class:`rlflow.planner.cluster.Precision`).
 
     >>> m = model_preset("llama2-7b")
     >>> m.num_params, m.layer_params
@@ -54,7 +56,6 @@ class ModelSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     value_head: bool = False
-    bytes_per_param: int = 2
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -67,8 +68,6 @@ class ModelSpec:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}; give head_dim"
             )
-        if self.bytes_per_param not in (1, 2, 4):
-            raise ValueError(f"bytes_per_param={self.bytes_per_param}, expected 1, 2 or 4")
 
     # ------------------------------------------------------------------ dimensions
 

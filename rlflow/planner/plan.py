@@ -15,7 +15,7 @@ import numpy as np
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
 from rlflow.planner.problem import PlanProblem
-from rlflow.planner.simulate import SimResult, node_table, simulate
+from rlflow.planner.simulate import SimResult, node_table, pre_node_parts, simulate
 
 _FORMAT_VERSION = 1
 
@@ -55,7 +55,8 @@ class PlannedTransfer:
     """A node the plan adds before a call, once per iteration.
 
     ``kind``: ``"realloc"`` (weights from the home layout of ``source``), ``"reload"`` (a frozen
-    model from host memory) or ``"data"`` (outputs of ``source`` moved to ``target``'s devices).
+    model from host memory), ``"ema"`` (``target``'s weights blended toward those of ``source``'s
+    model, a ``ParamReallocHook``) or ``"data"`` (outputs of ``source`` moved to ``target``'s devices).
     ``devices``: first and last global device of each range it occupies.
     """
 
@@ -128,15 +129,15 @@ class ExecutionPlan:
             if j >= ne and (j - ne) % 2 == 1:
                 continue  # a call
             if j < ne:
-                (src, dst), kind = problem.data_edges[j], "data"
-            else:
-                dst = (j - ne) // 2
-                kind = "realloc" if cp.home[dst] >= 0 else "reload"
-                src = int(cp.home[dst]) if kind == "realloc" else None
-            rng = tuple((lo, hi - 1) for lo, hi in ranges[j])
-            transfers.append(
-                PlannedTransfer(kind, names[dst], None if src is None else names[src], float(duration[j]), rng)
-            )
+                src, dst = problem.data_edges[j]
+                rng = tuple((lo, hi - 1) for lo, hi in ranges[j])
+                transfers.append(PlannedTransfer("data", names[dst], names[src], float(duration[j]), rng))
+                continue
+            dst = (j - ne) // 2
+            for kind, src, seconds in pre_node_parts(cp, choice, dst):  # a realloc or reload, then an EMA blend
+                meshes = [src, dst] if src is not None else [dst]
+                rng = tuple(_device_range(problem.options[k][choice[k]].mesh) for k in meshes)
+                transfers.append(PlannedTransfer(kind, names[dst], None if src is None else names[src], seconds, rng))
         return cls(
             tuple(calls), tuple(transfers), result.iteration_time_s, result.max_bytes, result.fits,
             problem.num_nodes, problem.devices_per_node, float(problem.device_memory_bytes),
@@ -228,6 +229,11 @@ class ExecutionPlan:
 
     def __str__(self) -> str:
         return self.to_table()
+
+
+def _device_range(mesh: DeviceMesh) -> tuple[int, int]:
+    """First and last global device of ``mesh``."""
+    return mesh.first_device, mesh.first_device + mesh.size - 1
 
 
 def _devices(mesh: DeviceMesh) -> str:

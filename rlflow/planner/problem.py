@@ -16,8 +16,15 @@ Semantics the simulator implements (all times in seconds, all memory in bytes pe
 * Trainable models have a *home*: the option of their ``train_mfc``. Another call of the model
   on a different option is preceded by a reallocation node of ``realloc_time[(train_mfc, i)][h, o]``
   occupying the union of both meshes. Equal layouts cost nothing (the table holds 0).
-* A frozen model whose calls all take the same option stays resident; otherwise each of its
+* A frozen model whose calls all take the same layout stays resident; otherwise each of its
   calls is preceded by a reload node of ``reload_time[i][o]`` on the call's mesh.
+* A layout is a mesh, a strategy and whether the call runs on a dp-replicated copy
+  (``CallOption.replicated``: generations); a generation never shares its home's FSDP layout, so
+  it is always preceded by a reallocation (on the home's own mesh and strategy: a gather of the
+  FSDP shards).
+* A weight hook (an EMA blend, ``ParamReallocHook``) of call ``i`` from the model trained by
+  ``src`` adds ``hook_time[(src, i)][o_src, o_i]`` to the node before call ``i``, which then also
+  occupies the mesh of ``src``'s option.
 * A data edge ``(i, k)`` whose ``data_time[e][oi, ok]`` is positive becomes a transfer node
   occupying both meshes.
 * Memory on a device = static + peak dynamic. Static: ``train_state_bytes`` + ``weight_bytes``
@@ -47,6 +54,7 @@ class CallOption:
     act_bytes: float  # peak dynamic bytes per device during the call, weights excluded
     weight_bytes: float  # bytes of the model's weights held per device under this strategy
     train_state_bytes: float = 0.0  # grads + optimizer state per device (train_step options only)
+    replicated: bool = False  # runs on a dp-replicated copy of the weights (generation), never on FSDP shards
 
 
 @dataclass
@@ -72,6 +80,8 @@ class PlanProblem:
         version_edges: ``(i, k)``: call ``k`` of iteration t waits for call ``i`` of t-1.
         realloc_time: ``(train_mfc, i) -> array (len(options[train_mfc]), len(options[i]))``.
         reload_time: ``i -> array (len(options[i]),)`` for MFCs of frozen models.
+        hook_time: ``(src, i) -> array (len(options[src]), len(options[i]))``: weight hooks (EMA
+            blends) before call ``i`` from the home of ``src``'s model; one source per call.
         num_iterations: how many iterations the simulator unrolls.
     """
 
@@ -87,6 +97,7 @@ class PlanProblem:
     version_edges: list[tuple[int, int]] = field(default_factory=list)
     realloc_time: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     reload_time: dict[int, np.ndarray] = field(default_factory=dict)
+    hook_time: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     num_iterations: int = 3
 
     def __post_init__(self) -> None:
@@ -106,10 +117,17 @@ class PlanProblem:
                 raise ValueError(
                     f"data_time for edge {self.mfc_names[i]}->{self.mfc_names[k]} has shape {table.shape}, expected {expected}"
                 )
-        for (h, i), table in self.realloc_time.items():
-            expected = (len(self.options[h]), len(self.options[i]))
-            if table.shape != expected:
-                raise ValueError(f"realloc_time[{h},{i}] has shape {table.shape}, expected {expected}")
+        for attr in ("realloc_time", "hook_time"):
+            for (h, i), table in getattr(self, attr).items():
+                if not (0 <= h < n and 0 <= i < n):
+                    raise ValueError(f"{attr}[{h},{i}] names an MFC outside [0, {n})")
+                expected = (len(self.options[h]), len(self.options[i]))
+                if np.shape(table) != expected:
+                    raise ValueError(f"{attr}[{h},{i}] has shape {np.shape(table)}, expected {expected}")
+        targets = [i for _, i in self.hook_time]
+        if len(targets) != len(set(targets)):
+            doubled = sorted({self.mfc_names[i] for i in targets if targets.count(i) > 1})
+            raise ValueError(f"MFC(s) {doubled} have weight hooks from several sources; one source per call is priced")
 
     @property
     def num_mfcs(self) -> int:

@@ -6,10 +6,11 @@ one real HF Llama decoder layer for a few (batch, sequence) sizes: forward, back
 decode step against a KV cache. On CPU the layer is small and runs in fp32 on one thread (as
 each CPU worker does); with CUDA it is a LLaMA-2-7B layer in bf16.
 
-The cost model turns the layer timings into *effective* FLOP/s as a function of the tokens
-in a pass (analytic FLOPs of the profiled layer / measured seconds), and prices another
-model's layers by their own analytic FLOPs at the interpolated rate (:class:`ProfiledRates`):
-measured efficiency, scaled by model dimensions.
+The cost model turns the layer timings into a fixed overhead per layer pass (what the
+smallest decode step takes above its roofline: framework dispatch) and *effective* FLOP/s as a
+function of the tokens in a pass (analytic FLOPs of the profiled layer / the rest of the measured
+seconds), and prices another model's layers by their own analytic FLOPs at the interpolated
+rate plus the overhead (:class:`ProfiledRates`): measured efficiency, scaled by model dimensions.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from rlflow.planner.cluster import ClusterSpec
-from rlflow.planner.cost import BACKWARD_FLOPS_FACTOR, Rates, layer_flops_bytes
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.passes import BACKWARD_FLOPS_FACTOR, Rates, layer_work
 
 PROFILE_VERSION = 1
 
@@ -51,6 +52,7 @@ def default_profile_path() -> Path:
 
 
 def _timed(fn, repeat: int, sync) -> float:
+    """Seconds per call of ``fn``: the mean over ``repeat`` calls, after one warm-up call."""
     fn()
     sync()
     start = time.perf_counter()
@@ -122,7 +124,8 @@ def measure_hardware(device: str = "cpu") -> dict[str, float]:
 
 
 def _build_layer(spec: ModelSpec, device: str, dtype):
-    from transformers import LlamaConfig
+    """The profiled decoder layer, its rotary embedding, and a one-layer causal LM of the same shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = LlamaConfig(
@@ -135,14 +138,64 @@ def _build_layer(spec: ModelSpec, device: str, dtype):
     )
     config._attn_implementation = "sdpa"
     layer = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=dtype)
-    return config, layer, LlamaRotaryEmbedding(config).to(device)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return config, layer, LlamaRotaryEmbedding(config).to(device), model
+
+
+def _decode_step(config, model, batch: int, context: int, device: str):
+    """One decode step of the whole one-layer model at ``context`` cached tokens (the cache is
+    cropped back after it, so that repetitions see the same context)."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    ids = torch.randint(config.vocab_size, (batch, context), device=device)
+    mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+    new, pos = ids[:, -1:], torch.full((batch, 1), context, device=device)
+
+    @torch.no_grad()
+    def step():
+        model(
+            input_ids=new,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.crop(-1)
+
+    return step
+
+
+def _sample_step(config, batch: int, device: str):
+    """The rollout engine's per-token work on ``(batch, vocab)`` logits: sample from the softmax,
+    the log-softmax of the drawn tokens, and the stop-token check."""
+    import torch
+
+    logits = torch.randn(batch, config.vocab_size, device=device)
+    stop = torch.tensor([0], device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def step():
+        tokens = torch.multinomial(torch.softmax(logits / 1.0, dim=-1), 1, generator=generator).squeeze(1)
+        torch.log_softmax(logits.float() / 1.0, dim=-1).gather(-1, tokens.unsqueeze(-1))
+        torch.isin(tokens, stop)
+
+    return step
 
 
 def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> float:
     import torch
     from transformers.cache_utils import DynamicCache
 
-    config, layer, rope = parts
+    config, layer, rope, model = parts
+    if kind == "model_decode":
+        return _timed(_decode_step(config, model, batch, seq, device), 5, sync)
+    if kind == "sample":
+        return _timed(_sample_step(config, batch, device), 10, sync)
     h = config.hidden_size
     x = torch.randn(batch, seq, h, device=device, dtype=dtype, requires_grad=kind == "backward")
     pe = rope(x, torch.arange(seq, device=device)[None].expand(batch, -1))
@@ -177,6 +230,8 @@ def run_profile(
     progress: bool = True,
     passes: tuple[tuple[int, int], ...] | None = None,
     decodes: tuple[tuple[int, int], ...] | None = None,
+    layer: dict[str, int] | None = None,
+    rounds: int = 3,
 ) -> dict:
     """Measure this machine and write the profile JSON.
 
@@ -185,7 +240,14 @@ def run_profile(
         device: ``"cpu"`` or ``"cuda"``; ``None``: CUDA when available.
         progress: show a tqdm bar.
         passes: ``(batch, seq)`` sizes of the forward/backward timings (default per device kind).
-        decodes: ``(batch, context)`` sizes of the decode-step timings.
+        decodes: ``(batch, context)`` sizes of the decode-step timings; the whole one-layer
+            model's decode step and the sampler's per-token work are timed at the same sizes.
+        layer: ``hidden_size``, ``intermediate_size``, ``num_heads``, ``num_kv_heads`` and
+            optionally ``vocab_size`` of the layer to profile (default per device kind);
+            profiling the shape of the model to be planned removes the error of scaling the
+            measured rates across model sizes.
+        rounds: every size is timed once per round, rounds one after another; the profile
+            keeps the median.
 
     Returns:
         The profile dict (also written to ``path``; ``profile["path"]`` says where).
@@ -197,13 +259,15 @@ def run_profile(
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spec = ModelSpec(**(_CUDA_LAYER if cuda else _CPU_LAYER), bytes_per_param=2 if cuda else 4, name="profile-layer")
+    spec = ModelSpec(**{**(_CUDA_LAYER if cuda else _CPU_LAYER), **(layer or {})}, name="profile-layer")
     passes = passes or (_CUDA_PASSES if cuda else _CPU_PASSES)
     decodes = decodes or (_CUDA_DECODE if cuda else _CPU_DECODE)
     jobs = (
         [("forward", b, s) for b, s in passes]
         + [("backward", b, s) for b, s in passes]
         + [("decode", b, c) for b, c in decodes]
+        + [("model_decode", b, c) for b, c in decodes]
+        + [("sample", b, 0) for b, _ in decodes]
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
@@ -213,11 +277,13 @@ def run_profile(
         hardware = measure_hardware(device)
         bar.update()
         parts = _build_layer(spec, device, dtype)
-        samples: dict[str, list] = {"forward": [], "backward": [], "decode": []}
-        for kind, batch, seq in jobs:
-            seconds = _time_layer(kind, batch, seq, parts, device, dtype, sync)
-            samples[kind].append({"batch": batch, "seq": seq, "seconds": seconds})
-            bar.update()
+        samples: dict[str, list] = {k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")}
+        # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
+        # machine disturbs one round of every size rather than every round of one size.
+        timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
+        for (kind, batch, seq), seconds in zip(jobs, np.median(timings, axis=0)):
+            samples[kind].append({"batch": batch, "seq": seq, "seconds": float(seconds)})
+        bar.update(len(jobs))
         bar.close()
     finally:
         torch.set_num_threads(threads)
@@ -229,8 +295,9 @@ def run_profile(
         "dtype": str(dtype).removeprefix("torch."),
         "hardware": hardware,
         "layer": {
-            k: getattr(spec, k)
-            for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "bytes_per_param")
+            **{k: getattr(spec, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")},
+            "vocab_size": spec.vocab_size,
+            "bytes_per_param": 2 if cuda else 4,  # the dtype the layer ran in
         },
         **samples,
         "elapsed_s": time.perf_counter() - start,
@@ -259,42 +326,83 @@ def load_profile(path: str | Path) -> dict:
 
 
 class ProfiledRates(Rates):
-    """Device rates read off a profile: FLOP/s interpolated (log-log) in the tokens of a pass."""
+    """Device rates read off a profile.
+
+    The profiled layer's timings are split into a fixed per-layer-pass overhead (framework
+    dispatch: the smallest decode step's time above its roofline on the measured hardware) and
+    an effective FLOP/s, interpolated (log-log) in the tokens of a pass, for the rest. A layer of
+    another model is then priced at ``overhead + max(its flops / rate, its bytes / bandwidth)``:
+    the measured efficiency, scaled by the model's dimensions. Two more fixed costs come from
+    the profile: ``pass_overhead_s`` per pass of a whole stage (what a one-layer model's decode
+    step takes beyond its layer and head) and ``sample_step_s`` per generated token (the
+    sampler's softmax, draw, log-softmax and stop check); profiles without these timings price
+    them at 0.
+    """
 
     def __init__(self, profile: dict, cluster: ClusterSpec):
         super().__init__(cluster)
-        layer = profile["layer"]
-        spec = ModelSpec(num_layers=1, vocab_size=1, **layer)
-        fwd_tokens, fwd_rate, self.bandwidth = [], [], 0.0
-        samples = [(s, False) for s in profile["forward"]] + [(s, True) for s in profile["decode"]]
-        for s, decode in samples:
-            new, pairs = (1, s["seq"] + 1) if decode else (s["seq"], s["seq"] * (s["seq"] + 1) / 2)
-            flops, nbytes = layer_flops_bytes(spec, 1, s["batch"], new, pairs, s["seq"] if decode else 0)
-            fwd_tokens.append(s["batch"] * new)
-            fwd_rate.append(float(flops) / s["seconds"])
-            if decode:
-                self.bandwidth = max(self.bandwidth, float(nbytes) / s["seconds"])
-        bwd_tokens, bwd_rate = [], []
-        for s in profile["backward"]:
-            flops, _ = layer_flops_bytes(spec, 1, s["batch"], s["seq"], s["seq"] * (s["seq"] + 1) / 2)
-            bwd_tokens.append(s["batch"] * s["seq"])
-            bwd_rate.append(BACKWARD_FLOPS_FACTOR * float(flops) / s["seconds"])
-        self._fwd = self._table(fwd_tokens, fwd_rate)
-        self._bwd = self._table(bwd_tokens, bwd_rate)
-        self.bandwidth = self.bandwidth or profile["hardware"]["memcpy_bandwidth"]
+        layer = dict(profile["layer"])
+        nbytes = int(layer.pop("bytes_per_param", 4))
+        spec = ModelSpec(num_layers=1, **{"vocab_size": 1, **layer})
+        hw = profile["hardware"]
+        self.bandwidth = hw["memcpy_bandwidth"]
+        decode = [self._work(spec, s, nbytes, decode=True) for s in profile["decode"]]
+        roofline = [max(f / hw["matmul_flops"], (m + b) / self.bandwidth) for f, m, b, _, _ in decode]
+        self.overhead_s = max(0.0, min((d[4] - r for d, r in zip(decode, roofline)), default=0.0))
+        self.pass_overhead_s = self._pass_overhead(spec, profile, hw, nbytes)
+        self.sample_step_s = float(np.median([s["seconds"] for s in profile.get("sample", [])] or [0.0]))
+        forward = [self._work(spec, s, nbytes, decode=False) for s in profile["forward"]] + decode
+        self._fwd = self._table([w[3] for w in forward], [w[0] / self._net(w[4]) for w in forward])
+        backward = [self._work(spec, s, nbytes, decode=False) for s in profile["backward"]]
+        rates = [BACKWARD_FLOPS_FACTOR * w[0] / self._net(w[4]) for w in backward]
+        self._bwd = self._table([w[3] for w in backward], rates)
+
+    def _pass_overhead(self, spec: ModelSpec, profile: dict, hw: dict, nbytes: int) -> float:
+        """Seconds a whole model's pass adds to its layers (embedding, rotary, masks, final norm,
+        head launch): the one-layer model's decode step minus the bare layer's at the same size
+        and minus the head's roofline; the median over sizes, at least 0."""
+        layer_s = {(s["batch"], s["seq"]): s["seconds"] for s in profile["decode"]}
+        extra = []
+        for s in profile.get("model_decode", []):
+            if (s["batch"], s["seq"]) not in layer_s:
+                continue
+            head_flops = 2.0 * spec.hidden_size * spec.vocab_size * s["batch"]
+            head_bytes = (
+                spec.hidden_size * spec.vocab_size + s["batch"] * (spec.hidden_size + spec.vocab_size)
+            ) * nbytes
+            head = max(head_flops / hw["matmul_flops"], head_bytes / self.bandwidth)
+            extra.append(s["seconds"] - layer_s[(s["batch"], s["seq"])] - head)
+        return max(0.0, float(np.median(extra))) if extra else 0.0
+
+    def _net(self, seconds: float) -> float:
+        """Measured seconds without the fixed overhead (at least a tenth of the measurement)."""
+        return max(seconds - self.overhead_s, 0.1 * seconds)
+
+    @staticmethod
+    def _work(spec: ModelSpec, sample: dict, nbytes: int, decode: bool) -> tuple[float, float, float, int, float]:
+        """``(flops, matmul_bytes, stream_bytes, tokens, seconds)`` of one profiled pass."""
+        batch, seq = sample["batch"], sample["seq"]
+        new, pairs = (1, seq + 1) if decode else (seq, seq * (seq + 1) / 2)
+        flops, matmul, stream = layer_work(spec, 1, batch, new, pairs, nbytes, seq if decode else 0)
+        return float(flops), float(matmul), float(stream), batch * new, float(sample["seconds"])
 
     @staticmethod
     def _table(tokens, rates) -> tuple[np.ndarray, np.ndarray]:
-        order = np.argsort(tokens)
-        return np.log(np.asarray(tokens, dtype=np.float64)[order]), np.log(np.asarray(rates)[order])
+        """``log(tokens)`` and ``log(rate)`` of the samples, by tokens. Rates are not forced to grow
+        with the tokens: on a CPU a pass whose activations leave the cache runs slower per FLOP."""
+        order = np.argsort(tokens, kind="stable")
+        return np.log(np.asarray(tokens, dtype=np.float64)[order]), np.log(np.asarray(rates, dtype=np.float64)[order])
 
     def flops_rate(self, tokens, backward: bool = False):
         """Effective FLOP/s of a pass over ``tokens`` tokens (clamped to the profiled range)."""
         x, y = self._bwd if backward else self._fwd
         return np.exp(np.interp(np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)), x, y))
 
-    def compute_s(self, flops, nbytes, tokens, backward: bool = False):
-        return np.maximum(np.asarray(flops) / self.flops_rate(tokens, backward), np.asarray(nbytes) / self.bandwidth)
+    def compute_s(self, flops, matmul_bytes, stream_bytes, tokens, backward: bool = False):
+        """The profiled layer's rates already hold its element-wise kernels: one roofline for all bytes."""
+        nbytes = np.asarray(matmul_bytes) + np.asarray(stream_bytes)
+        rate = self.flops_rate(tokens, backward)
+        return self.overhead_s + np.maximum(np.asarray(flops) / rate, nbytes / self.bandwidth)
 
     @classmethod
     def from_profile(cls, profile: dict | str | Path, cluster: ClusterSpec) -> ProfiledRates:

@@ -48,8 +48,10 @@ class ScheduledNode:
     """One active node of the schedule.
 
     ``kind`` is ``"call"``, ``"realloc"`` (weights from the home layout), ``"reload"`` (a frozen
-    model from host memory) or ``"data"`` (a transfer along a data edge). ``mfc`` is the call
-    the node runs or prepares; ``source_mfc`` the home MFC (realloc) or producer (data).
+    model from host memory), ``"ema"`` (a pre-node that only runs a weight hook) or ``"data"``
+    (a transfer along a data edge); a pre-node is named by its first part
+    (:func:`pre_node_parts`). ``mfc`` is the call the node runs or prepares; ``source_mfc`` the
+    home MFC (realloc, ema) or producer (data).
     """
 
     kind: str
@@ -103,15 +105,11 @@ def node_table(cp: CompiledProblem, choice: np.ndarray) -> tuple[np.ndarray, np.
     for i in range(m):
         pre, call = ne + 2 * i, ne + 2 * i + 1
         active[call], duration[call], ranges[call] = True, cp.opt_time[flat[i]], [rng[i]]
-        if cp.pre_kind[i] == PRE_REALLOC:
-            h = int(cp.home[i])
-            if cp.opt_layout[flat[h]] != cp.opt_layout[flat[i]]:
-                n_i = int(cp.opt_offset[i + 1] - cp.opt_offset[i])
-                duration[pre] = cp.realloc_table[cp.realloc_offset[i] + choice[h] * n_i + choice[i]]
-                active[pre], copy[i], ranges[pre] = True, True, [rng[h], rng[i]]
-        elif cp.pre_kind[i] == PRE_RELOAD and not _resident(cp, choice, int(cp.mfc_model[i])):
-            duration[pre] = cp.reload_table[cp.reload_offset[i] + choice[i]]
-            active[pre], copy[i], ranges[pre] = True, True, [rng[i]]
+        for kind, src, seconds in pre_node_parts(cp, choice, i):
+            duration[pre] += seconds
+            active[pre] = True
+            copy[i] |= kind != "ema"
+            ranges[pre] += [rng[src], rng[i]] if src is not None else [rng[i]]
     for e in range(ne):
         src, dst = int(cp.edge_src[e]), int(cp.edge_dst[e])
         n_dst = int(cp.opt_offset[dst + 1] - cp.opt_offset[dst])
@@ -119,6 +117,24 @@ def node_table(cp: CompiledProblem, choice: np.ndarray) -> tuple[np.ndarray, np.
         if t > 0:
             active[e], duration[e], ranges[e] = True, t, [rng[src], rng[dst]]
     return active, duration, ranges, copy
+
+
+def pre_node_parts(cp: CompiledProblem, choice: np.ndarray, i: int) -> list[tuple[str, int | None, float]]:
+    """What the pre-node of MFC ``i`` runs, in order: ``(kind, source MFC, seconds)`` with kind
+    ``"realloc"`` (from the home of ``source``), ``"reload"`` (no source) or ``"ema"`` (a weight
+    hook blending from the home of ``source``); empty when the pre-node is inactive."""
+    parts: list[tuple[str, int | None, float]] = []
+    n_i = int(cp.opt_offset[i + 1] - cp.opt_offset[i])
+    if cp.pre_kind[i] == PRE_REALLOC:
+        h = int(cp.home[i])
+        if cp.opt_layout[cp.opt_offset[h] + choice[h]] != cp.opt_layout[cp.opt_offset[i] + choice[i]]:
+            parts.append(("realloc", h, float(cp.realloc_table[cp.realloc_offset[i] + choice[h] * n_i + choice[i]])))
+    elif cp.pre_kind[i] == PRE_RELOAD and not _resident(cp, choice, int(cp.mfc_model[i])):
+        parts.append(("reload", None, float(cp.reload_table[cp.reload_offset[i] + choice[i]])))
+    src = int(cp.hook_src[i])
+    if src >= 0:
+        parts.append(("ema", src, float(cp.hook_table[cp.hook_offset[i] + choice[src] * n_i + choice[i]])))
+    return parts
 
 
 def _resident(cp: CompiledProblem, choice: np.ndarray, model: int) -> bool:
@@ -235,8 +251,7 @@ def _scheduled_nodes(cp, choice, start, end, full_active) -> tuple[ScheduledNode
             kind, mfc, src = "call", (j - ne) // 2, None
         else:
             mfc = (j - ne) // 2
-            realloc = cp.pre_kind[mfc] == PRE_REALLOC
-            kind, src = ("realloc", int(cp.home[mfc])) if realloc else ("reload", None)
+            kind, src, _ = pre_node_parts(cp, choice, mfc)[0]
         out.append(ScheduledNode(kind, mfc, t, float(start[v]), float(end[v]), devices, src))
     return tuple(sorted(out, key=lambda n: (n.start_s, n.end_s, n.mfc)))
 

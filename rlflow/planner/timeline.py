@@ -12,9 +12,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-KINDS = ("call", "realloc", "reload", "data")
-_HATCH = {"call": None, "realloc": "///", "reload": "xx", "data": "..."}
-_KIND_LABEL = {"realloc": "weight reallocation", "reload": "reload from host", "data": "data transfer"}
+KINDS = ("call", "realloc", "reload", "ema", "data")
+_HATCH = {"call": None, "realloc": "///", "reload": "xx", "ema": "\\\\", "data": "..."}
+_KIND_LABEL = {
+    "realloc": "weight reallocation",
+    "reload": "reload from host",
+    "ema": "EMA blend",
+    "data": "data transfer",
+}
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class Interval:
         device: global device index (row of the picture).
         start, end: seconds since the start of the run.
         label: the MFC the interval belongs to (the colour).
-        kind: ``"call"``, ``"realloc"``, ``"reload"`` or ``"data"`` (the hatching).
+        kind: ``"call"``, ``"realloc"``, ``"reload"``, ``"ema"`` or ``"data"`` (the hatching).
         iteration: iteration the interval belongs to, when known.
     """
 

@@ -2,13 +2,22 @@
 
 Parameter reallocation (trained model: home layout -> a call's layout). The home layout is a
 training layout: pipeline stage -> tp shard -> FSDP shard over dp, so every byte of the model
-lives on exactly one home device. A call's layout replicates the stage's tp shard on every dp
-rank. Every destination device needs ``P_stage / tp`` bytes; what it already holds is free,
-what sits on a device of its own host comes at the intra-host bandwidth, the rest at the
-inter-host bandwidth (both summed: conservative). Destinations receive in parallel (a source
-slice wanted by several dp replicas is broadcast), so the reallocation takes as long as the
-slowest destination. This is computed analytically per (stage, tp shard) block — a block's
+lives on exactly one home device. Weights travel as the fp32 master weights
+(``precision.param_bytes``: the reshard wire format of ``rlflow.parallel.realloc``). A
+generation's layout replicates the stage's tp shard on every dp rank, so even on the home's own
+mesh and strategy it gathers the FSDP shards; every other call runs on an FSDP layout
+(``TrainEngine``), whose devices need only their ``1/dp`` of the block. Every destination device
+needs ``P_stage / tp`` bytes (replicated) or ``P_stage / (tp * dp)`` (FSDP); what it already
+holds is free, what sits on a device of its own host comes at the intra-host bandwidth, the rest
+at the inter-host bandwidth (both summed: conservative). Destinations receive in parallel (a
+source slice wanted by several dp replicas is broadcast), so the reallocation takes as long as
+the slowest destination. This is computed analytically per (stage, tp shard) block — a block's
 bytes are spread evenly over its FSDP shards — for whole tables of option pairs at once.
+
+EMA blend (``ParamReallocHook(source, eta)``, ``ReallocManager.ema_update``): the source's home
+weights are resharded onto the target's home (FSDP) layout into scratch tensors — the same
+transfer as a reallocation to an FSDP layout, free between identical layouts — then every
+target device blends its shard: ``t.lerp_(scratch, eta)``.
 
 Data transfer of an edge's keys: results leave the producer's dp ranks through host memory
 (Ray's object store) and reach the consumer's dp ranks: ``D2H + link + H2D``.
@@ -29,6 +38,11 @@ from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec
 
 Option = tuple[DeviceMesh, ParallelStrategy]
+
+_COLUMN_KEYS = ("device", "tp", "r", "share", "s", "e")
+# Passes over a target shard in an EMA blend: the reshard writes the scratch tensor, and
+# ``lerp_`` reads the shard and the scratch and writes the shard.
+EMA_BLEND_PASSES = 4
 
 
 # ----------------------------------------------------------------------------- data keys
@@ -101,13 +115,13 @@ def _stage_table(model: ModelSpec, pps: np.ndarray) -> tuple[np.ndarray, np.ndar
     return start, stop
 
 
-def _node_holdings(model: ModelSpec, home: dict, start, stop, num_nodes: int, dpn: int) -> np.ndarray:
+def _node_holdings(model: ModelSpec, home: dict, start, stop, num_nodes: int, dpn: int, param_bytes: int) -> np.ndarray:
     """``cum[h, n, k]``: bytes of items ``< k`` that home option ``h`` holds on node ``n``.
 
     Each (stage, dp rank) tp group holds ``1/dp`` of its stage's items (all tp shards of it),
     and tp groups never straddle hosts.
     """
-    item_bytes = model.item_params.astype(np.float64) * model.bytes_per_param
+    item_bytes = model.item_params.astype(np.float64) * param_bytes
     n_items = len(item_bytes)
     cum = np.zeros((len(home["first"]), num_nodes, n_items + 1))
     for h in range(len(cum)):
@@ -125,8 +139,9 @@ def _interval_overlap(a_lo, a_hi, b_lo, b_hi):
     return np.clip(np.minimum(a_hi, b_hi) - np.maximum(a_lo, b_lo), 0, None)
 
 
-def _target_columns(t: dict, start, stop) -> dict[str, np.ndarray]:
-    """One column per (target option, rank): its device, tp rank and degree, and stage item bounds."""
+def _target_columns(t: dict, start, stop, replicated: bool) -> dict[str, np.ndarray]:
+    """One column per (target option, rank): its device, tp rank and degree, the share of its
+    (stage, tp) block it needs (1, or ``1/dp`` on an FSDP layout), and stage item bounds."""
     sizes = t["size"]
     opt = np.repeat(np.arange(len(sizes)), sizes)
     rank = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -136,6 +151,7 @@ def _target_columns(t: dict, start, stop) -> dict[str, np.ndarray]:
         "device": t["first"][opt] + rank,
         "tp": tp,
         "r": rank % tp,
+        "share": np.ones(len(opt)) if replicated else 1.0 / dp,
         "s": start[opt, stage],
         "e": stop[opt, stage],
         "segments": np.cumsum(sizes) - sizes,
@@ -144,13 +160,13 @@ def _target_columns(t: dict, start, stop) -> dict[str, np.ndarray]:
 
 def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict, sl: slice) -> np.ndarray:
     """Receive time ``(len(home), n_columns)`` of every destination device in ``cols[sl]``."""
-    b, dpn = model.bytes_per_param, cluster.devices_per_node
+    b, dpn = cluster.precision.param_bytes, cluster.devices_per_node
     cum = np.concatenate([[0.0], np.cumsum(model.item_params.astype(np.float64) * b)])
     tensors = np.concatenate([[0], np.cumsum(model.item_tensors)])
-    device, tp, r, s_j, e_j = (cols[k][sl] for k in ("device", "tp", "r", "s", "e"))
+    device, tp, r, share, s_j, e_j = (cols[k][sl] for k in _COLUMN_KEYS)
     node = device // dpn
-    total = (cum[e_j] - cum[s_j]) / tp
-    on_node = (holdings[:, node, e_j] - holdings[:, node, s_j]) / tp
+    total = (cum[e_j] - cum[s_j]) / tp * share
+    on_node = (holdings[:, node, e_j] - holdings[:, node, s_j]) / tp * share
     # What the destination device itself holds in the home layout: the overlap of its home
     # (stage, tp shard) block with the block it needs, over the home's dp (FSDP) degree.
     h_first, h_size, h_dp, h_tp = (h[k][:, None] for k in ("first", "size", "dp", "tp"))
@@ -162,50 +178,75 @@ def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict
     hi = np.minimum(np.take_along_axis(h_stop, i, axis=1), e_j)
     shared = cum[np.maximum(hi, lo)] - cum[lo]
     tp_part = _interval_overlap(q / h_tp, (q + 1) / h_tp, r / tp, (r + 1) / tp)
-    local = np.where(inside, shared * tp_part / h_dp, 0.0)
+    local = np.where(inside, shared * tp_part / h_dp * share, 0.0)
     seconds = (on_node - local) / cluster.intra_host_bandwidth + (total - on_node) / cluster.inter_host_bandwidth
     # One broadcast per parameter tensor of the destination stage.
     return seconds + (tensors[e_j] - tensors[s_j]) * cluster.collective_latency_s
 
 
 def realloc_time_table(
-    model: ModelSpec, home: Sequence[Option], targets: Sequence[Option], cluster: ClusterSpec, chunk: int = 1 << 21
+    model: ModelSpec,
+    home: Sequence[Option],
+    targets: Sequence[Option],
+    cluster: ClusterSpec,
+    chunk: int = 1 << 21,
+    replicated: bool = True,
 ) -> np.ndarray:
     """Seconds to reallocate ``model`` from each home (training) option to each target option.
 
     Args:
         model: the model moved.
         home: training options (FSDP layouts).
-        targets: call options (dp-replicated layouts).
-        cluster: bandwidths and latencies.
+        targets: call options.
+        cluster: bandwidths, latencies and the wire dtype (``precision.param_bytes``).
         chunk: table cells computed at once (bounds the temporary memory).
+        replicated: the targets are generations (dp-replicated copies; a copy is needed even on
+            the home's mesh and strategy); ``False``: FSDP layouts (forward copies, another
+            model's home), equal to the home when mesh and strategy are.
 
     Returns:
         Array ``(len(home), len(targets))``: the slowest destination device's receive time;
-        0 where mesh and strategy are equal.
+        0 where an FSDP target equals the home.
     """
     h, t = _option_arrays(home), _option_arrays(targets)
     h_start, h_stop = _stage_table(model, h["pp"])
     t_start, t_stop = _stage_table(model, t["pp"])
-    holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, cluster.devices_per_node)
-    cols = _target_columns(t, t_start, t_stop)
-    # Many (option, rank) columns describe the same destination: same device, tp shard and stage.
-    keys = np.stack([cols[k] for k in ("device", "tp", "r", "s", "e")], axis=1)
+    b = cluster.precision.param_bytes
+    holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, cluster.devices_per_node, b)
+    cols = _target_columns(t, t_start, t_stop, replicated)
+    # Many (option, rank) columns describe the same destination: same device, tp shard, share and stage.
+    keys = np.stack([cols[k] for k in _COLUMN_KEYS], axis=1)
     unique, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    ucols = dict(zip(("device", "tp", "r", "s", "e"), unique.T))
+    ucols = {k: (v if k == "share" else v.astype(np.int64)) for k, v in zip(_COLUMN_KEYS, unique.T)}
     costs = np.empty((len(home), len(unique)))
     step = max(1, chunk // max(1, len(home)))
     for lo in range(0, len(unique), step):
         sl = slice(lo, min(len(unique), lo + step))
         costs[:, sl] = _column_costs(model, cluster, h, h_start, h_stop, holdings, ucols, sl)
     table = np.maximum.reduceat(costs[:, inverse], cols["segments"], axis=1)
-    return np.where(_same_layout(h, t), 0.0, table)
+    return table if replicated else np.where(_same_layout(h, t), 0.0, table)
 
 
-def realloc_time(model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec) -> float:
+def realloc_time(model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec, replicated: bool = True) -> float:
     """Seconds to reallocate ``model`` from the training layout ``src`` to the call layout ``dst``."""
-    return float(realloc_time_table(model, [src], [dst], cluster)[0, 0])
+    return float(realloc_time_table(model, [src], [dst], cluster, replicated=replicated)[0, 0])
+
+
+def ema_time_table(
+    model: ModelSpec, source_home: Sequence[Option], target_home: Sequence[Option], cluster: ClusterSpec
+) -> np.ndarray:
+    """Seconds of an EMA blend of ``model``'s weights from each source home option into each target
+    home option: the reshard onto the target's FSDP layout (:func:`realloc_time_table`), then
+    :data:`EMA_BLEND_PASSES` passes over every target device's fp32 shard.
+
+    Returns:
+        Array ``(len(source_home), len(target_home))``.
+    """
+    move = realloc_time_table(model, source_home, target_home, cluster, replicated=False)
+    b = cluster.precision.param_bytes
+    shard = np.array([model.stage_params(s.pp).max() * b / (s.tp * s.dp) for _, s in target_home], dtype=np.float64)
+    return move + EMA_BLEND_PASSES * shard[None, :] / cluster.bandwidth
 
 
 # ----------------------------------------------------------------------------- offload

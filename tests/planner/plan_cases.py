@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
@@ -127,6 +129,7 @@ def random_problem(rng: np.random.Generator, num_nodes: int | None = None, dpn: 
                 realloc[(h, i)] = table
             if not model.trainable and len(calls[mi]) > 1:
                 reload[i] = rng.uniform(0.01, 1.0, len(options[i]))
+    options, realloc = _replicate_some(rng, options, realloc)
     return PlanProblem(
         num_nodes=num_nodes,
         devices_per_node=dpn,
@@ -140,8 +143,31 @@ def random_problem(rng: np.random.Generator, num_nodes: int | None = None, dpn: 
         version_edges=version,
         realloc_time=realloc,
         reload_time=reload,
+        hook_time=_random_hooks(rng, options, models),
         num_iterations=int(rng.integers(1, 5)),
     )
+
+
+def _replicate_some(rng, options, realloc):
+    """Mark some options as dp-replicated copies (a generation's layout); a reallocation onto one is
+    never free, even from an option with the same mesh and strategy."""
+    options = [[dataclasses.replace(o, replicated=bool(rng.random() < 0.3)) for o in opts] for opts in options]
+    for (h, i), table in realloc.items():
+        for a, b in zip(*np.nonzero(table == 0)):
+            if options[h][a].replicated != options[i][b].replicated:
+                table[a, b] = float(rng.uniform(0.01, 0.2))
+    return options, realloc
+
+
+def _random_hooks(rng, options, models) -> dict[tuple[int, int], np.ndarray]:
+    """EMA blends into some calls from the home of a trainable model."""
+    homes = [m.train_mfc for m in models if m.trainable]
+    hooks = {}
+    for i in range(len(options)):
+        if homes and rng.random() < 0.3:
+            src = int(rng.choice(homes))
+            hooks[(src, i)] = rng.uniform(0.01, 0.5, (len(options[src]), len(options[i])))
+    return hooks
 
 
 def random_choice(rng: np.random.Generator, problem: PlanProblem) -> list[int]:

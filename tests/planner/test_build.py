@@ -13,6 +13,7 @@ from rlflow.planner.compiled import compile_problem
 from rlflow.planner.cost import call_cost
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.space import RuntimeCapabilities
+from rlflow.planner.transfer import ema_time_table
 
 LM = ModelSpec(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=8, vocab_size=1000)
 MODELS = {"actor": LM, "ref": LM, "critic": LM.as_value_model(), "reward": LM.as_value_model()}
@@ -55,7 +56,11 @@ def test_transfer_tables_are_zero_exactly_on_equal_layouts(ppo):
         same = np.array(
             [[(a.mesh, a.strategy) == (b.mesh, b.strategy) for b in ppo.options[i]] for a in ppo.options[h]]
         )
-        assert same.any() and np.all(table[same] == 0) and np.all(table[~same] > 0)
+        assert same.any() and np.all(table[~same] > 0)
+        if ppo.options[i][0].replicated:  # a generation gathers a dp-replicated copy even on the home's layout
+            assert ppo.mfc_names[i] == "actor_gen" and np.all(table[same] > 0)
+        else:  # a forward call on the home's FSDP layout runs on the home itself
+            assert np.all(table[same] == 0)
     for i, times in ppo.reload_time.items():
         assert times.shape == (len(ppo.options[i]),) and np.all(times > 0)
 
@@ -96,3 +101,14 @@ def test_bad_inputs_name_what_is_wrong():
         build_problem(graph, MODELS, CLUSTER, WORK, trainable={"actor", "critic", "ref"})
     with pytest.raises(ValueError, match=r"\['critic'\] have train_step MFCs but are not in trainable"):
         build_problem(graph, MODELS, CLUSTER, WORK, trainable={"actor"})
+
+
+def test_ppo_ema_prices_the_blend_into_the_reference():
+    problem = build_problem(algorithm_graph("ppo_ema"), MODELS, CLUSTER, WORK)
+    train, ref = problem.mfc_names.index("actor_train"), problem.mfc_names.index("ref_inf")
+    assert list(problem.hook_time) == [(train, ref)]
+    pairs = [[(o.mesh, o.strategy) for o in problem.options[k]] for k in (train, ref)]
+    np.testing.assert_array_equal(problem.hook_time[(train, ref)], ema_time_table(LM, *pairs, CLUSTER))
+    assert np.all(problem.hook_time[(train, ref)] > 0)
+    plain = build_problem(algorithm_graph("ppo"), MODELS, CLUSTER, WORK)
+    assert plain.hook_time == {}

@@ -1,10 +1,11 @@
-"""Memory formulas against hand-computed numbers."""
+"""Memory formulas against hand-computed numbers, in the dtypes rlflow's engines use."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlflow.planner import memory
+from rlflow.planner.cluster import CPU_PRECISION, GPU_PRECISION, Precision
 from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec, model_preset
 
@@ -14,32 +15,44 @@ P7B = 6_738_415_616
 
 def test_llama2_7b_training_state_under_fsdp_over_8():
     m = model_preset("llama2-7b")
-    assert memory.weight_bytes(m, S()) == 2 * P7B == 13_476_831_232  # bf16: 13.5 GB
-    # bf16 weights and grads + fp32 master, m, v: 16 bytes per parameter, / 8 ranks
-    weights = memory.weight_bytes(m, S(dp=8), fsdp=True)
-    state = memory.train_state_bytes(m, S(dp=8))
-    assert weights == 2 * P7B / 8 == 1_684_603_904
-    assert state == 14 * P7B / 8 == 11_792_227_328
-    assert weights + state == 16 * P7B / 8 == 13_476_831_232
-    # tp splits the same way; inference copies are not sharded over dp
-    assert memory.train_state_bytes(m, S(dp=2, tp=4)) == state
-    assert memory.weight_bytes(m, S(dp=8)) == 2 * P7B
+    # fp32 master shards, fp32 gradient shards, two fp32 Adam moments: 16 bytes per parameter / 8 ranks
+    weights = memory.weight_bytes(m, S(dp=8), GPU_PRECISION)
+    state = memory.train_state_bytes(m, S(dp=8), GPU_PRECISION)
+    assert weights == 4 * P7B / 8 == 3_369_207_808
+    assert state == 12 * P7B / 8 == 10_107_623_424
+    assert weights + state == 16 * P7B / 8
+    # tp splits the same way; a forward call's FSDP copy holds master shards too
+    assert memory.train_state_bytes(m, S(dp=2, tp=4), GPU_PRECISION) == state
+    assert memory.weight_bytes(m, S(dp=2, tp=4), GPU_PRECISION) == weights
+
+
+def test_fp32_cpu_workers_hold_four_bytes_times_one_plus_grads_plus_two_moments():
+    tiny = ModelSpec(num_layers=4, hidden_size=128, intermediate_size=512, num_heads=4, num_kv_heads=4, vocab_size=100)
+    p = tiny.num_params  # 4 * (4*128^2 + 3*128*512 + 2*128) + 100*128 + 128 + 100*128 (untied head)
+    assert p == 4 * 262_400 + 12_800 + 128 + 12_800
+    total = memory.weight_bytes(tiny, S(dp=2), CPU_PRECISION) + memory.train_state_bytes(tiny, S(dp=2), CPU_PRECISION)
+    assert total == 4 * p * (1 + 1 + 2) / 2
+    # the rollout copy (HF sampler) is the fp32 copy, replicated over dp and split by tp
+    assert memory.weight_bytes(tiny, S(dp=2, tp=2), CPU_PRECISION, generate=True) == 4 * p / 2
+    # GPU presets price vLLM's bf16 generation; the HF sampler runs the fp32 copy (the default of Precision)
+    assert memory.weight_bytes(tiny, S(), GPU_PRECISION, generate=True) == 2 * p
+    assert memory.weight_bytes(tiny, S(), Precision(compute_bytes=2), generate=True) == 4 * p
 
 
 def test_pipeline_stages_hold_their_share():
     m = model_preset("llama2-70b")
     largest = int(m.stage_params(2).max())
     assert largest < m.num_params * 0.51
-    assert memory.weight_bytes(m, S(tp=8, pp=2)) == largest * 2 / 8
+    assert memory.weight_bytes(m, S(tp=8, pp=2), GPU_PRECISION, generate=True) == largest * 2 / 8
 
 
 def test_kv_cache_by_hand():
     m = model_preset("llama2-7b")
-    # K and V: 2 * seqs * tokens * layers * hidden * 2 bytes
-    assert memory.kv_cache_bytes(m, S(), 64, 256) == 2 * 64 * 256 * 32 * 4096 * 2 == 8_589_934_592
-    assert memory.kv_cache_bytes(m, S(tp=4, pp=2), 64, 256) == 8_589_934_592 / 8
+    # K and V: 2 * seqs * tokens * layers * hidden * bytes
+    assert memory.kv_cache_bytes(m, S(), 64, 256, 2) == 2 * 64 * 256 * 32 * 4096 * 2 == 8_589_934_592
+    assert memory.kv_cache_bytes(m, S(tp=4, pp=2), 64, 256, 4) == 2 * 8_589_934_592 / 8
     gqa = model_preset("llama2-70b")  # 8 kv heads of 128: kv_size 1024
-    assert memory.kv_cache_bytes(gqa, S(), 1, 100) == 2 * 100 * 80 * 1024 * 2
+    assert memory.kv_cache_bytes(gqa, S(), 1, 100, 2) == 2 * 100 * 80 * 1024 * 2
 
 
 TINY = ModelSpec(
@@ -48,23 +61,37 @@ TINY = ModelSpec(
 
 
 def test_activation_formulas_by_hand():
-    # saved per token and layer: 2 bytes * (4h + (q + 2kv + q + 3I)/tp) = 2 * (32 + (8+16+8+48)) = 224
-    assert memory.saved_bytes_per_token(TINY, 1) == 224
+    # saved per token and layer: 4 bytes * (4h + (q + 2kv + q + 3I)/tp) = 4 * (32 + (8+16+8+48)) = 448
+    assert memory.saved_bytes_per_token(TINY, 1, 4) == 448
     tokens = 3 * 5
-    # value head: 1 output, fp32 logits + grads
-    assert memory.logits_bytes(TINY, 1, tokens) == 2 * tokens * 1 * 4
-    no_ckpt = memory.train_act_bytes(TINY, S(), 3, 5, n_mbs=1, checkpointing=False)
-    assert no_ckpt == 4 * tokens * 224 + 2 * tokens * 4
-    ckpt = memory.train_act_bytes(TINY, S(), 3, 5, n_mbs=1, checkpointing=True)
-    assert ckpt == 4 * tokens * 8 * 2 + tokens * 224 + 2 * tokens * 4
+    # value head: 1 output in the compute dtype, plus the fp32 working tensors
+    logits = memory.logits_bytes(TINY, 1, tokens, CPU_PRECISION, 4)
+    assert logits == tokens * 1 * (4 + 2 * 4)
+    no_ckpt = memory.train_act_bytes(TINY, S(), CPU_PRECISION, 3, 5, n_mbs=1, checkpointing=False)
+    assert no_ckpt == 4 * tokens * 448 + 2 * logits  # the logits and their gradient
+    ckpt = memory.train_act_bytes(TINY, S(), CPU_PRECISION, 3, 5, n_mbs=1, checkpointing=True)
+    assert ckpt == 4 * tokens * 8 * 4 + tokens * 448 + 2 * logits
     assert ckpt < no_ckpt
-    # FSDP adds two unsharded layers and a layer of gradients
-    assert memory.train_act_bytes(TINY, S(dp=2), 3, 5, 1, True) - ckpt == 3 * TINY.layer_params * 2
+    # FSDP gathers two layers and the root group (embedding, norm, head) and one layer's gradients
+    root = TINY.embedding_params + TINY.final_norm_params + TINY.head_params
+    gathered = memory.train_act_bytes(TINY, S(dp=2), CPU_PRECISION, 3, 5, 1, True) - ckpt
+    assert gathered == (3 * TINY.layer_params + root) * 4
     # 1F1B: the first of 2 stages keeps 2 micro-batches in flight over its 2 layers
-    assert memory.train_act_bytes(TINY, S(pp=2), 3, 5, 4, False) == 2 * 2 * tokens * 224 + 2 * tokens * 4
+    assert memory.train_act_bytes(TINY, S(pp=2), CPU_PRECISION, 3, 5, 4, False) == 2 * 2 * tokens * 448 + 2 * logits
+
+
+def test_logits_are_gathered_over_tp():
+    lm = ModelSpec(num_layers=1, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=2, vocab_size=1000)
+    # 64 tokens, tp=2, bf16 compute: the local half shard, the full gathered logits, two fp32 tensors
+    assert memory.logits_bytes(lm, 2, 64, GPU_PRECISION, 2) == 64 * 500 * 2 + 64 * 1000 * (2 + 8)
+    # no vocabulary sharding of what the log-softmax reads: tp only adds the local shard
+    assert memory.logits_bytes(lm, 4, 64, GPU_PRECISION, 2) > memory.logits_bytes(lm, 1, 64, GPU_PRECISION, 2)
 
 
 def test_generation_holds_the_kv_cache():
     m = model_preset("llama2-7b")
-    act = memory.generate_act_bytes(m, S(dp=8), 64, 128, 128)
-    assert act == pytest.approx(8_589_934_592 + 64 * 128 * memory.saved_bytes_per_token(m, 1))
+    kv = 2 * 64 * 256 * 32 * 4096 * 4  # fp32 cache of the HF sampler on 64 rows of 128 + 128 tokens
+    act = memory.generate_act_bytes(m, S(dp=8), CPU_PRECISION, 8, 64, 128, 128)
+    # one layer's cache more while DynamicCache concatenates; the prefill runs on the 8 prompts
+    assert act == pytest.approx(kv * (1 + 1 / 32) + 8 * 128 * memory.saved_bytes_per_token(m, 1, 4))
+    assert memory.generate_act_bytes(m, S(dp=8), GPU_PRECISION, 8, 64, 128, 128) == pytest.approx(act / 2)

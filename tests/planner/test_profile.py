@@ -12,13 +12,17 @@ from rlflow.planner.cluster import cluster_preset
 from rlflow.planner.cost import Workload, call_cost
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.passes import layer_work
 from rlflow.planner.profile import ProfiledRates, default_profile_path, load_profile, run_profile
 
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "p.json"
-    return run_profile(path, device="cpu", progress=False, passes=((1, 16), (2, 64)), decodes=((1, 32), (4, 32)))
+    layer = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=4, vocab_size=64)
+    return run_profile(
+        path, device="cpu", progress=False, passes=((1, 16), (2, 64)), decodes=((1, 32), (4, 32)), layer=layer, rounds=1
+    )
 
 
 def test_profile_measures_this_machine_and_round_trips(profile):
@@ -27,6 +31,10 @@ def test_profile_measures_this_machine_and_round_trips(profile):
         assert hw[key] > 0, key
     assert 0 < hw["loopback_latency_s"] < 0.1
     assert [s["seq"] for s in profile["forward"]] == [16, 64] and all(s["seconds"] > 0 for s in profile["backward"])
+    # the layer shape asked for, a whole one-layer model's decode step and the sampler at every decode size
+    assert profile["layer"]["hidden_size"] == 128 and profile["layer"]["vocab_size"] == 64
+    assert [s["batch"] for s in profile["model_decode"]] == [s["batch"] for s in profile["sample"]] == [1, 4]
+    assert all(s["seconds"] > 0 for s in profile["model_decode"] + profile["sample"])
     loaded = load_profile(profile["path"])
     assert loaded["decode"] == profile["decode"] and loaded["device"] == "cpu" and loaded["dtype"] == "float32"
 
@@ -44,7 +52,6 @@ def test_profiled_rates_price_calls(profile):
         num_heads=4,
         num_kv_heads=4,
         vocab_size=256,
-        bytes_per_param=4,
     )
     w = Workload(batch_size=8, prompt_len=16, gen_len=8)
     for mfc in algorithm_mfcs("ppo")[::2]:
@@ -61,3 +68,30 @@ def test_profile_files_are_checked(tmp_path, monkeypatch):
         load_profile(tmp_path / "old.json")
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
     assert default_profile_path().parent == tmp_path
+
+
+def test_profiled_rates_split_a_fixed_overhead_from_the_rate():
+    """Synthetic timings: every pass takes its roofline on the measured hardware plus 2 ms, except
+    the smallest decode step, plus 1 ms: the overhead is 1 ms and rates are fitted to the rest."""
+    layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4)
+    hw = {"matmul_flops": 1e10, "memcpy_bandwidth": 5e9, "loopback_bandwidth": 1e9, "loopback_latency_s": 1e-5,
+          "host_memory_bytes": 8e9}  # fmt: skip
+    spec = ModelSpec(num_layers=1, vocab_size=1, **layer)
+
+    def roofline(batch, seq, decode):
+        new, pairs = (1, seq + 1) if decode else (seq, seq * (seq + 1) / 2)
+        f, m, b = layer_work(spec, 1, batch, new, pairs, 4, seq if decode else 0)
+        return f, max(f / hw["matmul_flops"], (m + b) / hw["memcpy_bandwidth"])
+
+    decode = [{"batch": 1, "seq": 16, "seconds": roofline(1, 16, True)[1] + 1e-3}]
+    decode += [{"batch": 8, "seq": 16, "seconds": roofline(8, 16, True)[1] + 2e-3}]
+    forward = [{"batch": b, "seq": s, "seconds": roofline(b, s, False)[1] + 2e-3} for b, s in ((1, 32), (4, 64))]
+    profile = {"hardware": hw, "layer": {**layer, "bytes_per_param": 4}, "forward": forward, "decode": decode,
+               "backward": forward}  # fmt: skip
+    rates = ProfiledRates(profile, cluster_preset("cpu", profile=profile))
+    assert rates.overhead_s == pytest.approx(1e-3)
+    flops, seconds = roofline(4, 64, False)
+    assert rates.flops_rate(4 * 64) == pytest.approx(flops / (seconds + 1e-3))
+    # a profiled pass is priced back at its measured time
+    f, m, b = layer_work(spec, 1, 4, 64, 64 * 65 / 2, 4)
+    assert rates.compute_s(f, m, b, 4 * 64) == pytest.approx(forward[1]["seconds"])

@@ -8,6 +8,7 @@ from plan_cases import GB, actor_problem, frozen_problem, opt, random_choice, ra
 
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.mesh import ParallelStrategy
+from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import ModelEntry, PlanProblem
 from rlflow.planner.simulate import Simulator, simulate, simulate_py
 
@@ -113,6 +114,57 @@ def test_frozen_model_is_reloaded_only_when_its_calls_move(backend):
     assert sorted(n.kind for n in moved.nodes) == ["call", "call", "reload", "reload"]
 
 
+def _ema(realloc: float | None = None, **kw) -> PlanProblem:
+    """Actor trains on devices 0-3 (2 s), the reference runs on 4-7 (1 s) after an EMA blend of 0.5 s."""
+    tp4 = ParallelStrategy(dp=1, tp=4)
+    names, models, mfc_models = (
+        ["actor_train", "ref_inf"],
+        [ModelEntry("actor", True, 0), ModelEntry("ref", False)],
+        [0, 1],
+    )
+    options = [[opt(0, 4, 2.0, tp4)], [opt(4, 4, 1.0, tp4)]]
+    extra = {}
+    if realloc is not None:  # the actor also generates on devices 4-7 before the reference runs
+        names, mfc_models = names + ["actor_gen"], mfc_models + [0]
+        options.append([opt(4, 4, 1.0, tp4, weight=GB)])
+        extra = {
+            "realloc_time": {(0, 2): np.array([[realloc]])},
+            "data_edges": [(2, 1)],
+            "data_time": [np.zeros((1, 1))],
+        }
+    return PlanProblem(
+        num_nodes=1, devices_per_node=8, device_memory_bytes=80 * GB, mfc_names=names, mfc_models=mfc_models,
+        options=options, models=models, hook_time={(0, 1): np.array([[0.5]])}, num_iterations=1, **extra, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_ema_blend_runs_before_its_call_on_both_meshes(backend):
+    r = simulate(_ema(), [0, 0], backend=backend)
+    # the blend waits for the actor's devices (0-3) to be free, then the reference runs
+    assert r.total_time_s == pytest.approx(2.0 + 0.5 + 1.0)
+    assert [(n.kind, n.devices, n.source_mfc) for n in r.nodes] == [
+        ("call", (0, 1, 2, 3), None), ("ema", tuple(range(8)), 0), ("call", (4, 5, 6, 7), None)
+    ]  # fmt: skip
+    assert r.peak_bytes.max() == 0  # a blend holds no extra copy in the memory model
+    plan = ExecutionPlan.from_choice(_ema(), [0, 0])
+    assert [(t.kind, t.target, t.source, t.time_s, t.devices) for t in plan.transfers] == [
+        ("ema", "ref_inf", "actor_train", 0.5, ((0, 3), (4, 7)))
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reallocation_and_an_ema_blend_share_the_pre_node(backend):
+    problem = _ema(realloc=0.25)
+    r = simulate(problem, [0, 0, 0], backend=backend)
+    gen = next(n for n in r.nodes if n.kind == "realloc")  # gen's realloc: 2.0 .. 2.25, gen 2.25 .. 3.25
+    assert (gen.start_s, gen.end_s) == pytest.approx((2.0, 2.25))
+    assert r.total_time_s == pytest.approx(3.25 + 0.5 + 1.0)
+    with pytest.raises(ValueError, match=r"hook_time\[0,1\] has shape \(1, 1\), expected \(1, 2\)"):
+        two = [opt(4, 4, 1.0, ParallelStrategy(dp=1, tp=4))] * 2
+        PlanProblem(**{**_ema().__dict__, "options": [_ema().options[0], two]})
+
+
 def test_bad_problem_and_plan_are_rejected_with_the_reason():
     with pytest.raises(ValueError, match="realloc_time lacks"):
         compile_problem(_actor().__class__(**{**_actor().__dict__, "realloc_time": {}}))
@@ -142,10 +194,11 @@ def _assert_same(a, b):
 
 def test_cpp_matches_python_on_random_problems_and_plans():
     rng = np.random.default_rng(0)
-    checked = 0
+    checked = hooked = 0
     for _ in range(60):
         problem = random_problem(rng)
         cp = compile_problem(problem)
+        hooked += int((cp.hook_src >= 0).sum())
         sim = Simulator(cp, penalty=1e3)
         plans = [random_choice(rng, problem) for _ in range(5)]
         for plan in plans:
@@ -154,7 +207,7 @@ def test_cpp_matches_python_on_random_problems_and_plans():
         np.testing.assert_allclose(
             sim.native.costs(np.array(plans)), [simulate_py(cp, p).cost for p in plans], rtol=1e-9
         )
-    assert checked == 300
+    assert checked == 300 and hooked > 10  # EMA blends and replicated layouts are among them
 
 
 def test_cpp_matches_python_beyond_256_devices():

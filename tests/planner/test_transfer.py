@@ -12,7 +12,14 @@ from rlflow.planner.cluster import cluster_preset
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec, model_preset
 from rlflow.planner.space import enumerate_meshes
-from rlflow.planner.transfer import data_time_table, key_bytes, realloc_time, realloc_time_table, reload_time
+from rlflow.planner.transfer import (
+    data_time_table,
+    ema_time_table,
+    key_bytes,
+    realloc_time,
+    realloc_time_table,
+    reload_time,
+)
 
 S = ParallelStrategy
 A100 = cluster_preset("a100-80g", num_nodes=2)
@@ -23,11 +30,22 @@ def M(nodes, devices, node=0, start=0):
     return DeviceMesh(nodes, devices, node, start, 8)
 
 
-def test_identical_layouts_are_free_and_others_are_not():
+def test_identical_fsdp_layouts_are_free_and_others_are_not():
     home = (M(1, 8), S(dp=8))
-    assert realloc_time(LLAMA7B, home, home, A100) == 0
+    assert realloc_time(LLAMA7B, home, home, A100, replicated=False) == 0
     for dst in [(M(1, 8), S(tp=8)), (M(1, 8), S(dp=2, tp=4)), (M(1, 4), S(dp=4)), (M(2, 8), S(dp=16))]:
-        assert realloc_time(LLAMA7B, home, dst, A100) > 0
+        fsdp = realloc_time(LLAMA7B, home, dst, A100, replicated=False)
+        replicated = realloc_time(LLAMA7B, home, dst, A100)
+        # an FSDP destination needs 1/dp of what a replicated one needs
+        assert fsdp > 0 and (replicated > fsdp if dst[1].dp > 1 else replicated == fsdp)
+
+
+def test_a_generation_on_the_home_layout_gathers_the_fsdp_shards():
+    # every device holds 1/8 of the fp32 master weights and needs all of them: 7/8 from its host
+    home = (M(1, 8), S(dp=8))
+    gather = realloc_time(LLAMA7B, home, home, A100)
+    latency = int(LLAMA7B.item_tensors.sum()) * A100.collective_latency_s
+    assert gather == pytest.approx(LLAMA7B.num_params * 4 * 7 / 8 / A100.intra_host_bandwidth + latency, rel=1e-9)
 
 
 def test_same_host_is_cheaper_than_another_host():
@@ -35,16 +53,18 @@ def test_same_host_is_cheaper_than_another_host():
     near = realloc_time(LLAMA7B, home, (M(1, 4, 0, 4), S(tp=4)), A100)
     far = realloc_time(LLAMA7B, home, (M(1, 4, 1, 4), S(tp=4)), A100)
     assert 0 < near < far
-    # everything comes over one 25 GB/s NIC: a quarter of the model per device
-    assert far == pytest.approx(LLAMA7B.num_params * 2 / 4 / A100.inter_host_bandwidth, rel=0.02)
+    # everything comes over one 25 GB/s NIC: a quarter of the fp32 master weights per device
+    assert far == pytest.approx(LLAMA7B.num_params * 4 / 4 / A100.inter_host_bandwidth, rel=0.02)
 
 
-def _reference(model, src, dst, cluster):
-    """Slowest destination over all (device, item, tp-block) pieces, straight from the definitions."""
+def _reference(model, src, dst, cluster, replicated):
+    """Slowest destination over all (device, item, tp-block) pieces, straight from the definitions:
+    a replicated destination needs its whole tp block, an FSDP one its 1/dp of it."""
     (hm, hs), (tm, ts) = src, dst
-    if (hm, hs) == (tm, ts):
+    if (hm, hs) == (tm, ts) and not replicated:
         return 0.0
-    b, dpn = model.bytes_per_param, cluster.devices_per_node
+    b, dpn = 4, cluster.devices_per_node  # fp32 master weights on the wire
+    share = 1.0 if replicated else 1.0 / ts.dp
     home_stage = {i: k for k, r in enumerate(model.stages(hs.pp)) for i in r}
     worst = 0.0
     for rank, d in enumerate(tm.device_ids):
@@ -57,7 +77,7 @@ def _reference(model, src, dst, cluster):
                 if g_stage != home_stage[item] or g == d:
                     continue
                 lo, hi = max(q / hs.tp, r / ts.tp), min((q + 1) / hs.tp, (r + 1) / ts.tp)
-                piece = max(0.0, hi - lo) * model.item_params[item] * b / hs.dp
+                piece = max(0.0, hi - lo) * model.item_params[item] * b / hs.dp * share
                 bw = cluster.intra_host_bandwidth if g // dpn == d // dpn else cluster.inter_host_bandwidth
                 seconds += piece / bw
         worst = max(worst, seconds)
@@ -78,9 +98,11 @@ def test_vectorised_table_matches_the_reference():
     rng = np.random.default_rng(0)
     homes = [options[i] for i in rng.choice(len(options), 12, replace=False)]
     targets = [options[i] for i in rng.choice(len(options), 25, replace=False)] + homes[:3]
-    table = realloc_time_table(model, homes, targets, cluster, chunk=97)
-    for (h, src), (t, dst) in itertools.product(enumerate(homes), enumerate(targets)):
-        assert table[h, t] == pytest.approx(_reference(model, src, dst, cluster), rel=1e-9, abs=1e-15), (src, dst)
+    for replicated in (True, False):
+        table = realloc_time_table(model, homes, targets, cluster, chunk=97, replicated=replicated)
+        for (h, src), (t, dst) in itertools.product(enumerate(homes), enumerate(targets)):
+            expected = _reference(model, src, dst, cluster, replicated)
+            assert table[h, t] == pytest.approx(expected, rel=1e-9, abs=1e-15), (src, dst, replicated)
 
 
 def test_data_transfers():
@@ -97,3 +119,16 @@ def test_reload_hides_under_the_first_forward_pass():
     load = 16e9 / A100.host_device_bandwidth
     t = reload_time(np.array([16e9, 16e9, 16e9]), np.array([0.0, load / 2, 10 * load]), 32, A100)
     assert t.tolist() == pytest.approx([load, load / 2, load / 32])
+
+
+def test_ema_blend_is_the_reshard_onto_the_target_home_plus_the_blend_by_hand():
+    cluster = cluster_preset("a100-80g", num_nodes=1, devices_per_node=4)
+    m = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=100)
+    actor, ref = (DeviceMesh(1, 2, 0, 0, 4), S(dp=2)), (DeviceMesh(1, 2, 0, 2, 4), S(dp=2))
+    shard = m.num_params * 4 / 2  # fp32 master weights, FSDP over 2
+    blend = 4 * shard / cluster.bandwidth  # write the scratch; lerp_ reads shard and scratch, writes the shard
+    latency = int(m.item_tensors.sum()) * cluster.collective_latency_s
+    table = ema_time_table(m, [actor, ref], [ref], cluster)
+    # another pair of devices on the host: each reference device receives its whole shard over NVLink
+    assert table[0, 0] == pytest.approx(shard / cluster.intra_host_bandwidth + latency + blend, rel=1e-12)
+    assert table[1, 0] == pytest.approx(blend, rel=1e-12)  # identical homes: nothing moves
