@@ -3,7 +3,9 @@
 A :class:`TrainEngine` owns this rank's part of an HF model under a ``(pp, dp, tp)``
 strategy on a torch ``DeviceMesh`` with axes ``("pp", "dp", "tp")``. It is built in the
 order documented in :mod:`rlflow.engine.parallelize` — pipeline split, tensor parallel,
-activation checkpointing, FSDP2 — and runs:
+activation checkpointing, FSDP2. A model built on the ``meta`` device is parallelized there,
+then only this rank's shards are allocated and filled by a ``load_weights`` callback
+(:mod:`rlflow.engine.loading` reads them straight from the safetensors files). It runs:
 
 * :meth:`TrainEngine.train_step` — several PPO mini-batches, one AdamW step each;
 * :meth:`TrainEngine.forward` — log-probs and entropies of given sequences (LM head), or
@@ -133,12 +135,24 @@ class TrainEngine:
     Args:
         model: a full HF ``*ForCausalLM`` (actor, ref) or scalar-head
             ``*ForTokenClassification`` (critic, reward) model of the Llama family, identical
-            on every rank (same weights); the engine takes its modules.
+            on every rank (same weights), or built on the ``meta`` device (then ``load_weights``
+            writes the weights); the engine takes its modules.
         mesh: a ``DeviceMesh`` of shape ``(pp, dp, tp)`` with ``mesh_dim_names=("pp", "dp", "tp")``.
         config: how to run; see :class:`EngineConfig`.
+        load_weights: called with this rank's parallelized stage (local shards allocated on the
+            engine's device) to write its weights, before the optimizer is built. Required when
+            ``model`` is on the ``meta`` device — then nothing but this rank's shards is ever
+            allocated (:func:`rlflow.engine.loading.sharded_model` builds both).
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        config: EngineConfig | None = None,
+        *,
+        load_weights: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         self.config = config or EngineConfig()
         self.mesh = mesh
         self.dims = ParallelDims.from_mesh(mesh)
@@ -150,7 +164,7 @@ class TrainEngine:
         if self.packing:
             model.set_attn_implementation(varlen_implementation(self.device))
         self.hf_class, self.hf_config = type(model), model.config
-        self.stage = self._build_stage(model)
+        self.stage = self._build_stage(model, load_weights)
         self.kind = self.stage.kind
         self.tied_group = tied_embedding_group(mesh) if self.stage.tied else None
         self.tied_param = self._tied_param()
@@ -176,10 +190,14 @@ class TrainEngine:
             return self.device.type == "cuda" and self.dims.pp == 1 and flash_attn_available()
         return self.config.packing == "on"
 
-    def _build_stage(self, model: nn.Module) -> DecoderStage:
+    def _build_stage(self, model: nn.Module, load_weights: Callable[[nn.Module], None] | None) -> DecoderStage:
         # Order and reasons: rlflow.engine.parallelize's module docstring.
         stage = build_stage(model, self.dims.pp, self.pp_rank)
-        stage.to(self.device)
+        on_meta = any(p.is_meta for p in stage.parameters())
+        if on_meta and load_weights is None:
+            raise ValueError("the model is on the meta device: pass load_weights to fill its shards")
+        if not on_meta:
+            stage.to(self.device)
         apply_tp(stage, self.mesh["tp"])
         if self.config.gradient_checkpointing:
             apply_ac(stage)
@@ -189,6 +207,10 @@ class TrainEngine:
             param_dtype=self.compute_dtype,
             reshard_after_forward=self.dims.pp == 1,
         )
+        if on_meta:  # parallelized on meta: allocate only this rank's shards (FSDP2 re-points its params)
+            stage.to_empty(device=self.device)
+        if load_weights is not None:
+            load_weights(stage)
         stage.compute_entropy = self.config.compute_entropy
         return stage
 
