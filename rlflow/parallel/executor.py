@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,24 @@ def canonical_name(name: str, tied: bool) -> str:
     return EMBED_NAME if tied and name == HEAD_NAME else name
 
 
-def module_param_tensors(module: nn.Module, tied: bool | None = None) -> dict[str, list[torch.Tensor]]:
+@runtime_checkable
+class ParamViews(Protocol):
+    """A reshard destination that is not an HF module: an engine with its own parameter layout.
+
+    The vLLM rollout engine is one: its fused, padded parameters are exposed as views keyed by
+    HF name (:func:`rlflow.parallel.vllm_layout.vllm_param_views`).
+    """
+
+    def param_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """``{HF name: [local tensors]}`` shaped like the layout's boxes; writes go into the engine."""
+        ...
+
+    def weights_updated(self) -> None:
+        """Called after a reshard wrote the tensors (e.g. to drop caches computed with old weights)."""
+        ...
+
+
+def module_param_tensors(module: nn.Module | ParamViews, tied: bool | None = None) -> dict[str, list[torch.Tensor]]:
     """This rank's local parameter tensors of ``module``, keyed by layout (canonical HF) names.
 
     FSDP2 modules are resharded first, so FSDP parameters are read/written as their sharded
@@ -72,7 +90,8 @@ def module_param_tensors(module: nn.Module, tied: bool | None = None) -> dict[st
     head has its own copy, e.g. after tensor parallelism or on a pipeline stage).
 
     Args:
-        module: an HF model, a pipeline stage of one, TP/FSDP2-parallelized or plain.
+        module: an HF model, a pipeline stage of one, TP/FSDP2-parallelized or plain; or a
+            :class:`ParamViews` engine, whose ``param_tensors()`` is returned as is.
         tied: whether ``lm_head.weight`` is the tied embedding; from ``module.config`` if None.
 
     Returns:
@@ -80,6 +99,10 @@ def module_param_tensors(module: nn.Module, tied: bool | None = None) -> dict[st
     """
     from torch.distributed.fsdp import FSDPModule
 
+    if not isinstance(module, nn.Module):
+        if not isinstance(module, ParamViews):
+            raise TypeError(f"{type(module).__name__} is neither an nn.Module nor ParamViews (param_tensors())")
+        return module.param_tensors()
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()

@@ -15,6 +15,10 @@ A model under a strategy ``(dp, tp, pp)`` is split three ways, applied in this o
 3. **FSDP2** (training layouts only) shards the tp-local tensor along dim 0 over the dp
    ranks with ``torch.chunk`` sizes; ranks past the last chunk hold an empty shard.
 
+A vLLM rollout splits some parameters otherwise (a padded vocabulary, kv heads replicated over
+tp ranks): ``build_layout(..., style="vllm")`` describes the slices of the HF parameters a vLLM
+rank holds, so that a reshard moves exactly those (:mod:`rlflow.parallel.vllm_layout`).
+
 Value models (critics, reward models: ``*ForTokenClassification``) pass ``head="value"``:
 their head item is ``score`` (``num_labels`` outputs), replicated under tp.
 
@@ -252,12 +256,16 @@ class ParamSpec:
         items: pipeline items holding it; two for a tied embedding (``("embed", "head")``).
         tp_dim: tensor dim split over the tp ranks with ``torch.chunk`` sizes; ``None`` when
             replicated.
+        tp_bounds: ``[start, stop)`` along ``tp_dim`` of every tp rank, for a split that is not
+            ``torch.chunk``'s (vLLM's: padded vocabulary shards, kv heads replicated over tp
+            ranks; see :mod:`rlflow.parallel.vllm_layout`); ``None`` uses ``torch.chunk`` sizes.
     """
 
     name: str
     shape: tuple[int, ...]
     items: tuple[str, ...]
     tp_dim: int | None
+    tp_bounds: tuple[tuple[int, int], ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -351,6 +359,9 @@ class Layout:
             raise ValueError(f"ranks {self.ranks} repeat a rank")
         if len(self.stages) != self.strategy.pp:
             raise ValueError(f"{len(self.stages)} pipeline stages do not match pp={self.strategy.pp}")
+        for p in self.params:
+            if p.tp_bounds is not None and len(p.tp_bounds) != self.strategy.tp:
+                raise ValueError(f"{p.name}: {len(p.tp_bounds)} tp_bounds do not match tp={self.strategy.tp}")
 
     @cached_property
     def _call_rank(self) -> dict[int, int]:
@@ -421,26 +432,29 @@ class Layout:
         shared: dict[tuple, list[tuple[Box, tuple[int, ...]]]] = {}
         out = {}
         for spec in self.params:
-            key = (spec.shape, spec.tp_dim, tuple(stages[spec.name]))
+            key = (spec.shape, spec.tp_dim, spec.tp_bounds, tuple(stages[spec.name]))
             if key not in shared:
-                shared[key] = []
+                # Several tp ranks may hold one box (vLLM replicates a kv head over tp ranks).
+                found: dict[Box, list[int]] = {}
                 for t in range(tp) if spec.tp_dim is not None else [None]:
                     for d in range(dp) if self.fsdp else [None]:
                         box = self._box(spec, d or 0, t or 0)
                         if all(b > a for a, b in box):
-                            ranks = [
+                            found.setdefault(box, []).extend(
                                 self.ranks[self.strategy.rank_of(s, dd, tt)]
-                                for s in key[2]
+                                for s in key[3]
                                 for dd in (range(dp) if d is None else (d,))
                                 for tt in (range(tp) if t is None else (t,))
-                            ]
-                            shared[key].append((box, tuple(sorted(ranks))))
+                            )
+                shared[key] = [(box, tuple(sorted(ranks))) for box, ranks in found.items()]
             out[spec.name] = shared[key]
         return out
 
     def _box(self, spec: ParamSpec, dp_rank: int, tp_rank: int) -> Box:
         box = [(0, n) for n in spec.shape]
-        if spec.tp_dim is not None:
+        if spec.tp_bounds is not None:
+            box[spec.tp_dim] = spec.tp_bounds[tp_rank]
+        elif spec.tp_dim is not None:
             box[spec.tp_dim] = chunk_bounds(spec.shape[spec.tp_dim], self.strategy.tp, tp_rank)
         if self.fsdp and box:
             start, stop = box[0]
@@ -453,8 +467,16 @@ class Layout:
         return {spec.name: self._box(spec, dp_rank, tp_rank) for spec in self._stage_params[pp_rank]}
 
 
+LAYOUT_STYLES = ("hf", "vllm")
+
+
 def build_layout(
-    config: Any, strategy: ParallelStrategy, ranks: Sequence[int], fsdp: bool = False, head: str = "lm"
+    config: Any,
+    strategy: ParallelStrategy,
+    ranks: Sequence[int],
+    fsdp: bool = False,
+    head: str = "lm",
+    style: str = "hf",
 ) -> Layout:
     """The layout of decoder ``config`` under ``strategy`` on global ``ranks`` (call order).
 
@@ -465,6 +487,9 @@ def build_layout(
         fsdp: shard every tp-local tensor along dim 0 over dp (FSDP2 training layout);
             otherwise dp ranks hold replicas.
         head: ``"lm"`` (causal LM) or ``"value"`` (critic/reward ``score`` head).
+        style: ``"hf"``: the tensor-parallel split of ``apply_tp`` (module docstring);
+            ``"vllm"``: the slices of the HF parameters a vLLM rank holds
+            (:func:`rlflow.parallel.vllm_layout.vllm_param_specs`; pp = 1, no FSDP, ``head="lm"``).
 
     >>> from transformers import LlamaConfig
     >>> cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -474,4 +499,17 @@ def build_layout(
     (slice(32, 64, None), slice(32, 64, None))
     """
     stages = tuple(tuple(s) for s in pipeline_stages(config, strategy.pp, head))
-    return Layout(model_param_specs(config, strategy.tp, head), stages, strategy, tuple(int(r) for r in ranks), fsdp)
+    if style == "hf":
+        specs = model_param_specs(config, strategy.tp, head)
+    elif style == "vllm":
+        if strategy.pp != 1 or fsdp or head != "lm":
+            raise ValueError(
+                f"style='vllm' describes a vLLM rollout: pp=1, no FSDP, head='lm'; got pp={strategy.pp}, "
+                f"fsdp={fsdp}, head={head!r}"
+            )
+        from rlflow.parallel.vllm_layout import vllm_param_specs  # it builds on this module
+
+        specs = vllm_param_specs(config, strategy.tp)
+    else:
+        raise ValueError(f"style={style!r}; expected one of {LAYOUT_STYLES}")
+    return Layout(specs, stages, strategy, tuple(int(r) for r in ranks), fsdp)

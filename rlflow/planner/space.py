@@ -36,6 +36,9 @@ class RuntimeCapabilities:
             that interface (built-in HF generation and vLLM rollouts are not pipelined).
         tensor_parallel_generate: ``tp > 1`` is supported for generation.
         max_tp / max_pp: upper bounds on the degrees (``None``: no bound beyond the mesh).
+        generate_world_size: a generation must use exactly this many devices (the whole
+            cluster: vLLM's external launcher builds its groups over every worker); ``None``:
+            any mesh.
     """
 
     pipeline_generate: bool = False
@@ -44,6 +47,7 @@ class RuntimeCapabilities:
     tensor_parallel_generate: bool = True
     max_tp: int | None = None
     max_pp: int | None = None
+    generate_world_size: int | None = None
 
     def allows(self, interface_type: str, strategy: ParallelStrategy) -> bool:
         """True when the engines can run ``interface_type`` under ``strategy``."""
@@ -55,6 +59,12 @@ class RuntimeCapabilities:
         if strategy.pp > 1 and not pipeline:
             return False
         if strategy.tp > 1 and interface_type == "generate" and not self.tensor_parallel_generate:
+            return False
+        if (
+            interface_type == "generate"
+            and self.generate_world_size is not None
+            and strategy.world_size != self.generate_world_size
+        ):
             return False
         if self.max_tp is not None and strategy.tp > self.max_tp:
             return False

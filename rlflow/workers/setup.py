@@ -12,8 +12,10 @@ Placement rules the worker follows (see :mod:`rlflow.workers.model_worker`):
 * a frozen model's home is the layout of its first MFC; when all its calls share that layout
   it stays resident there, otherwise it rests offloaded to host memory between calls;
 * a call on another layout than home — and every ``generate`` call, whose rollout engine
-  needs a plain HF model — runs on a copy resharded from home (:meth:`WorkerSetup.hook_ranks`
-  says which ranks take part).
+  needs a plain HF model (``rollout_engine="hf"``) or vLLM's own layout (``"vllm"``) — runs on a
+  copy resharded from home (:meth:`WorkerSetup.hook_ranks` says which ranks take part);
+* with ``rollout_engine="vllm"`` every ``generate`` call uses one layout spanning every worker
+  (pp = 1): one vLLM instance per process, whose groups vLLM builds over the whole world.
 
 >>> from rlflow.planner.mesh import ParallelStrategy
 >>> CallLayout((0, 1), ParallelStrategy(dp=2)).local_coords(1)
@@ -33,9 +35,10 @@ from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.planner.mesh import ParallelStrategy
 
-__all__ = ["MODEL_ROLES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
+__all__ = ["MODEL_ROLES", "ROLLOUT_ENGINES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
 
 MODEL_ROLES = ("actor", "critic", "ref", "reward")
+ROLLOUT_ENGINES = ("hf", "vllm")  # the engines a worker builds rollout copies for
 PAIR_ALGORITHMS = ("dpo", "rm")  # rows 2i (chosen) and 2i+1 (rejected) form one example
 DPO_LOSSES = ("sigmoid", "ipo")
 
@@ -198,6 +201,9 @@ class WorkerSetup:
         seed: base seed of model initialisation and sampling.
         keep_copies: keep a trainable model's copies for other layouts between calls
             (re-synchronised only when the home weights changed) instead of freeing them.
+        rollout_engine: ``"hf"`` (built-in sampler on a tensor-parallel HF copy) or ``"vllm"``
+            (a vLLM engine per process, kept between calls and asleep in between, its weights
+            pushed into vLLM's own layout).
     """
 
     models: Mapping[str, ModelSetup]
@@ -209,6 +215,7 @@ class WorkerSetup:
     tokenizer_path: str
     seed: int = 0
     keep_copies: bool = False
+    rollout_engine: str = "hf"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", dict(self.models))
@@ -229,6 +236,7 @@ class WorkerSetup:
                 raise ValueError(f"model {name!r} is trainable but no train_step MFC gives it a home layout")
         for name, mfc in self.mfcs.items():
             self._check_placement(name, mfc)
+        self._check_rollout_engine()
 
     def _check_mfc(self, name: str, mfc: MFCDef) -> None:
         if mfc.name != name:
@@ -255,6 +263,24 @@ class WorkerSetup:
                     f"MFC {name!r}: {self.algo.name} pairs must stay in one micro-batch; got n_mbs={mfc.n_mbs}, "
                     f"max_tokens_per_micro_batch={model.max_tokens_per_micro_batch}"
                 )
+
+    def _check_rollout_engine(self) -> None:
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout_engine={self.rollout_engine!r}; expected one of {ROLLOUT_ENGINES}")
+        if self.rollout_engine != "vllm":
+            return
+        world = tuple(sorted({r for layout in self.layouts.values() for r in layout.ranks}))
+        generate = {n: self.layouts[n] for n, m in self.mfcs.items() if m.interface_type == "generate"}
+        for name, layout in generate.items():
+            if tuple(sorted(layout.ranks)) != world:
+                raise ValueError(
+                    f"MFC {name!r}: the vllm rollout engine generates on every worker {world}, got ranks {layout.ranks}"
+                )
+        if len(set(generate.values())) > 1:
+            strategies = {n: str(c.strategy) for n, c in generate.items()}
+            raise ValueError(
+                f"the vllm rollout engine runs one vLLM instance per process; generate MFCs differ: {strategies}"
+            )
 
     # ------------------------------------------------------------------ placement rules
     def model_mfcs(self, model_name: str) -> list[MFCDef]:

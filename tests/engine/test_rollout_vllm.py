@@ -1,26 +1,238 @@
-"""The vLLM engine against the built-in sampler on the same weights (needs a GPU and vllm)."""
+"""The vLLM rollout engine: as the workers drive it (CPU, a stand-in), and real vLLM (GPU).
+
+CPU: a stand-in with vLLM's parameter layout at tp=1 (fused q|k|v and gate|up, a vocabulary
+padded to 64 rows) replaces ``VLLMRolloutEngine`` inside the workers; its ``generate`` un-fuses
+the pushed tensors into an HF model and runs the built-in sampler. A worker with
+``rollout_engine="vllm"`` must then sample exactly what a worker with ``"hf"`` samples, before and
+after a training step, build the engine once, push through the reshard executor and sleep it
+between calls.
+
+GPU (needs vllm): pushing weights through the executor gives the parameters vLLM's own
+``load_weights`` gives; greedy generation equals the built-in sampler's; a GRPO run on one GPU.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import socket
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 from rollout_helpers import left_padded_prompts, tiny_model
+from transformers import AutoModelForCausalLM
 
+from rlflow.data.tiny_models import build_tiny_model
+from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
+from rlflow.dataflow import algorithm_mfcs
+from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams, build_rollout_engine
+from rlflow.parallel.groups import clear_group_cache
+from rlflow.parallel.vllm_layout import vllm_param_views
+from rlflow.planner.mesh import ParallelStrategy
+from rlflow.protocol import DataProto
+from rlflow.workers import residency
+from rlflow.workers.model_worker import ModelWorker
+from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
 
-pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
+# Decided before any fixture runs, so that a CPU machine does not start Ray for a skipped test.
+needs_vllm_gpu = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vllm and a CUDA device"
+)
+
+
+# ---- CPU: the workers drive a vLLM-shaped stand-in ----
+
+
+class StandInVLLM:
+    """``VLLMRolloutEngine``'s interface to the workers, with vLLM's tp=1 parameters on the CPU."""
+
+    built: list[StandInVLLM] = []
+
+    def __init__(self, config, device_mesh, *, pad_token_id=None, seed=0, **llm_kwargs) -> None:
+        self.config, self.pad_token_id, self.events = config, pad_token_id, []
+        hf = AutoModelForCausalLM.from_config(config).state_dict()
+        d, heads, kv = (
+            config.hidden_size // config.num_attention_heads,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
+        padded = -(-config.vocab_size // 64) * 64
+        self.params = {"model.embed_tokens.weight": torch.zeros(padded, config.hidden_size)}
+        if not config.tie_word_embeddings:
+            self.params["lm_head.weight"] = torch.zeros(padded, config.hidden_size)
+        for name, t in hf.items():
+            if ".q_proj." in name:
+                self.params[name.replace("q_proj", "qkv_proj")] = torch.zeros((heads + 2 * kv) * d, *t.shape[1:])
+            elif ".gate_proj." in name:
+                self.params[name.replace("gate_proj", "gate_up_proj")] = torch.zeros(2 * t.shape[0], *t.shape[1:])
+            elif not any(s in name for s in ("k_proj", "v_proj", "up_proj", "embed_tokens", "lm_head")):
+                self.params[name] = torch.zeros_like(t)
+        StandInVLLM.built.append(self)
+
+    def param_tensors(self) -> dict[str, list[torch.Tensor]]:
+        self.events.append("push")
+        return vllm_param_views(self.config, 1, 0, self.params)
+
+    def weights_updated(self) -> None:
+        self.events.append("updated")
+
+    def sleep(self, level: int = 1) -> None:
+        self.events.append(f"sleep{level}")
+
+    def unfused_state(self) -> dict[str, torch.Tensor]:
+        """The HF state dict the fused tensors hold (vLLM's layout read back, independently)."""
+        c, out = self.config, {}
+        d = c.hidden_size // c.num_attention_heads
+        sizes = [c.num_attention_heads * d, c.num_key_value_heads * d, c.num_key_value_heads * d]
+        for name, t in self.params.items():
+            if "qkv_proj" in name:
+                for part, value in zip(("q_proj", "k_proj", "v_proj"), t.split(sizes)):
+                    out[name.replace("qkv_proj", part)] = value
+            elif "gate_up_proj" in name:
+                gate, up = t.chunk(2)
+                out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+            else:
+                out[name] = t[: c.vocab_size] if name in ("model.embed_tokens.weight", "lm_head.weight") else t
+        if c.tie_word_embeddings:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+    def generate(self, prompts, params):
+        model = AutoModelForCausalLM.from_config(self.config)
+        model.load_state_dict(self.unfused_state(), strict=True)
+        return HFRolloutEngine(model, pad_token_id=self.pad_token_id).generate(prompts, params)
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    """A one-process gloo world, a tiny Llama (tied embeddings) and the char tokenizer on disk."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+        tie_word_embeddings=True, seed=0,
+    )  # fmt: skip
+    with torch.no_grad():  # decisive logits: sampling differences would show
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    yield str(tmp_path)
+    clear_group_cache()
+    dist.destroy_process_group()
+
+
+def grpo_worker(path: str, rollout_engine: str) -> ModelWorker:
+    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
+    del mfcs["reward_inf"]  # rewards are given
+    actor = ModelSetup("actor", "actor", path, trainable=True, optim=OptimConfig(lr=5e-2))
+    one = CallLayout((0,), ParallelStrategy())
+    setup = WorkerSetup(
+        {"actor": actor}, mfcs, {n: one for n in mfcs}, AlgoSetup("grpo", adv_estimator="grpo", n_samples=2),
+        SamplingParams(n=2, max_new_tokens=6, seed=0), SamplingParams(greedy=True, max_new_tokens=6), path,
+        rollout_engine=rollout_engine,
+    )  # fmt: skip
+    worker = ModelWorker(setup)
+    worker.build()
+    return worker
+
+
+def call(worker: ModelWorker, name: str, *inputs: DataProto) -> DataProto:
+    worker.pre_call(name)
+    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs)
+    worker.post_call(name)
+    return out
+
+
+def test_workers_push_into_vllms_layout_and_sample_like_the_hf_copy(one_rank_world, monkeypatch):
+    monkeypatch.setattr(residency, "VLLMRolloutEngine", StandInVLLM)
+    StandInVLLM.built.clear()
+    tokenizer = load_tokenizer(one_rank_world, padding_side="left")
+    enc = tokenizer(["12+3=", "4+5=", "99-1="], padding=True, return_tensors="pt")
+    prompts = DataProto.from_dict({"prompts": enc.input_ids, "prompt_mask": enc.attention_mask})
+    runs = {}
+    for engine in ("hf", "vllm"):
+        worker = grpo_worker(one_rank_world, engine)
+        first = call(worker, "actor_gen", prompts)
+        rewards = DataProto.from_dict({"rewards": torch.arange(len(first), dtype=torch.float32)})
+        call(worker, "actor_train", first, rewards)
+        runs[engine] = (first, call(worker, "actor_gen", prompts), worker)
+    for i in range(2):  # before and after the optimizer step
+        hf, vllm = runs["hf"][i].batch, runs["vllm"][i].batch
+        assert torch.equal(vllm["input_ids"], hf["input_ids"]) and torch.equal(
+            vllm["response_mask"], hf["response_mask"]
+        )
+        torch.testing.assert_close(vllm["old_logp"], hf["old_logp"], rtol=0, atol=1e-6)
+    (engine,) = StandInVLLM.built  # built once, pushed before each call, asleep after it
+    assert engine.events == ["push", "updated", "sleep1", "push", "updated", "sleep1"]
+    home = runs["vllm"][2].residency.models["actor"].engine.state_dict_full()
+    pushed = engine.unfused_state()
+    assert all(torch.equal(pushed[name], value) for name, value in home.items())
+    padding = engine.params["model.embed_tokens.weight"][len(tokenizer) :]  # 100 tokens in 128 rows
+    assert padding.shape[0] == 28 and not padding.any()  # left alone by the pushes
+
+
+def test_vllm_generation_must_span_the_pool_in_one_layout():
+    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
+    del mfcs["reward_inf"]
+    actor = ModelSetup("actor", "actor", "unused", trainable=True, optim=OptimConfig(lr=1e-3))
+    layouts = {
+        "actor_train": CallLayout((0, 1), ParallelStrategy(dp=2)),
+        "actor_gen": CallLayout((1,), ParallelStrategy()),
+    }
+    args = (
+        {"actor": actor},
+        mfcs,
+        layouts,
+        AlgoSetup("grpo", adv_estimator="grpo"),
+        SamplingParams(),
+        SamplingParams(),
+        "",
+    )
+    WorkerSetup(*args)  # the HF rollout runs anywhere
+    with pytest.raises(ValueError, match="generates on every worker \\(0, 1\\), got ranks \\(1,\\)"):
+        WorkerSetup(*args, rollout_engine="vllm")
+    with pytest.raises(ValueError, match="rollout_engine='sglang'"):
+        WorkerSetup(*args, rollout_engine="sglang")
+
+
+def test_the_planner_offers_vllm_rollouts_on_every_worker_only():
+    from rlflow.planner.model_spec import model_preset
+    from rlflow.planner.space import enumerate_options
+    from rlflow.trainer import load_config
+    from rlflow.trainer.placement import runtime_capabilities
+
+    gen = algorithm_mfcs("grpo")[0]
+    options = {}
+    for engine in ("hf", "vllm"):
+        overrides = [f"rollout.engine={engine}", "placement.use_gpu=true", "placement.devices_per_node=4"]
+        caps = runtime_capabilities(load_config(REPO / "recipes" / "grpo_arithmetic.yaml", overrides))
+        found = enumerate_options(gen, model_preset("llama2-7b"), 1, 4, n_seqs=64, capabilities=caps)
+        options[engine] = {(mesh.size, strategy) for mesh, strategy in found}
+    S = ParallelStrategy
+    assert options["vllm"] == {(4, S(dp=4)), (4, S(dp=2, tp=2)), (4, S(tp=4))}
+    assert options["vllm"] < options["hf"] and (1, S()) in options["hf"]  # HF rollouts also run on part of the pool
+
+
+# ---- GPU: real vLLM ----
 
 
 @pytest.fixture(scope="module")
 def engines():
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a CUDA device")
     model = tiny_model(seed=0).cuda()
     vllm_engine = build_rollout_engine("vllm", model, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
     return model, HFRolloutEngine(model), vllm_engine
 
 
+@pytest.mark.gpu
+@needs_vllm_gpu
 def test_greedy_matches_builtin_sampler(engines):
     _, hf, vllm = engines
     ids, mask = left_padded_prompts([5, 9, 3, 7], seed=0)
@@ -30,6 +242,8 @@ def test_greedy_matches_builtin_sampler(engines):
     torch.testing.assert_close(got["old_logp"], expected["old_logp"], atol=1e-3, rtol=0)
 
 
+@pytest.mark.gpu
+@needs_vllm_gpu
 def test_sampled_log_probs_are_the_policy_log_probs(engines):
     model, _, vllm = engines
     ids, mask = left_padded_prompts([5, 9], seed=1)
@@ -45,6 +259,8 @@ def test_sampled_log_probs_are_the_policy_log_probs(engines):
     torch.testing.assert_close(out["old_logp"], expected, atol=1e-3, rtol=0)
 
 
+@pytest.mark.gpu
+@needs_vllm_gpu
 def test_update_weights_switches_the_policy(engines):
     _, _, vllm = engines
     other = tiny_model(seed=3).cuda()
@@ -53,3 +269,60 @@ def test_update_weights_switches_the_policy(engines):
     params = SamplingParams(greedy=True, max_new_tokens=6)
     expected = HFRolloutEngine(other).generate((ids.cuda(), mask.cuda()), params)["responses"].cpu()
     assert torch.equal(vllm.generate((ids, mask), params)["responses"], expected)
+
+
+@pytest.mark.gpu
+@needs_vllm_gpu
+def test_a_push_through_the_executor_equals_vllms_own_loader(engines):
+    from rlflow.parallel.executor import execute_reshard, module_param_tensors
+    from rlflow.parallel.layout import build_layout
+    from rlflow.parallel.reshard import plan_reshard
+
+    model, _, vllm = engines
+    other = tiny_model(seed=5)
+    home = build_layout(other.config, ParallelStrategy(), [0], fsdp=True)
+    plan = plan_reshard(home, build_layout(other.config, ParallelStrategy(), [0], style="vllm"))
+    with torch.no_grad():
+        for p in vllm.module.parameters():
+            p.zero_()
+    execute_reshard(plan, 0, module_param_tensors(other), vllm.param_tensors(), dtype=torch.float32)
+    vllm.weights_updated()
+    pushed = {n: p.detach().clone() for n, p in vllm.module.named_parameters()}
+    ids, mask = left_padded_prompts([4, 7, 5], seed=4)
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    expected = HFRolloutEngine(other.cuda()).generate((ids.cuda(), mask.cuda()), params)["responses"].cpu()
+    assert torch.equal(vllm.generate((ids, mask), params)["responses"], expected)
+    vllm.update_weights(other.state_dict())  # vLLM's own loader cuts and fuses the full tensors
+    loaded = dict(vllm.module.named_parameters())
+    assert pushed.keys() == loaded.keys()
+    assert all(torch.equal(pushed[n], loaded[n]) for n in pushed)
+    vllm.update_weights(model.state_dict())  # back to the fixture's policy
+
+
+@pytest.mark.gpu
+@needs_vllm_gpu
+@pytest.mark.timeout(900)
+def test_grpo_with_vllm_rollouts_on_one_gpu(ray_session, tmp_path):
+    from rlflow.trainer import Trainer, load_config
+
+    overrides = [
+        "rollout.engine=vllm", "placement.use_gpu=true", "placement.devices_per_node=1", "trainer.total_steps=2",
+        "trainer.eval_every=0", "trainer.eval_before_train=false", "warmup.steps=0", "data.batch_size=4",
+        "data.eval_size=8", "algorithm.n_samples=2", "models.actor.hidden_size=64", "models.actor.num_layers=2",
+        "models.actor.intermediate_size=128", "logging.console=false", "logging.tensorboard=false",
+        f"logging.dir={tmp_path}",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(REPO / "recipes" / "grpo_arithmetic.yaml", overrides), progress_bars=False)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    assert result.steps == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "actor_train/approx_kl" in r]
+    assert len(steps) == 2
+    for record in steps:
+        # The rollout ran on the trained weights pushed into vLLM (bf16 both sides): a stale or
+        # dummy policy would put the KL to the trained one orders of magnitude higher.
+        assert record["actor_train/approx_kl"] < 0.05
+        assert record["time/actor_gen/pre_call"] > 0

@@ -153,16 +153,23 @@ class RolloutCapabilities:
         tp: tensor parallel.
         pp: pipeline parallel.
         requires_gpu: the engine cannot run on CPU workers.
+        spans_world: a generate call must use every worker of the pool (``dp*tp*pp`` equal to
+            the ``torch.distributed`` world): vLLM's external launcher builds its groups over the
+            whole world.
     """
 
     dp: bool = True
     tp: bool = True
     pp: bool = False
     requires_gpu: bool = False
+    spans_world: bool = False
 
-    def supports(self, strategy: ParallelStrategy, *, on_gpu: bool = True) -> bool:
-        """Whether ``strategy`` can generate with this engine (on GPUs or not)."""
+    def supports(self, strategy: ParallelStrategy, *, on_gpu: bool = True, world_size: int | None = None) -> bool:
+        """Whether ``strategy`` can generate with this engine (on GPUs or not; in a pool of
+        ``world_size`` workers, when given)."""
         if self.requires_gpu and not on_gpu:
+            return False
+        if self.spans_world and world_size is not None and strategy.world_size != world_size:
             return False
         return (strategy.dp == 1 or self.dp) and (strategy.tp == 1 or self.tp) and (strategy.pp == 1 or self.pp)
 

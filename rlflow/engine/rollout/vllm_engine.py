@@ -12,12 +12,20 @@ vLLM's ranks are ordered ``(dp, pp, tp)`` with tp innermost, which equals rlflow
 - each dp rank feeds its own prompts (our dispatch already splits along dp); vLLM does no
   load balancing in this mode.
 
-**Weights.** :meth:`VLLMRolloutEngine.update_weights` hands HF-named *full* tensors to the
-model's own ``load_weights`` (through ``LLM.collective_rpc``), whose weight loaders cut this
-rank's tensor-parallel slice and fuse q/k/v and gate/up into vLLM's merged parameters — the
-layout translation stays inside vLLM. DTensors are gathered first. Nothing is re-read from
-disk: built from an ``nn.Module``, the engine starts from dummy weights and receives the
-module's state dict.
+**Weights.** Inside rlflow the reallocation manager pushes them: :meth:`VLLMRolloutEngine.param_tensors`
+returns views *into* vLLM's fused, tp-sharded parameters keyed by HF name
+(:mod:`rlflow.parallel.vllm_layout`), and ``execute_reshard`` writes each rank's slices of the
+home (FSDP) weights straight into them — no full tensor on any rank, nothing read from disk.
+The planner's layout for that copy is ``build_layout(..., style="vllm")``, which moves exactly
+the bytes vLLM holds (a replicated kv head to each of its ranks, the real rows of a padded
+vocabulary shard). :meth:`~VLLMRolloutEngine.weights_updated` then drops the prefix cache.
+:meth:`~VLLMRolloutEngine.update_weights` stays as a fallback for HF-named *full* tensors
+(DTensors are gathered first): vLLM's own ``load_weights`` cuts and fuses them.
+
+**Sleep.** Built with ``enable_sleep_mode``, :meth:`~VLLMRolloutEngine.sleep` (level 1) frees the
+KV cache and moves the weights to host memory between generate calls, so colocated training gets
+the GPU back; :meth:`~VLLMRolloutEngine.param_tensors` wakes the weights, :meth:`generate` wakes
+the rest.
 
 **Log-probs.** vLLM is asked for ``processed_logprobs`` of the sampled token: after temperature
 and after top-k/top-p. Without top-k/top-p this is exactly ``old_logp`` as defined in
@@ -28,16 +36,18 @@ recompute ``old_logp`` with an actor inference call.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
 
 from rlflow.engine.rollout.base import (
     Prompts,
@@ -47,6 +57,8 @@ from rlflow.engine.rollout.base import (
     register_rollout_engine,
     split_prompts,
 )
+from rlflow.parallel.layout import EMBED_NAME, HEAD_NAME
+from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
 
 __all__ = ["VLLMRolloutEngine", "to_vllm_sampling_params"]
@@ -131,14 +143,32 @@ def _load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.model.load_weights(weights=weights)
 
 
-@register_rollout_engine("vllm", RolloutCapabilities(dp=True, tp=True, pp=False, requires_gpu=True))
+def _save_config(config: PretrainedConfig, module: nn.Module | None, path: str) -> None:
+    """Write ``config.json`` for vLLM, which picks its model class by ``architectures`` (unset in
+    a config built in memory)."""
+    if not getattr(config, "architectures", None):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = copy.deepcopy(config)
+        arch = type(module).__name__ if module is not None else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if arch is None:
+            raise ValueError(f"model_type={config.model_type!r} has no causal-LM class; set config.architectures")
+        config.architectures = [arch]
+    config.save_pretrained(path)
+
+
+# vLLM's sleep_mode memory tags (LLM.wake_up(tags=...)).
+_SLEEP_TAGS = ("weights", "kv_cache")
+
+
+@register_rollout_engine("vllm", RolloutCapabilities(dp=True, tp=True, pp=False, requires_gpu=True, spans_world=True))
 class VLLMRolloutEngine:
     """Rollout engine backed by ``vllm.LLM`` (module docstring for the parallel and weight contracts).
 
     Args:
-        model: a local HF model directory, or an HF ``nn.Module`` (its config is written to a
-            temporary directory, vLLM starts from dummy weights and receives the module's
-            state dict).
+        model: a local HF model directory (weights loaded by vLLM); an HF ``PretrainedConfig``
+            (vLLM starts from dummy weights, to be pushed through :meth:`param_tensors`); or an
+            HF ``nn.Module`` (dummy weights, then its state dict through :meth:`update_weights`).
         device_mesh: the call's ``("pp", "dp", "tp")`` mesh spanning the world; None for one GPU.
         pad_token_id: written after a row's stop token; defaults to the config's, else 0.
         dtype: vLLM's ``dtype``.
@@ -150,7 +180,7 @@ class VLLMRolloutEngine:
 
     def __init__(
         self,
-        model: str | os.PathLike | nn.Module,
+        model: str | os.PathLike | nn.Module | PretrainedConfig,
         device_mesh: DeviceMesh | None = None,
         *,
         pad_token_id: int | None = None,
@@ -163,11 +193,13 @@ class VLLMRolloutEngine:
         vllm = _import_vllm()
         dp, tp = _set_launcher_env(device_mesh)
         self._dp_rank = device_mesh["dp"].get_local_rank() if device_mesh is not None else 0
+        self._tp, self._tp_rank = tp, device_mesh["tp"].get_local_rank() if device_mesh is not None else 0
         module = model if isinstance(model, nn.Module) else None
+        config = module.config if module is not None else model if isinstance(model, PretrainedConfig) else None
         self._config_dir = None
-        if module is not None:
+        if config is not None:  # no checkpoint: vLLM builds the model from the config, with dummy weights
             self._config_dir = tempfile.TemporaryDirectory(prefix="rlflow-vllm-")
-            module.config.save_pretrained(self._config_dir.name)
+            _save_config(config, module, self._config_dir.name)
             model_path, llm_kwargs = self._config_dir.name, {"load_format": "dummy", **llm_kwargs}
         else:
             model_path = os.fspath(model)
@@ -184,9 +216,13 @@ class VLLMRolloutEngine:
             logprobs_mode="processed_logprobs",
             **llm_kwargs,
         )
-        config = self._llm.llm_engine.model_config.hf_config
-        default_pad = getattr(config, "pad_token_id", None)
+        self._asleep: set[str] = set()
+        self._config = self._llm.llm_engine.model_config.hf_config
+        default_pad = getattr(self._config, "pad_token_id", None)
         self._pad_token_id = int(pad_token_id if pad_token_id is not None else (default_pad or 0))
+        self._check_tp_rank()
+        if config is not None:
+            self._zero_vocab_padding()  # dummy weights there; vLLM's own loader leaves zeros
         if module is not None:
             self.update_weights(module.state_dict())
 
@@ -195,8 +231,32 @@ class VLLMRolloutEngine:
         """vLLM's model on this rank (vLLM's own tp layout and fused parameter names)."""
         return self._llm.collective_rpc(_model_of)[0]
 
+    @property
+    def config(self) -> PretrainedConfig:
+        """The HF config vLLM runs."""
+        return self._config
+
+    def _check_tp_rank(self) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        theirs = (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        if theirs != (self._tp, self._tp_rank):
+            raise RuntimeError(
+                f"vLLM's (tp, tp_rank)={theirs} differs from the call mesh's {(self._tp, self._tp_rank)}: "
+                "the rank order of the mesh and of vLLM's external launcher disagree"
+            )
+
+    @torch.no_grad()
+    def _zero_vocab_padding(self) -> None:
+        params = dict(self.module.named_parameters())
+        start, stop = vocab_shard_rows(self._config.vocab_size, self._tp, self._tp_rank)
+        for name in (EMBED_NAME, HEAD_NAME):
+            if name in params:
+                params[name][stop - start :].zero_()
+
     def generate(self, prompts: Prompts, params: SamplingParams) -> DataProto | dict[str, torch.Tensor]:
-        """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate`."""
+        """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate` (wakes a sleeping engine first)."""
+        self.wake_up()
         input_ids, attention_mask, source = split_prompts(prompts)
         requests = [{"prompt_token_ids": row[mask.bool()].tolist()} for row, mask in zip(input_ids, attention_mask)]
         base_seed = None if params.seed is None else params.seed * 1_000_003 + self._dp_rank * 65_537
@@ -228,16 +288,61 @@ class VLLMRolloutEngine:
                 old_logp[row, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
         return responses, response_mask, old_logp
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named full tensors (or DTensors, gathered here) into vLLM's model in place."""
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        self._llm.collective_rpc(_load_weights, args=(list(_full_tensors(items)),))
-        # Cached prefixes were computed with the old weights.
+    # ------------------------------------------------------------------ weights
+    def param_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Views into vLLM's parameters on this rank by HF name: the destination of a reshard.
+
+        Shaped like the boxes of ``build_layout(config, strategy, ranks, style="vllm")`` for this
+        rank (:func:`rlflow.parallel.vllm_layout.vllm_param_views`). Wakes the weights of a
+        sleeping engine first. Call :meth:`weights_updated` after writing into them.
+        """
+        self.wake_up(tags=("weights",))
+        params = dict(self.module.named_parameters())
+        return vllm_param_views(self._config, self._tp, self._tp_rank, params)
+
+    def weights_updated(self) -> None:
+        """The weights changed in place: cached prefixes were computed with the old ones."""
         self._llm.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (level 1: weights offloaded to host; level 2: weights discarded)."""
-        self._llm.sleep(level=level)
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Fallback: load HF-named *full* tensors (DTensors are gathered) through vLLM's ``load_weights``.
 
-    def wake_up(self) -> None:
-        self._llm.wake_up()
+        Every rank holds each full tensor for a moment; rlflow's workers push through
+        :meth:`param_tensors` instead.
+        """
+        self.wake_up(tags=("weights",))
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        self._llm.collective_rpc(_load_weights, args=(list(_full_tensors(items)),))
+        self.weights_updated()
+
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache; level 1 moves the weights to host memory, level 2 discards them.
+
+        After level 2 the weights must be pushed again before generating. A no-op when asleep.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level}; expected 1 (offload weights) or 2 (discard them)")
+        if self._asleep:
+            return
+        self._llm.sleep(level=level)
+        self._asleep = set(_SLEEP_TAGS)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` freed: ``tags`` among ``("weights", "kv_cache")``, None for all.
+
+        Tags already awake are skipped, so it is safe to call on an awake engine.
+        """
+        unknown = set(tags or ()) - set(_SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)}; expected a subset of {_SLEEP_TAGS}")
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if not wanted:
+            return
+        self._llm.wake_up(tags=sorted(wanted))
+        self._asleep -= wanted
+
+    @property
+    def asleep(self) -> bool:
+        """Whether some of the engine's memory is released (:meth:`sleep`)."""
+        return bool(self._asleep)
