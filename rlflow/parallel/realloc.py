@@ -17,7 +17,9 @@ Calling protocol (what the worker/trainer layer must do; ``U = home.ranks ∪ la
 3. after the call: ``post_call(m, layout)`` on the ranks of ``layout`` (frees the copy unless
    it is kept; offloads a frozen model's home module when so registered);
 4. after each optimizer step of ``m``: ``bump_version(m)`` on the ranks of ``m``'s home layout;
-5. an EMA reference: ``ema_update(ref, actor, eta)`` on every rank of both home layouts.
+5. an EMA reference: ``ema_update(ref, actor, eta)`` on every rank of both home layouts;
+6. a model that starts as a copy of another (``init: copy``): ``copy_weights(target, source)``
+   on every rank of both home layouts (shared parameters only: a critic keeps its value head).
 
 Agreement: whether a copy is stale is decided by one coordinator (the first home rank) from
 the states the copy's ranks report, and announced to all of ``U`` — two rounds of tiny
@@ -28,25 +30,26 @@ memory decision.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlflow.parallel.executor import ReshardStats, execute_reshard, module_param_tensors
+from rlflow.parallel.executor import ParamViews, ReshardStats, execute_reshard, module_param_tensors
 from rlflow.parallel.layout import Layout
 from rlflow.parallel.offload import Offload, offload_module
 from rlflow.parallel.reshard import ReshardPlan, plan_reshard
 
-# Builds this rank's empty module of a layout (the engine layer provides it). It must not
-# create process groups: groups come from build_call_groups' cache, filled at start-up.
-ModuleFactory = Callable[[Layout], nn.Module]
+# Builds this rank's empty module of a layout (the engine layer provides it), or an engine
+# exposing its parameters as views (ParamViews: the vLLM rollout). It must not create process
+# groups: groups come from build_call_groups' cache, filled at start-up.
+ModuleFactory = Callable[[Layout], nn.Module | ParamViews]
 
 
 @dataclass
 class _Copy:
-    module: nn.Module
+    module: nn.Module | ParamViews
     version: int
     nbytes: int
 
@@ -155,12 +158,12 @@ class ReallocManager:
 
     # ---- calls ----
 
-    def pre_call(self, name: str, layout: Layout) -> nn.Module | None:
+    def pre_call(self, name: str, layout: Layout) -> nn.Module | ParamViews | None:
         """Make this rank's copy of ``name`` in ``layout`` current; collective over home ∪ layout ranks.
 
         Returns:
-            The module to run on ranks of ``layout`` (the home module itself when ``layout``
-            is the home layout); None on home-only ranks.
+            The module (or :class:`ParamViews` engine) to run on ranks of ``layout`` (the home
+            module itself when ``layout`` is the home layout); None on home-only ranks.
         """
         m = self._model(name)
         if layout == m.home:
@@ -217,6 +220,39 @@ class ReallocManager:
             r.offloaded.offload()
         if actor_reloaded:
             a.offloaded.offload()
+
+    # ---- copies between models ----
+
+    @torch.no_grad()
+    def copy_weights(self, target: str, source: str) -> tuple[str, ...]:
+        """``target ← source`` for every parameter both models have, in the target's home layout.
+
+        For two models of one architecture this is ``ema_update(target, source, eta=1.0)``. A
+        target with another head — a critic copied from a policy — takes the shared backbone
+        (same names, same shapes) and keeps its own head. Collective over the ranks of both
+        home layouts; the weights go home to home, resharded like any reallocation. The
+        target's version is bumped, so its copies in other layouts become stale.
+
+        Returns:
+            The target's parameters left as they were (its own head), sorted.
+
+        Raises:
+            ValueError: a parameter of both models with different shapes, or none in common.
+        """
+        t, s = self._model(target), self._model(source)
+        src_layout, dst_layout, kept = _shared_layouts(s.home, t.home, source, target)
+        plan = self._plan(src_layout, dst_layout)
+        source_reloaded, target_reloaded = self._reload_home(s), self._reload_home(t)
+        src = _restrict(module_param_tensors(s.module), src_layout, self.rank) if s.module is not None else None
+        dst = _restrict(module_param_tensors(t.module), dst_layout, self.rank) if t.module is not None else None
+        self._count(execute_reshard(plan, self.rank, src, dst, dtype=t.dtype, group=self.group))
+        if t.module is not None:
+            t.version += 1
+        if target_reloaded:
+            t.offloaded.offload()
+        if source_reloaded:
+            s.offloaded.offload()
+        return kept
 
     # ---- internals ----
 
@@ -279,7 +315,10 @@ class ReallocManager:
             dst = module_param_tensors(copy.module)
         self._count(execute_reshard(self._plan(m.home, layout), self.rank, src, dst, dtype=m.dtype, group=self.group))
         if self.rank in layout.ranks:
-            m.copies[layout].version = version
+            copy = m.copies[layout]
+            copy.version = version
+            if not isinstance(copy.module, nn.Module):
+                copy.module.weights_updated()
         if reloaded:
             m.offloaded.offload()
 
@@ -288,3 +327,29 @@ class ReallocManager:
         self.stats["reshard_seconds"] += stats.seconds
         self.stats["sent_bytes"] += stats.sent_bytes
         self.stats["received_bytes"] += stats.received_bytes
+
+
+def _shared_layouts(src: Layout, dst: Layout, source: str, target: str) -> tuple[Layout, Layout, tuple[str, ...]]:
+    """``src`` and ``dst`` cut down to the parameters both hold, and the names only ``dst`` holds."""
+    shapes = {p.name: p.shape for p in src.params}
+    for p in dst.params:
+        if p.name in shapes and shapes[p.name] != p.shape:
+            raise ValueError(
+                f"cannot copy {source!r} into {target!r}: {p.name} has shape {shapes[p.name]} in the source, "
+                f"{p.shape} in the target"
+            )
+    shared = {p.name for p in dst.params if p.name in shapes}
+    if not shared:
+        raise ValueError(f"cannot copy {source!r} into {target!r}: the models have no parameter in common")
+    kept = tuple(sorted(p.name for p in dst.params if p.name not in shared))
+
+    def cut(layout: Layout) -> Layout:
+        return replace(layout, params=tuple(p for p in layout.params if p.name in shared))
+
+    return cut(src), cut(dst), kept
+
+
+def _restrict(tensors: dict[str, list[torch.Tensor]], layout: Layout, rank: int) -> dict[str, list[torch.Tensor]]:
+    """The local tensors of the parameters ``layout`` gives ``rank``."""
+    names = layout.boxes(rank)
+    return {name: ts for name, ts in tensors.items() if name in names}

@@ -21,7 +21,7 @@ from rlflow.dataflow import MFCDef, algorithm_graph
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
-from rlflow.trainer.config import GROUP_ESTIMATORS, ModelConfig, RLFlowConfig
+from rlflow.trainer.config import GROUP_ESTIMATORS, ConfigError, ModelConfig, RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
@@ -32,6 +32,55 @@ VALUE_ROLES = ("critic", "reward")
 # rule-based score) and the SFT warm-up of the actor before RL.
 EVAL_GEN, EVAL_REWARD, WARMUP_SFT = "eval_gen", "eval_reward", "warmup_sft"
 SCORER = "scorer"  # the rule-based reward of held-out evaluation (a model name without weights)
+
+
+def resolve_paths(cfg: RLFlowConfig, base: str | Path | None = None) -> RLFlowConfig:
+    """The config with every file and directory it names made absolute, against ``base``.
+
+    Workers read model, tokenizer, data and checkpoint paths in their own process, whose working
+    directory is not the driver's on a joined cluster (``placement.ray_address``), so the driver
+    resolves them first: ``logging.dir`` (its default ``runs/{experiment_name}`` included),
+    ``checkpoint.dir``, a ``checkpoint.resume`` path, ``models.<role>.path``, ``data.tokenizer``,
+    ``data.train_file`` and ``data.eval_file``. ``~`` is expanded.
+
+    Args:
+        cfg: a validated config.
+        base: the directory relative paths are read from; default: the current directory.
+
+    Raises:
+        ConfigError: an input path (model, tokenizer, data file) does not exist; names the key.
+    """
+    base = Path.cwd() if base is None else Path(base)
+
+    def absolute(key: str, value: str | None, must_exist: bool = False) -> str | None:
+        if value is None:
+            return None
+        path = Path(os.path.abspath(base / Path(value).expanduser()))
+        if must_exist and not path.exists():
+            where = "" if Path(value).expanduser().is_absolute() else f" (resolved against {base})"
+            raise ConfigError(key, f"{value!r} does not exist{where}")
+        return str(path)
+
+    d, log, ckpt = cfg.data, cfg.logging, cfg.checkpoint
+    models = {
+        role: replace(m, path=absolute(f"models.{role}.path", m.path, must_exist=True))
+        for role, m in cfg.models.items()
+    }
+    data = replace(
+        d,
+        tokenizer=absolute("data.tokenizer", d.tokenizer, must_exist=True),
+        train_file=absolute("data.train_file", d.train_file, must_exist=True),
+        eval_file=absolute("data.eval_file", d.eval_file, must_exist=True),
+    )
+    run_dir = log.dir if log.dir is not None else os.path.join("runs", cfg.experiment_name)
+    resume = ckpt.resume if ckpt.resume in ("none", "auto") else absolute("checkpoint.resume", ckpt.resume)
+    return replace(
+        cfg,
+        models=models,
+        data=data,
+        logging=replace(log, dir=absolute("logging.dir", run_dir)),
+        checkpoint=replace(ckpt, dir=absolute("checkpoint.dir", ckpt.dir), resume=resume),
+    )
 
 
 def run_dir_of(cfg: RLFlowConfig) -> Path:
@@ -54,8 +103,10 @@ def materialize_tokenizer(cfg: RLFlowConfig, run_dir: Path) -> str:
 def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) -> dict[str, str]:
     """Model name -> local HF directory; tiny models are built from the config and saved once.
 
-    ``init: copy`` models start from another model's directory (a reference copy of the actor,
-    or a critic whose backbone is the actor's).
+    ``init: copy`` models get their architecture (and placeholder weights) here: a reference
+    reads its source's directory, a critic gets the source's backbone with a fresh value head.
+    Their weights proper are copied from the source on the workers when RL starts, after the
+    warm-up (``Trainer._copy_models``).
     """
     vocab = len(load_tokenizer(tokenizer_path))
     paths: dict[str, str] = {}
@@ -237,6 +288,7 @@ def worker_setup(
         eval_sampling=evaluate,
         tokenizer_path=str(Path(tokenizer_path).resolve()),
         seed=cfg.seed,
+        rollout_engine=cfg.rollout.engine,
     )
 
 
@@ -277,11 +329,20 @@ def uses_gpu(cfg: RLFlowConfig) -> bool:
     return bool(ray.cluster_resources().get("GPU", 0))
 
 
-def start_workers(cfg: RLFlowConfig, setup: WorkerSetup, use_gpu: bool) -> RayWorkerGroup:
-    """One :class:`ModelWorker` per device of the pool; process groups and models built."""
+def start_workers(cfg: RLFlowConfig, setup: WorkerSetup, use_gpu: bool) -> tuple[RayWorkerGroup, ResourcePool]:
+    """One :class:`ModelWorker` per device of the pool; process groups and models built.
+
+    Returns:
+        The worker group and its resource pool; ``pool.release()`` after ``group.shutdown()``
+        hands the pool's placement groups back to Ray (a later run in the same cluster needs them).
+    """
     p = cfg.placement
     pool = ResourcePool([p.devices_per_node] * p.num_nodes, use_gpu=use_gpu, cpus_per_worker=p.cpus_per_worker)
-    group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup), role="model")
-    group.init_process_group()
-    group.build()
-    return group
+    try:
+        group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup), role="model")
+        group.init_process_group()
+        group.build()
+    except BaseException:
+        pool.release()
+        raise
+    return group, pool

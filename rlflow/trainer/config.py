@@ -129,7 +129,12 @@ class ModelConfig(_Section):
 
     init: str = _f("tiny", "weights: a local HF dir, a fresh tiny model, or a copy", choices=("path", "tiny", "copy"))
     path: str | None = _f(None, "local Hugging Face model directory (init: path)")
-    init_from: str | None = _f(None, "init: copy: start from this model's initial weights", choices=MODEL_ROLES)
+    init_from: str | None = _f(
+        None,
+        "init: copy: start from this model's weights as RL starts (after the warm-up); a critic "
+        "copies the backbone and keeps its fresh value head",
+        choices=MODEL_ROLES,
+    )
     family: str = _f("llama", "tiny model architecture", choices=("llama", "qwen2"))
     hidden_size: int = _f(128, "tiny model: hidden size", ge=1)
     num_layers: int = _f(4, "tiny model: decoder layers", ge=1)
@@ -234,11 +239,23 @@ class WarmupConfig(_Section):
     It uses its own AdamW at a constant ``lr``, discarded afterwards; the RL optimizer starts fresh.
     Models with ``init: copy`` of the actor (a reference policy, a critic backbone) copy the actor
     as it is after the warm-up, so the KL anchor is the warmed-up policy, not random weights.
+    With ``target_score`` the warm-up ends at the first evaluation whose held-out score reaches
+    it (``steps`` stays the maximum), which makes the start of RL less dependent on the seed.
     """
 
-    steps: int = _f(0, "SFT steps before RL; 0: no warm-up", ge=0)
+    steps: int = _f(0, "SFT steps before RL (the maximum with target_score); 0: no warm-up", ge=0)
     batch_size: int = _f(64, "examples per warm-up step", ge=1)
     lr: float = _f(1e-3, "warm-up learning rate (constant)", gt=0.0)
+    eval_every: int = _f(0, "held-out evaluation every this many warm-up steps (logged as warmup/*); 0: none", ge=0)
+    target_score: float | None = _f(None, "stop the warm-up once the held-out score reaches this; null: off")
+
+    def _check(self) -> None:
+        if self.target_score is not None and not (self.steps and self.eval_every):
+            raise ConfigError(
+                "target_score",
+                f"{self.target_score} needs warm-up evaluations: steps={self.steps} and eval_every={self.eval_every} "
+                "must both be > 0",
+            )
 
 
 @dataclass(kw_only=True)
@@ -475,6 +492,23 @@ class RLFlowConfig(_Section):
                 raise ConfigError("algorithm.reward_fn", "null, and neither models.reward nor data.task gives a reward")
         if self.warmup.steps and algo.name in ("sft", "rm"):
             raise ConfigError("warmup.steps", f"{self.warmup.steps}; a warm-up precedes RL or DPO, not {algo.name!r}")
+        self._check_warmup_eval()
+
+    def _check_warmup_eval(self) -> None:
+        """Warm-up evaluations need held-out prompts and a rule to score them (the trainer's evaluation)."""
+        w, why = self.warmup, None
+        if not w.eval_every or not w.steps:
+            return
+        if self.algorithm.name in ("dpo", "rm"):
+            why = f"algorithm {self.algorithm.name!r} has no held-out generation to score"
+        elif self.data.eval_size == 0:
+            why = "data.eval_size is 0"
+        elif self.algorithm.reward_fn is None and self.data.task is None:
+            why = "no rule scores held-out answers (set algorithm.reward_fn or data.task)"
+        if why is not None:
+            key = "warmup.target_score" if w.target_score is not None else "warmup.eval_every"
+            value = w.target_score if w.target_score is not None else w.eval_every
+            raise ConfigError(key, f"{value}: cannot evaluate during the warm-up: {why}")
 
     def _check_sampling(self) -> None:
         if self.rollout.max_new_tokens is not None and self.rollout.max_new_tokens > self.data.max_response_len:

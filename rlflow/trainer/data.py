@@ -11,6 +11,8 @@ Every algorithm reads its rows under the dataflow keys of ``rlflow.dataflow.algo
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -20,14 +22,19 @@ import torch
 
 from rlflow.data.datasets import PreferenceDataset, PromptDataset, SFTDataset, read_jsonl
 from rlflow.data.loader import StatefulDataLoader
-from rlflow.data.tasks import ArithmeticTask, CountdownTask
+from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
-from rlflow.trainer.config import RLFlowConfig
+from rlflow.trainer.config import ConfigError, RLFlowConfig
 
 PAIR_ALGORITHMS = ("dpo", "rm")
 
-# Enough training problems that a short run never repeats a prompt within an epoch.
+# Enough training problems that a short run never repeats a prompt within an epoch; a task
+# with fewer distinct training problems (1-digit arithmetic) gives all it has.
 TASK_TRAIN_SIZE = 4096
+# Problem spaces up to these sizes are listed to size the requests; larger ones hold far more
+# than TASK_TRAIN_SIZE problems per split.
+_LIST_ARITHMETIC_BELOW = 200_000  # (a, op, b) triples
+_LIST_COUNTDOWN_BELOW = 2_000  # multisets of numbers (each one solved)
 
 
 @dataclass
@@ -54,6 +61,51 @@ def build_task(cfg: RLFlowConfig) -> ArithmeticTask | CountdownTask:
     return CountdownTask(num_numbers=d.num_numbers, max_number=d.max_number, max_target=d.max_target, seed=cfg.seed)
 
 
+def split_examples(task: ArithmeticTask | CountdownTask, split: str) -> list[TaskExample] | None:
+    """Every problem of ``split`` when the task's problem space is small enough to list, else None.
+
+    >>> len(split_examples(ArithmeticTask(num_digits=1, seed=0), "test"))
+    13
+    """
+    if isinstance(task, ArithmeticTask):
+        if task.num_problems > _LIST_ARITHMETIC_BELOW:
+            return None
+        high = range(10**task.num_digits)
+        triples = ((a, op, b) for op in task.ops for a in high for b in high)
+        return [task.example(*t) for t in triples if task.split_of(*t) == split]
+    if math.comb(task.max_number + task.num_numbers - 1, task.num_numbers) > _LIST_COUNTDOWN_BELOW:
+        return None
+    out = []
+    for numbers in itertools.combinations_with_replacement(range(1, task.max_number + 1), task.num_numbers):
+        for target, solution in solve_countdown(list(numbers), task.use_all).items():
+            if target <= task.max_target and task.split_of(list(numbers), target) == split:
+                out.append(task.example(list(numbers), target, solution))
+    return out
+
+
+def task_records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]]:
+    """``size`` distinct problems of the task's ``split`` as records, sized by what the task holds.
+
+    Training asks for ``TASK_TRAIN_SIZE`` and takes every problem when the split holds fewer.
+    Held-out evaluation asks for exactly ``data.eval_size``.
+
+    Raises:
+        ConfigError: the test split holds fewer than ``size`` problems (names ``data.eval_size``).
+    """
+    task = build_task(cfg)
+    listed = split_examples(task, split)
+    if listed is None or size < len(listed):
+        return [e.to_dict() for e in task.sample(split, size, seed=cfg.seed)]
+    if split == "test" and size > len(listed):
+        raise ConfigError(
+            "data.eval_size",
+            f"{size}, but the {task.name} task holds only {len(listed)} held-out problems with these data settings "
+            f"({task.test_fraction:.0%} of all); set data.eval_size <= {len(listed)} or enlarge the task",
+        )
+    random.Random(f"{task.name}|{split}|{cfg.seed}").shuffle(listed)
+    return [e.to_dict() for e in listed]
+
+
 def _records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]] | str:
     """Task examples as records, or the configured JSONL path."""
     path = cfg.data.train_file if split == "train" else cfg.data.eval_file
@@ -61,7 +113,7 @@ def _records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]] |
         return path
     if cfg.data.task is None:
         raise ValueError(f"data.{split}_file is not set and data.task is null: nothing to train on")
-    return [e.to_dict() for e in build_task(cfg).sample(split, size, seed=cfg.seed)]
+    return task_records(cfg, split, size)
 
 
 def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
@@ -72,11 +124,14 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
     if algo in PAIR_ALGORITHMS:
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
         pairs = records if isinstance(records, str) else preference_pairs(records, cfg.seed)
-        train = loader(PreferenceDataset(pairs, tokenizer, max_len), pairs=True)
+        train = loader(PreferenceDataset(pairs, tokenizer, max_len), "data.batch_size", pairs=True)
     elif algo == "sft":
-        train = loader(SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len), sft=True)
+        train = loader(
+            SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len), "data.batch_size", sft=True
+        )
     else:
-        train = loader(PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len))
+        dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len)
+        train = loader(dataset, "data.batch_size")
     eval_prompts = None
     if d.eval_size > 0 and algo not in PAIR_ALGORITHMS:
         records = _records(cfg, "test", d.eval_size)
@@ -87,7 +142,7 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
     warmup = None
     if cfg.warmup.steps > 0:
         sft = SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len)
-        warmup = loader(sft, sft=True, batch_size=cfg.warmup.batch_size)
+        warmup = loader(sft, "warmup.batch_size", sft=True, batch_size=cfg.warmup.batch_size)
     reward_fn = cfg.algorithm.reward_fn
     if reward_fn is None and d.task is not None:
         reward_fn = build_task(cfg).reward_name
@@ -112,11 +167,19 @@ def preference_pairs(records: list[dict[str, Any]], seed: int) -> list[dict[str,
 
 
 def _loader_factory(cfg: RLFlowConfig):
-    def make(dataset, *, pairs: bool = False, sft: bool = False, batch_size: int | None = None) -> StatefulDataLoader:
+    def make(
+        dataset, key: str, *, pairs: bool = False, sft: bool = False, batch_size: int | None = None
+    ) -> StatefulDataLoader:
+        """A loader of full batches; ``key`` names the batch size in errors."""
         to_proto = pairs_to_proto if pairs else (sft_to_proto if sft else prompts_to_proto)
+        batch_size = batch_size or cfg.data.batch_size
+        if len(dataset) < batch_size:
+            raise ConfigError(
+                key, f"{batch_size} is more than the {len(dataset)} training examples; one batch must fit in an epoch"
+            )
         return StatefulDataLoader(
             dataset,
-            batch_size or cfg.data.batch_size,
+            batch_size,
             collate_fn=lambda items: to_proto(dataset.collate(items)),
             shuffle=cfg.data.shuffle,
             seed=cfg.seed,

@@ -21,6 +21,7 @@ import networkx as nx
 from transformers import AutoConfig
 
 from rlflow.dataflow import mfcs_of
+from rlflow.engine.rollout import ROLLOUT_CAPABILITIES
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
 from rlflow.planner.cluster import ClusterSpec, cluster_preset
@@ -82,7 +83,20 @@ def planning_workload(cfg: RLFlowConfig) -> Workload:
         gen_len=cfg.rollout.max_new_tokens or cfg.data.max_response_len,
         n_samples_per_prompt=cfg.algorithm.n_samples if _samples(cfg) else 1,
         n_ppo_minibatches=cfg.algorithm.n_minibatches,
+        ppo_epochs=cfg.algorithm.ppo_epochs,
         gradient_checkpointing=any(m.gradient_checkpointing for m in cfg.models.values()),
+    )
+
+
+def runtime_capabilities(cfg: RLFlowConfig) -> RuntimeCapabilities:
+    """What the configured rollout engine runs: no pipelined generation; with vLLM, a generation
+    on every worker of the pool (its external launcher builds groups over the whole world)."""
+    rollout = ROLLOUT_CAPABILITIES[cfg.rollout.engine]
+    world = cfg.placement.num_nodes * cfg.placement.devices_per_node
+    return RuntimeCapabilities(
+        pipeline_generate=rollout.pp,
+        tensor_parallel_generate=rollout.tp,
+        generate_world_size=world if rollout.spans_world else None,
     )
 
 
@@ -116,7 +130,7 @@ def plan_placement(
             dict(specs),
             cluster,
             planning_workload(cfg),
-            capabilities=RuntimeCapabilities(pipeline_generate=False),
+            capabilities=runtime_capabilities(cfg),
             profile=profile,
         )
         generate = [m.name for m in device_mfcs if m.interface_type == "generate"]

@@ -10,17 +10,32 @@ from rlflow.trainer.config import load_config
 from rlflow.trainer.trainer import FitResult, Trainer
 
 
+def recipe_args(default_yaml: str | Path, argv: Sequence[str]) -> tuple[str | Path, list[str]]:
+    """``(recipe YAML, overrides)`` of a recipe's command line.
+
+    A first argument without ``=`` is the recipe's YAML (replacing ``default_yaml``); every
+    other argument is a ``key=value`` override, whatever its value ends with.
+
+    >>> recipe_args("grpo.yaml", ["data.train_file=train.yaml"])
+    ('grpo.yaml', ['data.train_file=train.yaml'])
+    >>> recipe_args("grpo.yaml", ["mine.yaml", "seed=1"])
+    ('mine.yaml', ['seed=1'])
+    """
+    args = list(argv)
+    source = args.pop(0) if args and "=" not in args[0] else default_yaml
+    return source, args
+
+
 def run_recipe(default_yaml: str | Path, argv: Sequence[str] | None = None) -> FitResult:
     """Trains the recipe ``default_yaml`` with ``key=value`` overrides from ``argv``.
 
-    A first argument ending in ``.yaml`` replaces the recipe's YAML. Prints the held-out score
-    before RL (after the warm-up, if any) and after training.
+    A first argument without ``=`` replaces the recipe's YAML (:func:`recipe_args`). Prints the
+    held-out score before RL (after the warm-up, if any) and after training.
 
     >>> run_recipe("recipes/grpo_arithmetic.yaml", ["trainer.total_steps=5"])  # doctest: +SKIP
     """
-    args = list(sys.argv[1:] if argv is None else argv)
-    source = args.pop(0) if args and args[0].endswith((".yaml", ".yml")) else default_yaml
-    cfg = load_config(source, args)
+    source, overrides = recipe_args(default_yaml, sys.argv[1:] if argv is None else argv)
+    cfg = load_config(source, overrides)
     trainer = Trainer(cfg)
     try:
         result = trainer.fit()

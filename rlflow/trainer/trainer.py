@@ -1,8 +1,9 @@
 """The driver: ``Trainer(cfg).fit()`` runs the planned dataflow graph and reports what it learned.
 
-``fit()`` reads as a list of named stages — resume, evaluate, warm up, train (steps of the
-graph, overlapping iterations where the graph allows), evaluate, save, report — and every
-stage is a method of its own. Variants are configuration, never copies of this loop.
+``fit()`` reads as a list of named stages — resume, evaluate, warm up, copy the ``init: copy``
+models from their sources, train (steps of the graph, overlapping iterations where the graph
+allows), evaluate, save, report — and every stage is a method of its own. Variants are
+configuration, never copies of this loop.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class FitResult:
         eval_history: ``(step, held-out score)`` at every evaluation, in order.
         score_before: held-out score before RL (after the warm-up when there is one).
         score_after: held-out score at the end.
+        warmup_steps: SFT warm-up steps taken (fewer than ``warmup.steps`` when
+            ``warmup.target_score`` was reached).
+        warmup_history: ``(warm-up step, held-out score)`` at every warm-up evaluation.
         mfc_seconds: MFC name -> measured seconds of each call.
         estimated_seconds: MFC name -> the planner's estimate of one call.
         run_dir: where metrics, checkpoints and pictures went.
@@ -49,6 +53,8 @@ class FitResult:
     eval_history: list[tuple[int, float]] = field(default_factory=list)
     score_before: float | None = None
     score_after: float | None = None
+    warmup_steps: int = 0
+    warmup_history: list[tuple[int, float]] = field(default_factory=list)
     mfc_seconds: dict[str, list[float]] = field(default_factory=dict)
     estimated_seconds: dict[str, float] = field(default_factory=dict)
     run_dir: str = ""
@@ -63,6 +69,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: RLFlowConfig, progress_bars: bool = True) -> None:
+        # Workers may run with another working directory (a joined cluster): hand them absolute paths.
+        cfg = build.resolve_paths(cfg)
         self.cfg, self.progress_bars = cfg, progress_bars
         self.run_dir = build.run_dir_of(cfg)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -79,7 +87,8 @@ class Trainer:
         calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn)}
         setup = build.worker_setup(cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn)
         calls = build.with_hook_ranks(calls, setup)
-        self.workers = build.start_workers(cfg, setup, self.use_gpu)
+        self.setup = setup
+        self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu)
         group_size = build.row_group_size(cfg)
         main = {n: calls[n] for n in self.placement.calls}
         self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
@@ -120,8 +129,12 @@ class Trainer:
             if self.cfg.trainer.eval_before_train:
                 self.evaluate()
             if self.data.warmup is not None and self.side_runner is not None:
-                self._warmup()
-                self.evaluate()
+                score = self._warmup()  # the held-out score at its last step, when it evaluated there
+                if score is None:
+                    self.evaluate()
+                else:
+                    self._record_eval(score)
+            self._copy_models()
         self.result.score_before = self.result.eval_history[-1][1] if self.result.eval_history else None
         self._train()
         self.result.score_after = self.evaluate()
@@ -181,21 +194,69 @@ class Trainer:
         self._call_step[(name, self._issued[name])] = step
 
     # ------------------------------------------------------------------ stages
-    def _warmup(self) -> None:
-        """SFT steps on the actor's home layout before RL (the main job's warm-up)."""
+    def _warmup(self) -> float | None:
+        """SFT steps on the actor's home layout before RL (the main job's warm-up).
+
+        Runs ``warmup.steps`` steps, evaluating every ``warmup.eval_every`` of them (logged at
+        step 0 as ``warmup/step``, ``warmup/eval_score``, ``warmup/loss``), and stops early
+        once the held-out score reaches ``warmup.target_score``.
+
+        Returns:
+            The held-out score after the last step taken when the warm-up evaluated there, else None.
+        """
         w = self.cfg.warmup
         bar = progress(w.steps, "sft warm-up", disable=not self.progress_bars)
         batches = iter(self._cycle(self.data.warmup))
-        for _ in range(w.steps):
+        losses: list[float] = []
+        score, reached, taken = None, False, 0
+        for taken in range(1, w.steps + 1):
             self._note_call(build.WARMUP_SFT, 0)
             submitted = self.side_runner.submit(next(batches), [build.WARMUP_SFT], {build.WARMUP_SFT: {"lr": w.lr}})
             self.side_runner.wait(submitted)
             bar.update(1)
+            score = None
+            if w.eval_every and taken % w.eval_every == 0:
+                recent = self._warmup_losses()
+                losses += recent
+                score = self._warmup_eval(taken, recent)
+                reached = score is not None and w.target_score is not None and score >= w.target_score
+                if reached:
+                    break
         bar.close()
-        records = self._pop_metrics()
-        losses = [r["loss"] for r in records if r.get("mfc") == build.WARMUP_SFT and "loss" in r]
+        losses += self._warmup_losses()
+        self.result.warmup_steps = taken
         if losses:
-            print(f"sft warm-up: {w.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            target = f"; held-out score {score:.3f} reached the target {w.target_score}" if reached else ""
+            print(f"sft warm-up: {taken} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}{target}")
+        return score
+
+    def _warmup_eval(self, taken: int, recent_losses: list[float]) -> float | None:
+        """One evaluation inside the warm-up, logged with the mean loss of the steps since the previous one."""
+        score = self._held_out_score()
+        if score is not None:
+            self.result.warmup_history.append((taken, score))
+            metrics = {"warmup/step": taken, "warmup/eval_score": score}
+            if recent_losses:
+                metrics["warmup/loss"] = float(np.mean(recent_losses))
+            self.logger.log(self.step, metrics)
+        return score
+
+    def _warmup_losses(self) -> list[float]:
+        return [r["loss"] for r in self._pop_metrics() if r.get("mfc") == build.WARMUP_SFT and "loss" in r]
+
+    def _copy_models(self) -> None:
+        """``init: copy`` models take their source's weights as RL starts (after the warm-up).
+
+        Home to home on the workers (``ModelWorker.copy_weights``); a critic copies the actor's
+        backbone and keeps its value head. Once per run: checkpoints hold the copies.
+        """
+        hosted = {name for name, m in self.setup.models.items() if not m.rule_based}
+        for name, m in self.cfg.models.items():
+            if m.init != "copy" or name not in hosted or m.init_from not in hosted:
+                continue
+            kept = sorted({p for per_rank in self.workers.copy_weights(name, m.init_from) for p in per_rank})
+            own = f", keeping its own {', '.join(kept)}" if kept else ""
+            print(f"{name}: copied from {m.init_from} at RL start{own}")
 
     @staticmethod
     def _cycle(loader):
@@ -203,11 +264,14 @@ class Trainer:
             yield from loader
 
     def evaluate(self) -> float | None:
-        """Greedy (or sampled) answers to the held-out prompts, scored by the rule reward.
+        """Greedy (or sampled) answers to the held-out prompts, scored by the rule reward; recorded and logged.
 
         Returns:
             the mean score (the accuracy for 0/1 rewards), or ``None`` without held-out data.
         """
+        return self._record_eval(self._held_out_score())
+
+    def _held_out_score(self) -> float | None:
         if (
             self.data.eval_prompts is None
             or self.side_runner is None
@@ -220,9 +284,12 @@ class Trainer:
             self.data.eval_prompts, [build.EVAL_GEN, build.EVAL_REWARD], {build.EVAL_GEN: {"evaluate": True}}
         )
         out = self.side_runner.wait(submitted, fetch=[build.EVAL_REWARD])[build.EVAL_REWARD]
-        score = float(out.batch["rewards"].float().mean())
-        self.result.eval_history.append((self.step, score))
-        self.logger.log(self.step, {"eval/score": score})
+        return float(out.batch["rewards"].float().mean())
+
+    def _record_eval(self, score: float | None) -> float | None:
+        if score is not None:
+            self.result.eval_history.append((self.step, score))
+            self.logger.log(self.step, {"eval/score": score})
         return score
 
     def _log_step(self, step: int) -> None:
@@ -263,7 +330,12 @@ class Trainer:
                 directory,
                 step=self.step,
                 data_state=self.data.train.state_dict(),
-                extra={"eval_history": self.result.eval_history, "issued": dict(self._issued)},
+                extra={
+                    "eval_history": self.result.eval_history,
+                    "warmup_history": self.result.warmup_history,
+                    "warmup_steps": self.result.warmup_steps,
+                    "issued": dict(self._issued),
+                },
             )
 
         return self.checkpoints.save(self.step, write)
@@ -278,6 +350,8 @@ class Trainer:
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
         self.result.eval_history = [tuple(e) for e in state["extra"].get("eval_history", [])]
+        self.result.warmup_history = [tuple(e) for e in state["extra"].get("warmup_history", [])]
+        self.result.warmup_steps = int(state["extra"].get("warmup_steps", 0))
         print(f"resumed from {path} at step {self.step}")
 
     def _report(self) -> None:
@@ -291,9 +365,10 @@ class Trainer:
             draw_timeline(shifted, self.run_dir / "timeline.png", title=f"{self.cfg.experiment_name}: measured")
 
     def close(self) -> None:
-        """Stops the workers and closes the metric sinks."""
+        """Stops the workers, hands their placement groups back to Ray and closes the metric sinks."""
         self.logger.close()
         self.workers.shutdown()
+        self.pool.release()
 
 
 def _side_runner(workers, calls) -> DataflowRunner:

@@ -6,6 +6,7 @@ The driver builds one :class:`ModelWorker` per device of the resource pool (all 
     group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup))
     group.init_process_group()                      # all ranks: the pool's default group
     group.build()                                   # all ranks: process groups, engines
+    group.copy_weights("ref", "actor")              # once at RL start, per ``init: copy`` model
     for each iteration, for each MFC in topological order (non-blocking):
         hooks = group.view(setup.hook_ranks(name))  # skip when empty
         hooks.async_execute_all("pre_call", name)
@@ -36,11 +37,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from rlflow.controller import Dispatch, Worker, register
 from rlflow.dataflow.mfc import MFCDef
@@ -51,7 +53,13 @@ from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
 from rlflow.workers.setup import WorkerSetup
 
-__all__ = ["ModelWorker"]
+if TYPE_CHECKING:
+    from rlflow.engine.train_engine import TrainEngine
+
+__all__ = ["FROZEN_WEIGHTS", "ModelWorker"]
+
+# A checkpoint's file of a frozen model whose weights changed during the run (EMA or copied reference).
+FROZEN_WEIGHTS = "weights.safetensors"
 
 
 class ModelWorker(Worker):
@@ -70,6 +78,7 @@ class ModelWorker(Worker):
         self.residency: Residency | None = None
         self._records: list[dict] = []
         self._seq: dict[tuple[str, str], int] = {}
+        self._copied: set[str] = set()  # models that took another's weights (copy_weights)
 
     # ------------------------------------------------------------------ lifecycle
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -152,6 +161,22 @@ class ModelWorker(Worker):
         records, self._records = self._records, []
         return records
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def copy_weights(self, target: str, source: str) -> list[str]:
+        """``target`` starts from ``source``'s current weights (``init: copy`` models at RL start).
+
+        Home to home through the reallocation manager (no files): parameters both models have
+        are copied, the target keeps the rest (a critic's value head), and a trainable target
+        gets a fresh optimizer. From now on the target's weights are run state: checkpoints
+        hold them. All ranks (ONE_TO_ALL) at a quiet point; collective over both home layouts.
+
+        Returns:
+            The target's parameters left as they were (empty on ranks outside both homes).
+        """
+        kept = self._residency().copy_weights(target, source)
+        self._copied.add(target)
+        return list(kept)
+
     # ------------------------------------------------------------------ calls
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
     def generate(
@@ -227,8 +252,9 @@ class ModelWorker(Worker):
 
     # ------------------------------------------------------------------ checkpoints
     def _stateful_models(self) -> list[str]:
-        """Models whose weights change during a run: trainable ones and targets of weight hooks (EMA)."""
-        targets = {m.model_name for m in self.setup.mfcs.values() if m.hook_sources}
+        """Models whose weights change during a run: trainable ones, targets of weight hooks (EMA)
+        and models that took another's weights (:meth:`copy_weights`)."""
+        targets = {m.model_name for m in self.setup.mfcs.values() if m.hook_sources} | self._copied
         return [name for name, model in self.setup.models.items() if model.trainable or name in targets]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -237,9 +263,11 @@ class ModelWorker(Worker):
 
         Trainable models: engine shards (weights, optimizer, scheduler; one file per home rank)
         under ``<model>/engine`` and an HF export under ``<model>/hf`` (written by the home
-        mesh's rank 0). Targets of weight hooks (EMA reference): an HF export. Every rank:
-        ``worker_rank<r>.pt`` with its RNG states and interface state (rollout counter, KL
-        coefficient). Collective over each model's home ranks.
+        mesh's rank 0). Frozen models whose weights changed (EMA reference, a reference copied
+        from the actor at RL start): their full weights as ``<model>/weights.safetensors``
+        (HF names, written by the home mesh's rank 0). Every rank: ``worker_rank<r>.pt`` with
+        its RNG states, interface state (rollout counters, KL coefficient) and the names of the
+        copied models. Collective over each model's home ranks.
         """
         residency = self._residency()
         for name in self._stateful_models():
@@ -248,11 +276,14 @@ class ModelWorker(Worker):
                     continue
                 if self.setup.models[name].trainable:
                     engine.save_checkpoint(os.path.join(path, name, "engine"))
-                engine.save_pretrained(os.path.join(path, name, "hf"))
+                    engine.save_pretrained(os.path.join(path, name, "hf"))
+                else:
+                    _save_weights(engine, os.path.join(path, name, FROZEN_WEIGHTS))
         state = {
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": _numpy_rng_state(),
             "interfaces": {name: iface.state_dict() for name, iface in self.interfaces.items()},
+            "copied": sorted(self._copied),
         }
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
@@ -263,6 +294,8 @@ class ModelWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         """Restore :meth:`save_checkpoint` written under the same setup; copies re-synchronise on their next call."""
         residency = self._residency()
+        state = torch.load(os.path.join(path, f"worker_rank{self.rank:05d}.pt"), weights_only=True)
+        self._copied = set(state.get("copied", []))  # their weights are in the checkpoint, not the model dirs
         for name in self._stateful_models():
             with residency.home_loaded(name) as engine:
                 if engine is None:
@@ -270,9 +303,8 @@ class ModelWorker(Worker):
                 if self.setup.models[name].trainable:
                     engine.load_checkpoint(os.path.join(path, name, "engine"))
                 else:
-                    engine.load_state_dict_full(_read_hf_weights(os.path.join(path, name, "hf")))
+                    engine.load_state_dict_full(load_file(os.path.join(path, name, FROZEN_WEIGHTS)))
                 residency.step_done(name)  # a new version: copies made before the restore are stale
-        state = torch.load(os.path.join(path, f"worker_rank{self.rank:05d}.pt"), weights_only=True)
         torch.set_rng_state(state["torch_rng"])
         _set_numpy_rng_state(state["numpy_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
@@ -311,13 +343,13 @@ def _set_numpy_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state((state["name"], keys, state["pos"], state["has_gauss"], state["gauss"]))
 
 
-def _read_hf_weights(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _save_weights(engine: TrainEngine, path: str) -> None:
+    """The full weights of ``engine`` as one safetensors file, written by its mesh's rank 0; collective over the mesh.
 
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {path!r}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(os.path.join(path, f)))
-    return weights
+    Written with safetensors rather than ``save_pretrained``: transformers writes only on global
+    rank 0, which need not be in the model's home.
+    """
+    weights = engine.state_dict_full()
+    if weights is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, path)

@@ -9,9 +9,16 @@ reshards, offload, EMA); this module builds the engines around the modules it ma
   whose pipeline stage is the home module. A frozen model used on several layouts is
   registered ``offload_home`` and rests in host memory between calls;
 * a call off home runs on a **copy** the manager builds with this module's factory: a
-  ``TrainEngine`` stage for a forward (FSDP layout), or a tensor-parallel HF model for a
-  rollout (replicated over dp), wrapped in an :class:`~rlflow.engine.rollout.HFRolloutEngine`;
-* ``ParamReallocHook(source, eta)`` runs :meth:`ReallocManager.ema_update` on the target.
+  ``TrainEngine`` stage for a forward (FSDP layout), or for a rollout either a tensor-parallel
+  HF model (replicated over dp) wrapped in an :class:`~rlflow.engine.rollout.HFRolloutEngine`,
+  or — ``WorkerSetup.rollout_engine == "vllm"`` — a
+  :class:`~rlflow.engine.rollout.VLLMRolloutEngine` whose parameter views (vLLM's own
+  tensor-parallel layout, ``build_layout(..., style="vllm")``) the manager writes the home
+  weights into. The vLLM engine is built once and kept; it sleeps (KV cache freed, weights on
+  the host) between its calls so that colocated training gets the GPU memory back;
+* ``ParamReallocHook(source, eta)`` runs :meth:`ReallocManager.ema_update` on the target;
+  :meth:`Residency.copy_weights` (``init: copy`` models when RL starts) runs
+  :meth:`ReallocManager.copy_weights`.
 
 :meth:`Residency.prepare` / :meth:`Residency.release` are the MFC pre/post hooks; a rank not in
 ``WorkerSetup.hook_ranks(mfc)`` returns at once, and every rank in it takes part.
@@ -30,9 +37,11 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from rlflow.dataflow.mfc import MFCDef
+from rlflow.engine.loading import sharded_model
 from rlflow.engine.models import build_value_model, init_value_model_from_lm, load_causal_lm
 from rlflow.engine.optim import build_lr_scheduler, build_optimizer
 from rlflow.engine.rollout.hf_sampler import HFRolloutEngine
+from rlflow.engine.rollout.vllm_engine import VLLMRolloutEngine
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
 from rlflow.parallel.groups import CallGroups, build_call_groups
 from rlflow.parallel.layout import Layout, build_layout
@@ -46,6 +55,12 @@ __all__ = ["HostedModel", "Residency"]
 PARAM_DTYPE = torch.float32
 # keep_copies keeps every copy: the manager's keep budget is then unbounded.
 _KEEP_ALL_BYTES = 2**62
+# The vLLM rollout engine: bf16 like the training engine's compute on CUDA; at most half of the
+# GPU (weights + KV cache), the rest stays with the colocated training engine.
+VLLM_ENGINE_KWARGS = {"dtype": "bfloat16", "gpu_memory_utilization": 0.5, "enable_sleep_mode": True}
+# Level 1 keeps the weights in host memory: a call whose copy is still current (keep_copies)
+# needs no push. (Level 2 would discard them, and vLLM's buffers with them on older versions.)
+VLLM_SLEEP_LEVEL = 1
 
 
 @dataclass
@@ -68,9 +83,11 @@ class HostedModel:
 
 
 def load_hf_model(model: ModelSetup) -> torch.nn.Module:
-    """The model's initial weights from its local directory (fp32, on the CPU).
+    """The model's initial weights from its local directory, whole (fp32, on the CPU).
 
-    A value model whose directory holds a causal LM gets a zero-initialised head.
+    A value model whose directory holds a causal LM gets a zero-initialised head. The home
+    engines load this way only when :func:`rlflow.engine.loading.sharded_model` cannot (no
+    safetensors files); it reads the same values, each rank only its shards.
     """
     if not model.value_head:
         return load_causal_lm(model.path, dtype=PARAM_DTYPE)
@@ -140,7 +157,13 @@ class Residency:
         hosted = HostedModel(model, config, "value" if model.value_head else "lm", self.setup.home_layout(model.name))
         if self.rank in hosted.home.ranks:
             mesh = self.call_groups(hosted.home).mesh
-            hosted.engine = TrainEngine(load_hf_model(model), mesh, self._engine_config(model, hosted.home))
+            layout = self.layout(hosted, hosted.home, fsdp=True)
+            # A meta model whose shards this rank reads from the safetensors files once parallelized;
+            # other formats (logged) are loaded whole first.
+            sharded = sharded_model(model.path, config, hosted.head, layout, self.rank, dtype=PARAM_DTYPE)
+            module, load_weights = sharded if sharded is not None else (load_hf_model(model), None)
+            engine_config = self._engine_config(model, hosted.home)
+            hosted.engine = TrainEngine(module, mesh, engine_config, load_weights=load_weights)
         self.manager.register(
             model.name,
             self.layout(hosted, hosted.home, fsdp=True),
@@ -169,10 +192,13 @@ class Residency:
             **split,
         )
 
-    def _build_copy(self, hosted: HostedModel, layout: Layout) -> torch.nn.Module:
-        """The manager's factory: this rank's empty module of ``layout`` (engine kept for the call)."""
+    def _build_copy(self, hosted: HostedModel, layout: Layout) -> torch.nn.Module | VLLMRolloutEngine:
+        """The manager's factory: this rank's empty module of ``layout`` (engine kept for the call),
+        or the vLLM engine itself, whose ``param_tensors()`` the manager writes into."""
         call = CallLayout(layout.ranks, layout.strategy)
         groups = self.call_groups(call)
+        if not layout.fsdp and self.setup.rollout_engine == "vllm":
+            return self._vllm_engine(hosted, layout, groups)
         model = _empty_hf_model(hosted.config, hosted.head)
         if layout.fsdp:  # a forward copy: the engine's stage
             engine = TrainEngine(model, groups.mesh, self._engine_config(hosted.setup, call))
@@ -184,21 +210,41 @@ class Residency:
         self._copies[(hosted.setup.name, layout)] = engine
         return engine.stage if layout.fsdp else engine.module
 
+    def _vllm_engine(self, hosted: HostedModel, layout: Layout, groups: CallGroups) -> VLLMRolloutEngine:
+        """This process's vLLM engine of ``layout``: built once from the config (dummy weights, its
+        groups over the whole world), then kept; the manager pushes the home weights into it."""
+        key = (hosted.setup.name, layout)
+        engine = self._copies.get(key)
+        if engine is None:
+            engine = VLLMRolloutEngine(
+                hosted.config,
+                groups.mesh,
+                pad_token_id=hosted.config.pad_token_id,
+                seed=self.setup.seed,
+                **VLLM_ENGINE_KWARGS,
+            )
+            self._copies[key] = engine
+        return engine
+
     # ------------------------------------------------------------------ lookup
     def call_groups(self, layout: CallLayout) -> CallGroups | None:
         """This rank's groups of ``layout`` (``None`` when the rank is not in it)."""
         return self._groups[layout]
 
-    def layout(self, hosted: HostedModel, call: CallLayout, fsdp: bool) -> Layout:
-        """The parameter layout of ``hosted`` on ``call`` (cached)."""
-        key = (hosted.setup.name, call, fsdp)
+    def layout(self, hosted: HostedModel, call: CallLayout, fsdp: bool, style: str = "hf") -> Layout:
+        """The parameter layout of ``hosted`` on ``call`` (cached); ``style="vllm"`` for a vLLM rollout."""
+        key = (hosted.setup.name, call, fsdp, style)
         if key not in self._layouts:
-            self._layouts[key] = build_layout(hosted.config, call.strategy, call.ranks, fsdp=fsdp, head=hosted.head)
+            self._layouts[key] = build_layout(
+                hosted.config, call.strategy, call.ranks, fsdp=fsdp, head=hosted.head, style=style
+            )
         return self._layouts[key]
 
     def _call_layout(self, mfc: MFCDef) -> Layout:
         hosted = self.models[mfc.model_name]
-        return self.layout(hosted, self.setup.layouts[mfc.name], fsdp=mfc.interface_type != "generate")
+        generate = mfc.interface_type == "generate"
+        style = "vllm" if generate and self.setup.rollout_engine == "vllm" else "hf"
+        return self.layout(hosted, self.setup.layouts[mfc.name], fsdp=not generate, style=style)
 
     def engine_for(self, mfc: MFCDef) -> Any:
         """The engine that runs ``mfc`` on this rank: home engine, copy, or ``None`` (rule-based reward)."""
@@ -227,6 +273,10 @@ class Residency:
         hosted = self.models[mfc.model_name]
         layout = self.setup.layouts[mfc.name]
         if self.rank in set(hosted.home.ranks) | set(layout.ranks):
+            if self._uses_vllm(mfc) and self.device.type == "cuda":
+                # vLLM wakes into its own memory pool: hand the blocks PyTorch caches back first.
+                gc.collect()
+                torch.cuda.empty_cache()
             self.manager.pre_call(mfc.model_name, self._call_layout(mfc))
 
     def release(self, mfc: MFCDef) -> None:
@@ -241,12 +291,19 @@ class Residency:
             _reshard_fsdp(hosted.engine.stage)
         layout = self._call_layout(mfc)
         self.manager.post_call(mfc.model_name, layout)
-        if not self.setup.keep_copies and self._copies.pop((mfc.model_name, layout), None) is not None:
+        engine = self._copies.get((mfc.model_name, layout))
+        if isinstance(engine, VLLMRolloutEngine):
+            # Kept (building vLLM costs far more than waking it); the manager re-pushes when stale.
+            engine.sleep(level=VLLM_SLEEP_LEVEL)
+        elif not self.setup.keep_copies and self._copies.pop((mfc.model_name, layout), None) is not None:
             if self.device.type == "cuda":
                 # HF modules hold reference cycles: collect them so the cache can hand memory back.
                 # On CPU refcounting frees the tensors; a full collection costs ~0.2 s per call.
                 gc.collect()
                 torch.cuda.empty_cache()
+
+    def _uses_vllm(self, mfc: MFCDef) -> bool:
+        return mfc.interface_type == "generate" and self.setup.rollout_engine == "vllm"
 
     def _blend(self, mfc: MFCDef, hooks) -> None:
         """``ParamReallocHook``: the target (this call's model) moves toward the source by ``eta``, at home."""
@@ -255,6 +312,29 @@ class Residency:
             source = self.models[hook.source]
             if self.rank in set(source.home.ranks) | set(target.home.ranks):
                 self.manager.ema_update(mfc.model_name, hook.source, hook.eta)
+
+    def copy_weights(self, target: str, source: str) -> tuple[str, ...]:
+        """``target`` takes ``source``'s current weights, home to home (``init: copy`` at RL start).
+
+        Parameters both models have are copied; the target keeps the rest (a critic's value
+        head). A trainable target starts a fresh optimizer and schedule, as if its weights had
+        been loaded. Every pool rank may call it; ranks outside both homes return at once.
+
+        Returns:
+            The target's parameters left as they were, sorted (empty off both homes).
+        """
+        t, s = self.models[target], self.models[source]
+        for hosted in (t, s):
+            if hosted.home is None:
+                raise ValueError(f"cannot copy {source!r} into {target!r}: {hosted.setup.name!r} has no weights")
+        if self.rank not in set(t.home.ranks) | set(s.home.ranks):
+            return ()
+        kept = self.manager.copy_weights(target, source)
+        engine = t.engine
+        if engine is not None and engine.optimizer is not None:
+            engine.optimizer = build_optimizer(engine.stage.parameters(), engine.config.optim)
+            engine.scheduler = build_lr_scheduler(engine.optimizer, engine.config.optim)
+        return kept
 
     @contextlib.contextmanager
     def home_loaded(self, model_name: str) -> Iterator[TrainEngine | None]:

@@ -1,4 +1,4 @@
-"""Overrides that shrink the GRPO recipe to a one-step run, shared by the subprocess tests."""
+"""Overrides shared by the trainer tests: the GRPO recipe shrunk to a one-step run, and turned into PPO."""
 
 # One step of warm-up and of GRPO on a 2-layer, 64-wide model: seconds of compute.
 TINY = [
@@ -13,4 +13,25 @@ TINY = [
     "models.actor.num_layers=2",
     "placement.search_seconds=0.5",
     "logging.tensorboard=false",
+]
+
+# The main recipe turned into PPO with a rule-based reward: a critic (GAE) and a reference (KL in
+# the reward), both copied from the actor when RL starts. The PPO recipe itself scores with a
+# reward model trained by other recipes first; tests of the PPO dataflow do not need that.
+PPO_FROM_GRPO = [
+    "experiment_name=ppo_rule_reward",
+    "algorithm.name=ppo",
+    "algorithm.adv_estimator=gae",
+    "algorithm.n_samples=1",
+    "algorithm.lam=0.95",
+    "algorithm.clip_ratio_high=0.2",
+    "algorithm.kl_coef=0.02",
+    "algorithm.kl_estimator=k1",
+    "algorithm.kl_in_reward=true",
+    "algorithm.n_minibatches=2",
+    "models.ref.init=copy",
+    "models.ref.init_from=actor",
+    "models.critic.init=copy",
+    "models.critic.init_from=actor",
+    "models.critic.lr=1e-3",
 ]

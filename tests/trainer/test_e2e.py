@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_helpers import PPO_FROM_GRPO
 from safetensors.torch import load_file
 
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.trainer import ConfigError, FitResult, Trainer, load_config
+from rlflow.workers.model_worker import FROZEN_WEIGHTS
 
 REPO = Path(__file__).resolve().parents[2]
-GRPO, PPO = REPO / "recipes" / "grpo_arithmetic.yaml", REPO / "recipes" / "ppo_arithmetic.yaml"
+GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
 STEPS = 3
 
 # A 2-layer, 64-wide model (4 heads, 2 key/value heads), 4 prompts per step, 16 held-out
@@ -47,7 +49,7 @@ TINY = [
 # GRPO's rewards are all 0 for an untrained model, so its advantages are too; an entropy bonus
 # and a large learning rate make every step move the weights all the same.
 GRPO_TINY = TINY + ["algorithm.n_samples=4", "algorithm.entropy_coef=0.1", "models.actor.lr=1e-2"]
-PPO_TINY = TINY + ["data.batch_size=8", "models.actor.lr=1e-3", "models.critic.lr=1e-3"]
+PPO_TINY = TINY + PPO_FROM_GRPO + ["data.batch_size=8", "models.actor.lr=1e-3"]
 
 
 def manual(mfc: str, devices: int = 2, **strategy: int) -> list[str]:
@@ -142,7 +144,7 @@ def test_grpo_on_a_manual_plan_that_reshards_fsdp_weights_to_tensor_parallel_rol
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ppo_on_a_manual_plan_with_a_pipelined_critic_and_a_data_parallel_reference(ray_session, tmp_path):
-    _, result = fit(PPO, PPO_TINY + PPO_MANUAL, tmp_path)
+    _, result = fit(GRPO, PPO_TINY + PPO_MANUAL, tmp_path)
     mfcs = ["actor_gen", "critic_inf", "ref_inf", "actor_train", "critic_train"]
     metrics = check_run(result, tmp_path, mfcs)
     plan = ExecutionPlan.load(tmp_path / "plan.json")
@@ -155,13 +157,19 @@ def test_ppo_on_a_manual_plan_with_a_pipelined_critic_and_a_data_parallel_refere
     final = tmp_path / "checkpoints" / f"step_{STEPS}"
     assert weight_change(tmp_path / "models" / "actor", final / "actor" / "hf") > 1e-4
     assert weight_change(tmp_path / "models" / "critic", final / "critic" / "hf") > 1e-4
-    assert not (final / "ref").exists()  # the frozen reference has nothing to save
+    # The reference's checkpoint is its copy of the actor taken when RL started: without a
+    # warm-up, the initial actor.
+    ref, initial = (
+        load_file(final / "ref" / FROZEN_WEIGHTS),
+        load_file(tmp_path / "models" / "actor" / "model.safetensors"),
+    )
+    assert sorted(ref) == sorted(initial) and all(torch.equal(ref[k], initial[k]) for k in initial)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ppo_on_the_searched_plan(ray_session, tmp_path):
-    trainer, result = fit(PPO, PPO_TINY + ["placement.mode=auto", "placement.search_seconds=1"], tmp_path)
+    trainer, result = fit(GRPO, PPO_TINY + ["placement.mode=auto", "placement.search_seconds=1"], tmp_path)
     mfcs = ["actor_gen", "critic_inf", "ref_inf", "actor_train", "critic_train"]
     check_run(result, tmp_path, mfcs)
     plan = ExecutionPlan.load(tmp_path / "plan.json")

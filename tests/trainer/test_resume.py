@@ -1,15 +1,13 @@
 """Resuming: 2 steps, then ``checkpoint.resume=auto`` up to 4, equals 4 steps in one go.
 
 Both runs evaluate and checkpoint every 2 steps on the resharding plan of the end-to-end test
-(FSDP training, tensor-parallel rollouts), after a short SFT warm-up. For the metrics of steps
-3 and 4 to match, a checkpoint must carry everything that decides them: the actor's weights
-and AdamW moments, the data loader's position, the rollout counter that seeds sampling, the
-RNG states, and the evaluation history.
-
-The two runs evaluate at the same steps on purpose: evaluation rollouts advance the actor's
-rollout counter that seeds the training rollouts (``ActorInterface.generate``), so a run that
-evaluates once more before its checkpoint (e.g. with ``trainer.eval_every=0``, where only the
-end of a run evaluates) samples differently after resuming.
+(FSDP training, tensor-parallel rollouts, a data-parallel reference), after a short SFT
+warm-up. For the metrics of steps 3 and 4 to match, a checkpoint must carry everything that
+decides them: the actor's weights and AdamW moments, the reference (a copy of the actor taken
+when RL started, after the warm-up — ``init: copy``), the data loader's position, the rollout
+counter that seeds sampling, the RNG states, and the evaluation history. A resumed run must
+not copy the actor into the reference again: the reference would become the trained actor
+and the KL penalty would change.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlflow.trainer import Trainer, load_config
+from rlflow.workers.model_worker import FROZEN_WEIGHTS
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
@@ -36,6 +35,9 @@ CONFIG = [
     "models.actor.num_layers=2",
     "models.actor.num_heads=4",
     "models.actor.num_kv_heads=2",
+    "models.ref.init=copy",
+    "models.ref.init_from=actor",
+    "algorithm.kl_coef=0.05",  # GRPO's KL loss against the reference
     "warmup.steps=2",
     "warmup.batch_size=16",
     "trainer.eval_every=2",
@@ -47,6 +49,8 @@ CONFIG = [
     f"{M}.actor_train.strategy.dp=2",
     f"{M}.actor_gen.mesh.num_devices=2",
     f"{M}.actor_gen.strategy.tp=2",
+    f"{M}.ref_inf.mesh.num_devices=2",
+    f"{M}.ref_inf.strategy.dp=2",
     "logging.console=false",
     "logging.tensorboard=false",
 ]
@@ -98,12 +102,27 @@ def test_two_steps_plus_a_resumed_run_equal_four_steps(ray_session, tmp_path, ca
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in (3, 4):
         want = comparable(expected[step])
-        assert {"actor_train/loss", "actor_train/entropy", "reward_inf/score_mean", "actor_gen/tokens"} <= set(want)
+        assert {"actor_train/loss", "actor_train/kl_loss", "reward_inf/score_mean", "actor_gen/tokens"} <= set(want)
         assert comparable(got[step]) == pytest.approx(want, rel=1e-6, abs=1e-9), f"step {step}"
     assert expected[4]["actor_train/entropy"] != expected[3]["actor_train/entropy"]  # the steps did differ
 
     # The same weights at the end, exported by both runs.
-    a = load_file(whole / "checkpoints" / "step_4" / "actor" / "hf" / "model.safetensors")
-    b = load_file(split / "checkpoints" / "step_4" / "actor" / "hf" / "model.safetensors")
-    assert sorted(a) == sorted(b)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    for model in ("actor", "ref"):
+        a, b = checkpoint_weights(whole, 4, model), checkpoint_weights(split, 4, model)
+        assert sorted(a) == sorted(b) and max_diff(a, b) <= 1e-6, model
+    # The resumed run kept the reference of its checkpoint rather than copying the actor of
+    # step 2 again; that reference is the actor after the warm-up, not the initial model.
+    ref = checkpoint_weights(split, 2, "ref")
+    assert max_diff(checkpoint_weights(split, 4, "ref"), ref) == 0.0
+    assert max_diff(checkpoint_weights(split, 2, "actor"), ref) > 1e-4
+    assert max_diff(load_file(split / "models" / "actor" / "model.safetensors"), ref) > 1e-3
+
+
+def checkpoint_weights(run_dir: Path, step: int, model: str) -> dict:
+    """A model's weights in a checkpoint: the HF export of the actor, the frozen reference's file."""
+    directory = run_dir / "checkpoints" / f"step_{step}" / model
+    return load_file(directory / FROZEN_WEIGHTS if model == "ref" else directory / "hf" / "model.safetensors")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)

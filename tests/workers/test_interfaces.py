@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -254,6 +255,29 @@ def test_actor_generate_aligns_sampler_output_and_repeats_greedy_rows(paths):
     assert len(greedy) == 6 and torch.equal(greedy.batch["input_ids"][0], greedy.batch["input_ids"][2])
     assert "uid" not in greedy.non_tensor_keys and actor.num_rollouts == 2
     assert actor.sampling_params(greedy=False, evaluate=False)[0].seed != sampling.seed  # a fresh stream per rollout
+
+
+def test_evaluation_rollouts_do_not_move_the_training_sampling_stream(paths):
+    """Evaluating between two rollouts (even with sampled evaluation) leaves the second one as it was."""
+    tokenizer = load_tokenizer(paths["tokenizer"], padding_side="left")
+    enc = tokenizer(["1+2=", "30+4="], padding=True, return_tensors="pt")
+    data = DataProto.from_dict({"prompts": enc.input_ids, "prompt_mask": enc.attention_mask}, {"answers": ["3", "34"]})
+    sampling = SamplingParams(n=2, max_new_tokens=4, temperature=3.0, seed=5)  # hot: every seed samples apart
+    setup = replace(setup_for(AlgoSetup("grpo", adv_estimator="grpo"), paths, sampling), eval_sampling=sampling)
+    model = ModelSetup("actor", "actor", paths["actor"], trainable=True, optim=OptimConfig())
+    engine = HFRolloutEngine(load_causal_lm(paths["actor"]))
+    plain, evaluating = ActorInterface(model, setup), ActorInterface(model, setup)
+    plain.generate(engine, data, CTX)
+    evaluating.generate(engine, data, CTX)
+    evaluated = evaluating.generate(engine, data, CTX, evaluate=True)
+    second = plain.generate(engine, data, CTX)
+    assert torch.equal(evaluating.generate(engine, data, CTX).batch["input_ids"], second.batch["input_ids"])
+    # The evaluation sampled from a stream of its own, not the training rollout's.
+    assert not torch.equal(evaluated.batch["input_ids"], second.batch["input_ids"])
+    assert (evaluating.num_rollouts, evaluating.num_eval_rollouts) == (2, 1)
+    restored = ActorInterface(model, setup)
+    restored.load_state_dict(evaluating.state_dict())
+    assert (restored.num_rollouts, restored.num_eval_rollouts) == (2, 1)
 
 
 def test_rule_reward_decodes_prompt_and_response(paths):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from worker_helpers import ANSWERS, PROMPTS, prompt_batch, save_models
 
 from rlflow.algos import bradley_terry_loss, sft_loss
+from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow import MFCDef, algorithm_mfcs
 from rlflow.engine.models import build_value_model, load_causal_lm, sequence_scores
@@ -229,3 +230,73 @@ def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths):
     assert gen_hook["kind"] == "realloc" and {r["kind"] for r in records} == {"call", "realloc"}
     assert gen_hook["realloc_reshards"] == 1 and gen_hook["end"] >= gen_hook["start"]
     assert worker.pop_metrics() == []
+
+
+def test_copy_weights_gives_the_reference_and_the_critic_backbone_the_trained_actor(paths, tmp_path):
+    """``init: copy`` at RL start: after a warm-up, the reference is the warmed-up actor and the
+    critic its backbone under the critic's own value head, with a fresh optimizer; checkpoints
+    hold the copies, so a restarted worker gets them back instead of its initial weights."""
+    algo = AlgoSetup("ppo", adv_estimator="gae", n_samples=1, kl_coef=0.1)
+    models = {
+        "actor": trainable("actor", "actor", paths["actor"]),
+        "critic": trainable("critic", "critic", paths["actor"], value_head=True),  # actor backbone, zero head
+        "ref": ModelSetup("ref", "ref", paths["actor"]),
+    }
+    mfcs = {m.name: m for m in algorithm_mfcs("ppo")}
+    del mfcs["reward_inf"]  # rewards come from the test
+    mfcs["warmup_sft"] = MFCDef("warmup_sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"))
+    sampling = SamplingParams(n=1, max_new_tokens=4, seed=0)
+    setup = WorkerSetup(
+        models, mfcs, {n: ONE for n in mfcs}, algo, sampling, SamplingParams(greedy=True), paths["tokenizer"]
+    )
+    worker = ModelWorker(setup)
+    worker.build()
+    engines = {name: worker.residency.models[name].engine for name in models}
+    for _ in range(2):
+        worker.train_step("warmup_sft", answer_rows(paths), lr=5e-2)
+    gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]))
+    rewards = DataProto.from_dict({"rewards": torch.ones(len(gen))})
+    call(worker, "critic_train", gen, call(worker, "critic_inf", gen), call(worker, "ref_inf", gen), rewards)
+    actor = {k: v.clone() for k, v in engines["actor"].state_dict_full().items()}
+    initial = load_causal_lm(paths["actor"]).state_dict()
+    assert max(float((actor[k] - initial[k]).abs().max()) for k in actor) > 1e-2  # the warm-up moved the actor
+    head = {k: v.clone() for k, v in engines["critic"].state_dict_full().items() if k.startswith("score.")}
+
+    assert worker.copy_weights("ref", "actor") == []
+    assert worker.copy_weights("critic", "actor") == sorted(head)
+    ref, critic = engines["ref"].state_dict_full(), engines["critic"].state_dict_full()
+    assert sorted(ref) == sorted(actor) and all(torch.equal(ref[k], actor[k]) for k in actor)
+    backbone = [k for k in critic if not k.startswith("score.")]
+    assert backbone and all(torch.equal(critic[k], actor[k]) for k in backbone)
+    assert all(torch.equal(critic[k], head[k]) for k in head)  # the critic's own (once trained) head
+    assert not engines["critic"].optimizer.state and engines["critic"].scheduler.last_epoch == 0
+    # The reference serves the copied weights: its log-probs are the rollout's (same policy).
+    gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]))
+    ref_logp = call(worker, "ref_inf", gen).batch["ref_logp"]
+    mask = gen.batch["response_mask"].bool()
+    torch.testing.assert_close(ref_logp[mask], gen.batch["old_logp"][mask], atol=1e-5, rtol=0)
+
+    worker.save_checkpoint(str(tmp_path / "ckpt"))
+    restarted = ModelWorker(setup)
+    restarted.build()
+    assert not torch.equal(restarted.residency.models["ref"].engine.state_dict_full()[backbone[0]], actor[backbone[0]])
+    restarted.load_checkpoint(str(tmp_path / "ckpt"))
+    ref = restarted.residency.models["ref"].engine.state_dict_full()
+    assert all(torch.equal(ref[k], actor[k]) for k in actor)
+
+
+def test_copy_weights_refuses_models_whose_shared_parameters_differ_in_shape(paths, tmp_path):
+    other = tmp_path / "narrower"
+    build_tiny_model(
+        "llama",
+        vocab_size=len(load_tokenizer(paths["tokenizer"])),
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        seed=0,
+    ).save_pretrained(other)
+    models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", str(other))}
+    worker = make_worker(paths, AlgoSetup("dpo"), models)
+    with pytest.raises(ValueError, match=r"cannot copy 'actor' into 'ref': model\.embed_tokens\.weight has shape"):
+        worker.copy_weights("ref", "actor")

@@ -40,6 +40,8 @@ __all__ = ["ActorInterface", "objective_of", "pair_columns", "rollout_rows"]
 
 # Seeds of successive rollouts are spread by a large prime so that streams do not overlap.
 _SEED_STRIDE = 1_000_003
+# Evaluation rollouts draw from a stream of their own, this far from the training seeds.
+_EVAL_SEED_OFFSET = 2**61
 
 
 def rollout_rows(sampled: DataProto, prompt_width: int) -> DataProto:
@@ -101,7 +103,8 @@ class ActorInterface(ModelInterface):
 
     def __init__(self, model: ModelSetup, setup: WorkerSetup) -> None:
         super().__init__(model, setup)
-        self.num_rollouts = 0
+        self.num_rollouts = 0  # training rollouts so far: seeds the next one
+        self.num_eval_rollouts = 0  # evaluation rollouts, counted apart so they never move training sampling
         self.advantages = AdvantageEstimator(self.algo) if self.algo.adv_estimator is not None else None
 
     @classmethod
@@ -119,10 +122,13 @@ class ActorInterface(ModelInterface):
         * ``greedy`` alone: one greedy response per prompt, repeated ``n`` times so its rows
           align with the sampled rollout's (ReMax's baseline).
 
-        Every rollout gets its own seed (base seed + a stride per rollout).
+        Every rollout gets its own seed (base seed + a stride per rollout). Evaluation rollouts
+        count and seed apart from training ones: how often a run evaluates does not change
+        what its training rollouts sample.
         """
         base = self.setup.eval_sampling if evaluate else self.setup.sampling
-        seed = (base.seed if base.seed is not None else self.setup.seed) + _SEED_STRIDE * self.num_rollouts
+        count, offset = (self.num_eval_rollouts, _EVAL_SEED_OFFSET) if evaluate else (self.num_rollouts, 0)
+        seed = (base.seed if base.seed is not None else self.setup.seed) + offset + _SEED_STRIDE * count
         params = replace(base, seed=seed % 2**62, greedy=base.greedy or greedy)
         if greedy and not evaluate:
             return replace(params, n=1), self.setup.sampling.n
@@ -141,7 +147,10 @@ class ActorInterface(ModelInterface):
         prompts = DataProto.from_dict(
             {"input_ids": tensors["prompts"], "attention_mask": tensors["prompt_mask"].long()}, columns
         )
-        self.num_rollouts += 1
+        if evaluate:
+            self.num_eval_rollouts += 1
+        else:
+            self.num_rollouts += 1
         sampled = engine.generate(prompts, params)
         if repeat > 1:
             sampled = sampled.repeat(repeat, interleave=True)
@@ -201,12 +210,13 @@ class ActorInterface(ModelInterface):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"num_rollouts": self.num_rollouts}
+        state: dict[str, Any] = {"num_rollouts": self.num_rollouts, "num_eval_rollouts": self.num_eval_rollouts}
         if self.advantages is not None:
             state["advantages"] = self.advantages.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_rollouts = int(state["num_rollouts"])
+        self.num_eval_rollouts = int(state.get("num_eval_rollouts", 0))
         if self.advantages is not None:
             self.advantages.load_state_dict(state["advantages"])
