@@ -128,6 +128,24 @@ def _build_hf_model(engine: TrainEngine, state_dict: dict[str, torch.Tensor]):
     return model
 
 
+def _write_hf_dir(model: torch.nn.Module, path: str, *, tied: bool) -> None:
+    """``config.json`` (+ ``generation_config.json``) and ``model.safetensors``, as ``save_pretrained`` lays them out.
+
+    Not ``model.save_pretrained``: transformers writes only on *global* rank 0 of an initialised
+    ``torch.distributed`` world, and a model's home mesh need not include it (the export would
+    silently be an empty directory).
+    """
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if tied:
+        weights.pop(HEAD, None)  # the tied head is the embedding; HF re-ties it on load
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
 def _replace_dir(tmp: str, path: str) -> None:
     """Move ``tmp`` to ``path``, replacing an existing ``path`` (readers never see a half-written one)."""
     if os.path.exists(path):
@@ -151,7 +169,7 @@ def save_pretrained(engine: TrainEngine, path: str) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-        model.save_pretrained(tmp)
+        _write_hf_dir(model, tmp, tied=engine.stage.tied)
         _replace_dir(tmp, path)
     mesh_barrier(engine)
 
