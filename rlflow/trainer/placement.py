@@ -71,7 +71,9 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: dict | None) -> 
     """The cluster the planner prices: measured CPU workers, or GPUs of the preset type."""
     p = cfg.placement
     if use_gpu:
-        return cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
+        cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
+        # The built-in sampler generates with the fp32 copy it is given; vLLM runs bf16.
+        return cluster.with_precision(rollout_bytes=4) if cfg.rollout.engine == "hf" else cluster
     return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile)
 
 
@@ -85,6 +87,10 @@ def planning_workload(cfg: RLFlowConfig) -> Workload:
         n_ppo_minibatches=cfg.algorithm.n_minibatches,
         ppo_epochs=cfg.algorithm.ppo_epochs,
         gradient_checkpointing=any(m.gradient_checkpointing for m in cfg.models.values()),
+        # The engines run one micro-batch per (mini-)batch unless a model sets a token budget.
+        max_tokens_per_mb=min(
+            (m.micro_batch_tokens for m in cfg.models.values() if m.micro_batch_tokens), default=None
+        ),
     )
 
 
