@@ -59,8 +59,11 @@ def _status_kib(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
-def _peak(fn):
-    """``(result, seconds, bytes by which fn() raised the resident peak above the RSS before it)``."""
+def peak_rss(fn):
+    """``(result, seconds, bytes by which fn() raised the resident peak above the RSS before it)``.
+
+    Linux only (``/proc/self/clear_refs`` resets the peak); also used by tests/engine/test_sharded_load.py.
+    """
     gc.collect()
     _malloc_trim()  # hand freed heap back, so that earlier frees do not absorb fn's allocations
     with open("/proc/self/clear_refs", "w") as f:
@@ -94,8 +97,8 @@ def _measure(path: str, groups) -> dict:
         model = load_hf_model(ModelSetup("m", "actor", path))
         return module_param_tensors(TrainEngine(model, groups.mesh, engine_config).stage)
 
-    new, new_s, new_peak = _peak(sharded)
-    old, old_s, old_peak = _peak(full)
+    new, new_s, new_peak = peak_rss(sharded)
+    old, old_s, old_peak = peak_rss(full)
     equal = new.keys() == old.keys() and all(
         all(torch.equal(a, b) for a, b in zip(new[k], old[k], strict=True)) for k in old
     )

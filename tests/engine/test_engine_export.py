@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers.distributed.mixin as hf_distributed
-from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM
 
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
-
-
-@pytest.fixture()
-def single_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", torch.zeros(1, 1, 1, dtype=torch.long), mesh_dim_names=("pp", "dp", "tp"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tied", [True, False])

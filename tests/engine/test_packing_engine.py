@@ -79,15 +79,6 @@ def run_engine(mesh: DeviceMesh, case: tuple[str, str, str], packing: str, rows:
 
 
 @pytest.fixture(scope="module")
-def single_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", torch.zeros(1, 1, 1, dtype=torch.long), mesh_dim_names=("pp", "dp", "tp"))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def padded_results(single_mesh) -> dict:
     """The padded single-process engine's results, computed once per case."""
     cache: dict = {}

@@ -13,11 +13,8 @@ model with sharded loading, the whole model or more with the full load.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config, Qwen2ForCausalLM
+
+from benchmarks.bench_sharded_load import peak_rss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -260,29 +259,6 @@ def _write_memory_model(path: Path) -> None:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the peak may then be underestimated, never inflated
-        pass
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
-def _peak_rss_delta(fn) -> int:
-    """Bytes by which ``fn()`` raised this process's resident peak above its current RSS."""
-    gc.collect()
-    _malloc_trim()  # hand freed heap back, so that earlier frees do not absorb fn's allocations
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (the peak) to the current RSS
-    before = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - before) * 1024
-
-
 def _measure_memory(path: str, groups, outdir: str) -> None:
     """Peak RSS of building the dp=4 engine with sharded loading, then with the full load."""
     from rlflow.engine.loading import sharded_model
@@ -302,7 +278,7 @@ def _measure_memory(path: str, groups, outdir: str) -> None:
     def full() -> None:
         TrainEngine(load_hf_model(ModelSetup("m", "actor", path)), groups.mesh, engine_config)
 
-    record = {"sharded": _peak_rss_delta(sharded), "full": _peak_rss_delta(full)}
+    record = {"sharded": peak_rss(sharded)[2], "full": peak_rss(full)[2]}
     record["model_bytes"] = 4 * sum(spec.numel for spec in layout.params)  # as fp32 masters
     with open(os.path.join(outdir, f"memory_rank{groups.rank}.json"), "w") as f:
         json.dump(record, f)
