@@ -114,6 +114,7 @@ def _remax(kw: dict) -> list[MFCDef]:
         PROMPT_KEYS,
         tuple(greedy_out.values()),
         output_key_remap=greedy_out,
+        greedy=True,
         **_common(kw),
     )
     train_keys = GEN_OUTPUT_KEYS + ("ref_logp", "rewards", "greedy_rewards")

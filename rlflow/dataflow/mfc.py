@@ -85,6 +85,8 @@ class MFCDef:
         runs_on_host: the call needs no model on a device (rule-based rewards); the planner
             leaves it out of device placement.
         pre_hooks / post_hooks: hooks run before / after the call, e.g. :class:`ParamReallocHook`.
+        greedy: a ``generate`` call that decodes greedily — one greedy response per prompt,
+            repeated for every sample slot (ReMax's baseline rollout).
 
     >>> MFCDef("ref_inf", "ref", "inference", input_keys=("input_ids",), output_keys=("ref_logp",)).model_role
     'ref'
@@ -106,6 +108,7 @@ class MFCDef:
     runs_on_host: bool = False
     pre_hooks: tuple[ParamReallocHook, ...] = ()
     post_hooks: tuple[ParamReallocHook, ...] = ()
+    greedy: bool = False
 
     def __post_init__(self) -> None:
         # Normalise containers so that the definition is immutable and hashable.
@@ -148,6 +151,8 @@ class MFCDef:
             raise ValueError(f"MFC {self.name!r}: n_minibatches={self.n_minibatches} only applies to train_step calls")
         if self.min_n_seqs_per_dp < 1:
             raise ValueError(f"MFC {self.name!r}: min_n_seqs_per_dp={self.min_n_seqs_per_dp} must be >= 1")
+        if self.greedy and self.interface_type != "generate":
+            raise ValueError(f"MFC {self.name!r}: greedy=True only applies to generate calls")
         if self.runs_on_host and self.interface_type == "train_step":
             raise ValueError(f"MFC {self.name!r}: a train_step cannot run on the host without a model")
 

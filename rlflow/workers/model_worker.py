@@ -193,6 +193,8 @@ class ModelWorker(Worker):
         """
         mfc = self._mfc(mfc_name, "generate")
 
+        greedy = greedy or mfc.greedy  # the graph's greedy calls (ReMax's baseline) decode greedily
+
         def run(interface, engine, data, ctx):
             return interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
 

@@ -300,3 +300,22 @@ def test_copy_weights_refuses_models_whose_shared_parameters_differ_in_shape(pat
     worker = make_worker(paths, AlgoSetup("dpo"), models)
     with pytest.raises(ValueError, match=r"cannot copy 'actor' into 'ref': model\.embed_tokens\.weight has shape"):
         worker.copy_weights("ref", "actor")
+
+
+def test_remax_baseline_rollout_decodes_greedily(paths):
+    """The graph's ``actor_gen_greedy`` call is greedy on its own: the driver passes no flag."""
+    algo = AlgoSetup("remax", adv_estimator="remax", n_samples=2)
+    models = {
+        "actor": trainable("actor", "actor", paths["actor"]),
+        "ref": ModelSetup("ref", "ref", paths["actor"]),
+        "reward": ModelSetup("reward", "reward", None, reward_fn="numeric_match"),
+    }
+    worker = make_worker(paths, algo, models, rule_based_reward=True)
+    prompts = prompt_batch(paths["tokenizer"])
+    first, second = (call(worker, "actor_gen_greedy", prompts) for _ in range(2))
+    explicit = call(worker, "actor_gen", prompts, greedy=True)
+    # Greedy rows: the same for both samples of a prompt, in every call, and equal to greedy=True.
+    for out in (first, second):
+        ids = out.batch["greedy_input_ids"]
+        torch.testing.assert_close(ids, explicit.batch["input_ids"], rtol=0, atol=0)
+        torch.testing.assert_close(ids[0::2], ids[1::2], rtol=0, atol=0)
