@@ -250,11 +250,11 @@ class WarmupConfig(_Section):
     target_score: float | None = _f(None, "stop the warm-up once the held-out score reaches this; null: off")
 
     def _check(self) -> None:
-        if self.target_score is not None and not (self.steps and self.eval_every):
+        # steps=0 turns the warm-up off, target included (a recipe's target survives warmup.steps=0).
+        if self.target_score is not None and self.steps and not self.eval_every:
             raise ConfigError(
                 "target_score",
-                f"{self.target_score} needs warm-up evaluations: steps={self.steps} and eval_every={self.eval_every} "
-                "must both be > 0",
+                f"{self.target_score} needs warm-up evaluations: eval_every={self.eval_every} must be > 0",
             )
 
 
