@@ -137,6 +137,7 @@ def _write_hf_dir(model: torch.nn.Module, path: str, *, tied: bool) -> None:
     """
     from safetensors.torch import save_file
 
+    model.config.architectures = [type(model).__name__]  # loaders pick the head from it (value vs causal LM)
     model.config.save_pretrained(path)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)
