@@ -46,8 +46,8 @@ def test_main_recipe_is_sft_warmup_then_grpo_on_two_workers():
 
 def test_ppo_recipe_needs_and_trains_the_right_models():
     cfg = load_config(REPO / "recipes" / "ppo_arithmetic.yaml")
-    assert cfg.required_models() == ("actor", "ref", "critic")
-    assert [cfg.is_trainable(r) for r in ("actor", "ref", "critic")] == [True, False, True]
+    assert cfg.required_models() == ("actor", "ref", "critic", "reward") and cfg.reward_fn is None
+    assert [cfg.is_trainable(r) for r in ("actor", "ref", "critic", "reward")] == [True, False, True, False]
     assert cfg.algorithm.resolved_adv_estimator == "gae"
 
 
