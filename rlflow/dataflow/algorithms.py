@@ -80,12 +80,20 @@ def _train(name: str, model: str, keys: tuple[str, ...], kw: dict, minibatches: 
     return MFCDef(name, model, "train_step", keys, (), n_minibatches=n_minibatches, **_common(kw))
 
 
+def _ref_calls(kw: dict, hooks: tuple = ()) -> tuple[list[MFCDef], tuple[str, ...]]:
+    """The reference call and the key it adds to the train calls' inputs, or nothing without ``use_ref``."""
+    if not kw.get("use_ref", True):
+        return [], ()
+    return [_ref_inf(kw, hooks=hooks)], ("ref_logp",)
+
+
 def _ppo(kw: dict, ref_hooks: tuple = ()) -> list[MFCDef]:
-    train_keys = GEN_OUTPUT_KEYS + ("ref_logp", "values", "rewards")
+    ref, ref_keys = _ref_calls(kw, ref_hooks)
+    train_keys = GEN_OUTPUT_KEYS + ref_keys + ("values", "rewards")
     return [
         _actor_gen(kw),
         MFCDef("critic_inf", "critic", "inference", ROLLOUT_KEYS, ("values",), **_common(kw)),
-        _ref_inf(kw, hooks=ref_hooks),
+        *ref,
         _reward(kw),
         _train("actor_train", "actor", train_keys, kw),
         _train("critic_train", "critic", train_keys, kw),
@@ -94,15 +102,14 @@ def _ppo(kw: dict, ref_hooks: tuple = ()) -> list[MFCDef]:
 
 def _ppo_ema(kw: dict) -> list[MFCDef]:
     eta = kw.get("ref_ema_eta", DEFAULT_REF_EMA_ETA)
-    return _ppo(kw, ref_hooks=(ParamReallocHook(source="actor", eta=eta),))
+    return _ppo({**kw, "use_ref": True}, ref_hooks=(ParamReallocHook(source="actor", eta=eta),))
 
 
 def _grpo_like(kw: dict, default_rule: bool) -> list[MFCDef]:
     kw = {"rule_based_reward": default_rule, **kw}
-    use_ref = kw.get("use_ref", True)
-    train_keys = GEN_OUTPUT_KEYS + (("ref_logp",) if use_ref else ()) + ("rewards",)
-    mfcs = [_actor_gen(kw)] + ([_ref_inf(kw)] if use_ref else [])
-    return mfcs + [_reward(kw), _train("actor_train", "actor", train_keys, kw)]
+    ref, ref_keys = _ref_calls(kw)
+    train_keys = GEN_OUTPUT_KEYS + ref_keys + ("rewards",)
+    return [_actor_gen(kw), *ref, _reward(kw), _train("actor_train", "actor", train_keys, kw)]
 
 
 def _remax(kw: dict) -> list[MFCDef]:
@@ -117,11 +124,12 @@ def _remax(kw: dict) -> list[MFCDef]:
         greedy=True,
         **_common(kw),
     )
-    train_keys = GEN_OUTPUT_KEYS + ("ref_logp", "rewards", "greedy_rewards")
+    ref, ref_keys = _ref_calls(kw)
+    train_keys = GEN_OUTPUT_KEYS + ref_keys + ("rewards", "greedy_rewards")
     return [
         _actor_gen(kw),
         greedy,
-        _ref_inf(kw),
+        *ref,
         _reward(kw),
         _reward(kw, name="reward_inf_greedy", prefix="greedy_"),
         _train("actor_train", "actor", train_keys, kw),
@@ -157,8 +165,8 @@ def algorithm_mfcs(name: str, **kw) -> list[MFCDef]:
         **kw: ``n_seqs`` (sequences per call, default: decided by the workload), ``n_mbs``
             (micro-batches), ``n_ppo_minibatches`` (optimizer steps per RL train call),
             ``rule_based_reward`` (reward computed by a rule on the host instead of a reward
-            model; default True for GRPO, False otherwise), ``use_ref`` (GRPO/RLOO: keep the
-            KL reference, default True), ``ref_ema_eta`` (PPO-EMA blend factor, default 0.008).
+            model; default True for GRPO, False otherwise), ``use_ref`` (PPO, GRPO, RLOO,
+            ReMax: keep the KL reference, default True; PPO-EMA always has one), ``ref_ema_eta`` (PPO-EMA blend factor, default 0.008).
 
     >>> [m.name for m in algorithm_mfcs("grpo")]
     ['actor_gen', 'ref_inf', 'reward_inf', 'actor_train']

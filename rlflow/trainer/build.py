@@ -157,8 +157,8 @@ def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
     if name not in ("sft", "dpo", "rm"):
         kw["n_ppo_minibatches"] = cfg.algorithm.n_minibatches
         kw["rule_based_reward"] = rule_reward
-    if name in ("grpo", "rloo"):
-        kw["use_ref"] = "ref" in cfg.models
+    if name in ("ppo", "grpo", "rloo", "remax"):
+        kw["use_ref"] = "ref" in cfg.required_models()  # a KL term reads it; without one it is not built
     if name == "ppo_ema":
         kw["ref_ema_eta"] = cfg.algorithm.ema_eta
     return algorithm_graph(name, **kw)

@@ -66,6 +66,14 @@ def test_grpo_reward_is_a_rule_on_the_host_unless_asked_for_a_model():
     assert "ref_inf" not in no_ref and "ref_logp" not in no_ref.nodes["actor_train"]["mfc"].input_keys
 
 
+@pytest.mark.parametrize("name", ["ppo", "grpo", "rloo", "remax"])
+def test_without_a_reference_no_call_reads_one(name):
+    g = algorithm_graph(name, use_ref=False)
+    assert "ref_inf" not in g
+    assert all("ref_logp" not in g.nodes[n]["mfc"].input_keys for n in g)
+    assert "ref_inf" in algorithm_graph(name) and "ref_inf" in algorithm_graph("ppo_ema", use_ref=False)
+
+
 def test_remax_has_a_greedy_rollout_scored_by_the_same_reward_model():
     g = algorithm_graph("remax", n_ppo_minibatches=2)
     greedy = g.nodes["actor_gen_greedy"]["mfc"]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.trainer.build import build_dataflow
 from rlflow.trainer.config import (
     AlgorithmConfig,
     ConfigError,
@@ -49,6 +50,15 @@ def test_ppo_recipe_needs_and_trains_the_right_models():
     assert cfg.required_models() == ("actor", "ref", "critic", "reward") and cfg.reward_fn is None
     assert [cfg.is_trainable(r) for r in ("actor", "ref", "critic", "reward")] == [True, False, True, False]
     assert cfg.algorithm.resolved_adv_estimator == "gae"
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo", "rloo", "remax"])
+def test_the_graph_has_a_reference_call_exactly_when_a_kl_term_reads_it(name):
+    recipe = REPO / "recipes" / f"{name}_arithmetic.yaml"
+    no_kl = load_config(recipe, ["algorithm.kl_coef=0"])  # a reference the recipe lists is then not built
+    kl = load_config(recipe, ["algorithm.kl_coef=0.05", "models.ref={init: copy, init_from: actor}"])
+    assert "ref" not in no_kl.required_models() and "ref_inf" not in build_dataflow(no_kl, rule_reward=True)
+    assert "ref_inf" in build_dataflow(kl, rule_reward=True)
 
 
 def test_defaults_are_a_valid_grpo_run():
