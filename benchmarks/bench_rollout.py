@@ -12,7 +12,6 @@ slowest rank), best of ``REPEATS`` runs, and the ratio to one process.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 
@@ -20,16 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlflow.parallel.groups import free_port
+
 NUM_PROMPTS = 32
 PROMPT_LEN = 16
 NEW_TOKENS = 64
 REPEATS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +74,7 @@ def _worker(rank: int, world: int, dp: int, tp: int, port: int, outdir: str) -> 
 
 def _measure(dp: int, tp: int) -> dict:
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_worker, args=(dp * tp, dp, tp, _free_port(), outdir), nprocs=dp * tp, join=True)
+        mp.spawn(_worker, args=(dp * tp, dp, tp, free_port(), outdir), nprocs=dp * tp, join=True)
         result = torch.load(os.path.join(outdir, "result.pt"))
     best = min(result["times"])
     return {"tokens": result["tokens"], "seconds": best, "tokens_per_s": result["tokens"] / best}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ import torch
 from rlflow.controller.data_plane import materialize_args
 from rlflow.controller.decorator import Dispatch, method_spec, register
 from rlflow.controller.errors import WorkerError
+from rlflow.parallel.groups import free_port
 from rlflow.protocol import DataProto
 
 
@@ -144,12 +144,6 @@ class Worker:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _rows_of(output: Any) -> int:
     return len(output) if isinstance(output, DataProto) else -1
 
@@ -171,7 +165,7 @@ class WorkerHost:
 
     def rendezvous(self) -> tuple[str, int, str]:
         """``(address, free port, node id)``; rank 0's answer becomes every worker's master address."""
-        return ray.util.get_node_ip_address(), _free_port(), self._info.node_id
+        return ray.util.get_node_ip_address(), free_port(""), self._info.node_id
 
     def build(self, master_addr: str, master_port: int, roles: dict[str, Any]) -> str:
         """Constructs one object per role (``role -> RayClassWithInitArgs``); returns this node's id."""

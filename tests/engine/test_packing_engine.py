@@ -11,7 +11,6 @@ single-process padded engine.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
@@ -23,6 +22,7 @@ from train_engine_helpers import VOCAB, actor_loss, build_model, critic_loss
 from rlflow.engine.attention import VARLEN_SDPA
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
+from rlflow.parallel.groups import free_port
 
 torch.set_num_threads(1)
 
@@ -150,9 +150,7 @@ def _pipeline_checks(rank: int, outdir: str) -> None:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> str:
     outdir = str(tmp_path_factory.mktemp("packing"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torch.multiprocessing.spawn(_worker, args=(port, outdir), nprocs=2, join=True)
     return outdir
 

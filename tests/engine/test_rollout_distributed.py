@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
+from rlflow.parallel.groups import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -24,12 +24,6 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=30, n=2, max_new_toke
 
 def _stop_params(stops: tuple[int, ...]) -> SamplingParams:
     return SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=stops)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mesh(dp: int, tp: int):
@@ -72,7 +66,7 @@ def runs(tmp_path_factory):
     reference = HFRolloutEngine(tiny_model(seed=0))
     free = reference.generate((ids, mask), GREEDY)["responses"]
     stops = tuple(free[:, :3].flatten().unique()[:4].tolist())
-    mp.spawn(_worker, args=(2, _free_port(), str(outdir), stops), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(outdir), stops), nprocs=2, join=True)
     ranks = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = {
         "greedy": reference.generate((ids, mask), GREEDY),

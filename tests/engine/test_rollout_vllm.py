@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import algorithm_mfcs
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams, build_rollout_engine
-from rlflow.parallel.groups import clear_group_cache
+from rlflow.parallel.groups import clear_group_cache, free_port
 from rlflow.parallel.vllm_layout import vllm_param_views
 from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
@@ -110,9 +109,7 @@ class StandInVLLM:
 @pytest.fixture
 def one_rank_world(tmp_path):
     """A one-process gloo world, a tiny Llama (tied embeddings) and the char tokenizer on disk."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(

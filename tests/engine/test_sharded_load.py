@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.bench_sharded_load import peak_rss
+from rlflow.parallel.groups import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -185,19 +185,13 @@ def _worker(rank: int, port: int, root: str, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> str:
     """Runs the 4-rank world once; returns the directory of its records."""
     root, outdir = tmp_path_factory.mktemp("checkpoints"), tmp_path_factory.mktemp("records")
     _write_checkpoints(root)
     _write_memory_model(root / MEMORY_MODEL)
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), str(root), str(outdir)), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), str(root), str(outdir)), nprocs=WORLD, join=True)
     return str(outdir)
 
 

@@ -10,7 +10,6 @@ loss over the global mini-batch, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 
 import pytest
@@ -25,6 +24,8 @@ from train_engine_helpers import (
     reference_outputs,
     reference_train,
 )
+
+from rlflow.parallel.groups import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -158,16 +159,10 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> str:
     outdir = str(tmp_path_factory.mktemp("engine"))
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), outdir), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(_worker, args=(free_port(), outdir), nprocs=WORLD, join=True)
     return outdir
 
 

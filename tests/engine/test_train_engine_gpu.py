@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 
 import pytest
 import torch
 from train_engine_helpers import actor_loss, build_model, critic_loss, make_batch, reference_outputs
+
+from rlflow.parallel.groups import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -20,9 +21,7 @@ def cuda_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:

@@ -7,7 +7,6 @@ their spawned children (spawn passes ``sys.path`` on, so the plain import works 
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rlflow.parallel.groups import build_call_groups, clear_group_cache, init_global_group
+from rlflow.parallel.groups import build_call_groups, clear_group_cache, free_port, init_global_group
 from rlflow.parallel.layout import Layout
 from rlflow.planner.mesh import ParallelStrategy
 
@@ -158,12 +157,6 @@ def pipeline_logits(stage: nn.Module, layout: Layout, rank: int, input_ids: torc
 
 
 # ---- spawned gloo worlds ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:

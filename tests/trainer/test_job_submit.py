@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 import psutil
 import pytest
 from recipe_helpers import TINY
+
+from rlflow.parallel.groups import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
@@ -48,12 +49,6 @@ PORTS = (
     "runtime-env-agent-port",
     "metrics-export-port",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_env() -> dict[str, str]:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -57,6 +56,7 @@ from rlflow.engine.rollout.base import (
     register_rollout_engine,
     split_prompts,
 )
+from rlflow.parallel.groups import free_port
 from rlflow.parallel.layout import EMBED_NAME, HEAD_NAME
 from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
@@ -112,19 +112,13 @@ def _set_launcher_env(device_mesh: DeviceMesh | None) -> tuple[int, int]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if not dist.is_initialized():  # a lone GPU: vLLM initialises a world of one through env://
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
     # The engine core must live in this process so that collective_rpc reaches the model directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return dp, tp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
