@@ -183,6 +183,8 @@ class SFTDataset(_JsonlDataset):
         max_length: longest prompt + answer + EOS in tokens.
         truncation: ``"error"`` or ``"right"`` (cut the end of the answer); a prompt that
             leaves no answer token raises either way.
+        answer_field: the field holding the answer (``"chosen"``: SFT on the chosen answers of
+            a preference file, as before DPO).
 
     Items: ``{"index", "input_ids": list[int], "loss_mask": list[int]}``.
     """
@@ -190,12 +192,16 @@ class SFTDataset(_JsonlDataset):
     fields = {"prompt": str, "answer": str}
     truncation_modes = ("error", "right")
 
-    def __init__(self, source, tokenizer, max_length: int, truncation: str = "error") -> None:
-        self.max_length = max_length
+    def __init__(
+        self, source, tokenizer, max_length: int, truncation: str = "error", answer_field: str = "answer"
+    ) -> None:
+        self.max_length, self.answer_field = max_length, answer_field
+        self.fields = {"prompt": str, answer_field: str}
         super().__init__(source, tokenizer, truncation)
 
     def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        ids, mask = _prompt_and_response(self, record, record["answer"], self.max_length, "answer")
+        field = self.answer_field
+        ids, mask = _prompt_and_response(self, record, record[field], self.max_length, field)
         return {"index": index, "input_ids": ids, "loss_mask": mask}
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -490,6 +490,17 @@ class RLFlowConfig(_Section):
                 )
             if self.reward_fn is None and "reward" not in self.models:
                 raise ConfigError("algorithm.reward_fn", "null, and neither models.reward nor data.task gives a reward")
+        if (
+            self.data.train_file is not None
+            and self.data.eval_file is None
+            and self.data.eval_size
+            and algo.name != "rm"
+        ):
+            raise ConfigError(
+                "data.eval_file",
+                f"null, but data.train_file ({self.data.train_file}) has no held-out split: give a JSONL of "
+                "held-out prompts with their answers, or data.eval_size=0 for no evaluation",
+            )
         if self.warmup.steps and algo.name in ("sft", "rm"):
             raise ConfigError("warmup.steps", f"{self.warmup.steps}; a warm-up precedes RL or DPO, not {algo.name!r}")
         self._check_warmup_eval()
@@ -499,8 +510,8 @@ class RLFlowConfig(_Section):
         w, why = self.warmup, None
         if not w.eval_every or not w.steps:
             return
-        if self.algorithm.name in ("dpo", "rm"):
-            why = f"algorithm {self.algorithm.name!r} has no held-out generation to score"
+        if self.algorithm.name == "rm":
+            why = "algorithm 'rm' has no held-out generation to score"
         elif self.data.eval_size == 0:
             why = "data.eval_size is 0"
         elif self.algorithm.reward_fn is None and self.data.task is None:

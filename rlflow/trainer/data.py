@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlflow.data.datasets import PreferenceDataset, PromptDataset, SFTDataset, read_jsonl
+from rlflow.data.datasets import DatasetFormatError, PreferenceDataset, PromptDataset, SFTDataset, read_jsonl
 from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
@@ -133,20 +133,33 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
         dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len)
         train = loader(dataset, "data.batch_size")
     eval_prompts = None
-    if d.eval_size > 0 and algo not in PAIR_ALGORITHMS:
+    if d.eval_size > 0 and algo != "rm":  # a policy (DPO's too) is scored on held-out generations
         records = _records(cfg, "test", d.eval_size)
         if isinstance(records, str):
-            records = read_jsonl(records, {"prompt": str})[: d.eval_size]
+            records = _eval_records(records, d.eval_size)
         eval_set = PromptDataset(records, tokenizer, d.max_prompt_len)
         eval_prompts = prompts_to_proto(eval_set.collate([eval_set[i] for i in range(len(eval_set))]))
     warmup = None
     if cfg.warmup.steps > 0:
-        sft = SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len)
+        records = _records(cfg, "train", TASK_TRAIN_SIZE)
+        from_pairs = isinstance(records, str) and algo in PAIR_ALGORITHMS  # DPO's file: SFT on the chosen answers
+        sft = SFTDataset(records, tokenizer, max_len, answer_field="chosen" if from_pairs else "answer")
         warmup = loader(sft, "warmup.batch_size", sft=True, batch_size=cfg.warmup.batch_size)
     reward_fn = cfg.algorithm.reward_fn
     if reward_fn is None and d.task is not None:
         reward_fn = build_task(cfg).reward_name
     return TrainerData(train, eval_prompts, warmup, reward_fn)
+
+
+def _eval_records(path: str, size: int) -> list[dict[str, Any]]:
+    """The first ``size`` held-out prompts of ``path``, each with the answer its score is checked against."""
+    records = read_jsonl(path, {"prompt": str})[:size]
+    for r in records:
+        if "answer" not in r and "ground_truth" not in r:
+            raise DatasetFormatError(
+                f"{path}:{r['_line']}: held-out prompts need an 'answer' (or 'ground_truth') to be scored against"
+            )
+    return records
 
 
 def preference_pairs(records: list[dict[str, Any]], seed: int) -> list[dict[str, str]]:

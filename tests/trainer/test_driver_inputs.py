@@ -32,7 +32,8 @@ def test_only_a_first_argument_without_equals_sign_is_the_recipe(argv, source, o
 
 def test_an_override_naming_a_yaml_file_reaches_the_config(tmp_path):
     (tmp_path / "train.yaml").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    source, overrides = recipe_args(GRPO, [f"data.train_file={tmp_path / 'train.yaml'}", "data.task=null"])
+    files = [f"data.train_file={tmp_path / 'train.yaml'}", f"data.eval_file={tmp_path / 'train.yaml'}"]
+    source, overrides = recipe_args(GRPO, [*files, "data.task=null"])
     cfg = load_config(source, overrides)
     assert cfg.experiment_name == "grpo_arithmetic" and cfg.data.train_file == str(tmp_path / "train.yaml")
 
@@ -79,7 +80,15 @@ def test_every_path_of_the_config_becomes_absolute_on_the_driver(tmp_path, monke
     [
         (["models.actor.init=path", "models.actor.path=missing_model"], "models.actor.path"),
         (["data.tokenizer=missing_tokenizer"], "data.tokenizer"),
-        (["data.task=null", "data.train_file=missing.jsonl", "algorithm.reward_fn=numeric_match"], "data.train_file"),
+        (
+            [
+                "data.task=null",
+                "data.train_file=missing.jsonl",
+                "data.eval_size=0",
+                "algorithm.reward_fn=numeric_match",
+            ],
+            "data.train_file",
+        ),
         (["data.eval_file=missing.jsonl"], "data.eval_file"),
     ],
 )
@@ -139,23 +148,18 @@ def test_countdown_with_fewer_instances_than_the_training_request_uses_them_all(
             "warmup.target_score",
             "data.eval_size is 0",
         ),
-        (
-            [
-                "warmup.steps=10",
-                "warmup.eval_every=5",
-                "algorithm.name=dpo",
-                "models.ref.init=copy",
-                "models.ref.init_from=actor",
-            ],
-            "warmup.eval_every",
-            "no held-out generation",
-        ),
     ],
 )
 def test_warmup_evaluations_need_a_held_out_score(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(None, overrides)
     assert info.value.key == key
+
+
+def test_a_dpo_warmup_is_evaluated_like_any_policy():
+    dpo = ["algorithm.name=dpo", "models.ref.init=copy", "models.ref.init_from=actor"]
+    cfg = load_config(None, [*dpo, "warmup.steps=10", "warmup.eval_every=5", "warmup.target_score=0.5"])
+    assert cfg.warmup.eval_every == 5
 
 
 def test_warmup_target_is_off_by_default_and_inert_without_a_warmup():
