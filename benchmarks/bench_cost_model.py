@@ -38,7 +38,7 @@ from rlflow.planner.passes import Rates
 from rlflow.planner.profile import ProfiledRates, run_profile
 from rlflow.trainer.build import build_dataflow
 from rlflow.trainer.config import load_config
-from rlflow.trainer.placement import planning_workload
+from rlflow.trainer.placement import planning_workload, profile_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 # recipe name -> (script, extra overrides)
@@ -57,21 +57,6 @@ OVERRIDES = [
     "placement.profile=true",
     "placement.mode=colocated",  # the same strategies in every run: every call dp over both workers
 ]
-
-
-def _profile_kwargs(cfg) -> dict:
-    """The actor's layer shape, and the shapes its calls run on one worker when every worker is
-    data-parallel — a forward/backward over the rollout rows, a prefill of the prompts, a decode
-    step of the rows — on top of the default sizes: the profile then measures what will be priced."""
-    m = cfg.models["actor"]
-    layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
-    workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
-    prompts = max(1, cfg.data.batch_size // workers)
-    rows = prompts * (cfg.algorithm.n_samples if cfg.algorithm.name not in ("sft", "dpo", "rm") else 1)
-    p, r = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens or cfg.data.max_response_len
-    passes = ((1, 64), (4, 128), (4, 256), (prompts, p), (rows, p + r))
-    decodes = ((1, 128), (8, 128), (32, 128), (rows, p + r // 2))
-    return {"layer": layer, "passes": passes, "decodes": decodes}
 
 
 def _steady(values: list[float]) -> list[float]:
@@ -112,7 +97,7 @@ def measure(recipe: str, steps: int = 8, workdir: Path | None = None) -> list[di
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"bench_cost_model_{recipe}_"))
     run_dir = workdir / "run"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run_profile(workdir / "profile_actor.json", progress=False, **_profile_kwargs(cfg))
+    run_profile(workdir / "profile_actor.json", progress=False, **profile_shapes(cfg))
     cmd = [sys.executable, str(ROOT / "recipes" / f"{script}.py"), *overrides, f"logging.dir={run_dir}"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=1200)
     return compare(recipe, workdir)

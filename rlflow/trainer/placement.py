@@ -205,10 +205,28 @@ def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowC
     return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
 
 
+def profile_shapes(cfg: RLFlowConfig) -> dict:
+    """``run_profile`` arguments that measure what the run will price: the actor's layer shape,
+    and the shapes its calls run on one worker when every worker is data-parallel — a
+    forward/backward over the rollout rows, a prefill of the prompts, a decode step of the rows —
+    on top of a few default sizes (the rates are interpolated between them)."""
+    m = cfg.models["actor"] if "actor" in cfg.models else next(iter(cfg.models.values()))
+    layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
+    workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
+    prompts = max(1, cfg.data.batch_size // workers)
+    per_prompt = {"sft": 1, "dpo": 2, "rm": 2}.get(cfg.algorithm.name, cfg.algorithm.n_samples)  # 2: a pair
+    rows = prompts * per_prompt
+    p, r = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens or cfg.data.max_response_len
+    passes = ((1, 64), (4, 128), (4, 256), (prompts, p), (rows, p + r))
+    decodes = ((1, 128), (8, 128), (32, 128), (rows, p + r // 2))
+    return {"layer": layer, "passes": passes, "decodes": decodes}
+
+
 def load_profile_for(cfg: RLFlowConfig, use_gpu: bool, run_dir: Path) -> dict | None:
-    """A measured profile of this machine when ``placement.profile`` asks for one (CPU only)."""
+    """A measured profile of this machine at the run's shapes when ``placement.profile`` asks for
+    one (CPU only: GPU clusters are priced from the presets)."""
     if use_gpu or not cfg.placement.profile:
         return None
     from rlflow.planner.profile import run_profile
 
-    return run_profile(path=run_dir / "profile.json", progress=True)
+    return run_profile(path=run_dir / "profile.json", progress=True, **profile_shapes(cfg))
