@@ -248,7 +248,7 @@ def _cpu_cluster(num_nodes: int, devices_per_node: int, profile: str | Path | di
         intra_host_bandwidth=hw["loopback_bandwidth"],
         inter_host_bandwidth=hw["loopback_bandwidth"],
         host_device_bandwidth=hw["memcpy_bandwidth"],
-        collective_latency_s=hw["loopback_latency_s"],
+        collective_latency_s=hw.get("collective_latency_s", hw["loopback_latency_s"]),
         intra_host_latency_s=hw["loopback_latency_s"],
         inter_host_latency_s=hw["loopback_latency_s"],
         precision=CPU_PRECISION,

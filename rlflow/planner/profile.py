@@ -97,6 +97,43 @@ def _loopback(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
     return bandwidth, latency
 
 
+def _gloo_peer(rank: int, port: int, iters: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        x = torch.ones(16)
+        for _ in range(10):
+            dist.all_reduce(x)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        if rank == 0:
+            out.put((time.perf_counter() - start) / iters)
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_collective_latency(iters: int = 300) -> float:
+    """Seconds of one small gloo all-reduce between two single-threaded worker processes.
+
+    What a tensor-parallel CPU layer pays per collective, on top of moving its bytes: the
+    socket round trips, gloo's own protocol and the wake-up of the peer process, which a raw
+    TCP ping (``loopback_latency_s``) does not see (measured here at tens of times more).
+    """
+    import torch.multiprocessing as mp
+
+    from rlflow.parallel.groups import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_gloo_peer, args=(free_port(), iters, out), nprocs=2, join=True, start_method="spawn")
+    return float(out.get())
+
+
 def measure_hardware(device: str = "cpu") -> dict[str, float]:
     """Matmul FLOP/s, memory-copy bandwidth, loopback bandwidth/latency and host memory (about a second)."""
     import torch
@@ -275,6 +312,8 @@ def run_profile(
     try:
         bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=not progress)
         hardware = measure_hardware(device)
+        if not cuda:  # CPU workers talk through gloo; NCCL's latencies come from the GPU presets
+            hardware["collective_latency_s"] = gloo_collective_latency()
         bar.update()
         parts = _build_layer(spec, device, dtype)
         samples: dict[str, list] = {k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")}

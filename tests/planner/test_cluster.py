@@ -32,6 +32,8 @@ def test_cpu_preset_is_priced_from_a_measured_profile():
     assert c.peak_flops == 2e10 and c.flops == 2e10  # measured already: no efficiency factor
     assert c.device_memory_bytes == 4 * GiB and c.intra_host_bandwidth == 5e8 and c.collective_latency_s == 4e-5
     assert c.with_shape(2).num_devices == 8
+    measured = cluster_preset("cpu", devices_per_node=2, profile={"hardware": {**HW, "collective_latency_s": 2e-3}})
+    assert measured.collective_latency_s == 2e-3 and measured.intra_host_latency_s == 4e-5
 
 
 def test_bad_presets_and_specs_are_refused():

@@ -38,6 +38,7 @@ TINY = [
     "data.batch_size=4",
     "data.eval_size=16",
     "placement.devices_per_node=2",
+    "placement.profile=false",
     "models.actor.hidden_size=64",
     "models.actor.intermediate_size=128",
     "models.actor.num_layers=2",
@@ -169,11 +170,14 @@ def test_ppo_on_a_manual_plan_with_a_pipelined_critic_and_a_data_parallel_refere
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ppo_on_the_searched_plan(ray_session, tmp_path):
-    trainer, result = fit(GRPO, PPO_TINY + ["placement.mode=auto", "placement.search_seconds=1"], tmp_path)
+    searched = ["placement.mode=auto", "placement.search_seconds=1", "placement.profile=true"]
+    trainer, result = fit(GRPO, PPO_TINY + searched, tmp_path)
     mfcs = ["actor_gen", "critic_inf", "ref_inf", "actor_train", "critic_train"]
     check_run(result, tmp_path, mfcs)
     plan = ExecutionPlan.load(tmp_path / "plan.json")
     assert plan.name == "search" and plan.fits
+    profile = json.loads((tmp_path / "profile.json").read_text())  # measured at the actor's shape
+    assert profile["layer"]["hidden_size"] == 64 and profile["hardware"]["collective_latency_s"] > 0
     # The search starts from the baselines, so its plan is estimated no slower than any of them.
     feasible = [b.iteration_time_s for b in trainer.placement.baselines if b.feasible]
     assert feasible and plan.iteration_time_s <= min(feasible) * (1 + 1e-9)
