@@ -37,7 +37,8 @@ Semantics the simulator implements (all times in seconds, all memory in bytes pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -132,6 +133,27 @@ class PlanProblem:
     @property
     def num_mfcs(self) -> int:
         return len(self.mfc_names)
+
+    def restricted(self, keep: Mapping[int, Sequence[int]]) -> PlanProblem:
+        """The same problem with MFC ``i``'s options cut to ``keep[i]`` (indices, in that order).
+
+        Every table indexed by those options is sliced to match, so a plan of the restricted
+        problem prices exactly as the same placements in this one. Used to tie calls together
+        (every ``generate`` of one vLLM model on one strategy) by searching once per tie.
+        """
+        idx = {i: list(keep.get(i, range(len(opts)))) for i, opts in enumerate(self.options)}
+
+        def cut(table: np.ndarray, rows: int, cols: int) -> np.ndarray:
+            return np.asarray(table)[np.ix_(idx[rows], idx[cols])]
+
+        return replace(
+            self,
+            options=[[opts[j] for j in idx[i]] for i, opts in enumerate(self.options)],
+            data_time=[cut(t, i, k) for (i, k), t in zip(self.data_edges, self.data_time)],
+            realloc_time={(h, i): cut(t, h, i) for (h, i), t in self.realloc_time.items()},
+            reload_time={i: np.asarray(t)[idx[i]] for i, t in self.reload_time.items()},
+            hook_time={(h, i): cut(t, h, i) for (h, i), t in self.hook_time.items()},
+        )
 
     @property
     def num_devices(self) -> int:

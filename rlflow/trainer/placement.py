@@ -155,15 +155,23 @@ def _choose(
     progress: bool,
 ) -> ExecutionPlan:
     if mode == "auto":
-        seeds = [b.choice for b in baselines if b.feasible]
-        result = search(
-            problem,
-            seconds=max(cfg.placement.search_seconds, 0.1),
-            seed=cfg.seed,
-            initial_plans=seeds,
-            progress=progress,
-        )
-        return ExecutionPlan.from_choice(problem, result.choice, result.result, name="search")
+        ties = tied_generate_options(problem, generate) if cfg.rollout.engine == "vllm" else []
+        seconds = max(cfg.placement.search_seconds, 0.1) / max(len(ties), 1)
+        best = None
+        for keep in ties or [{}]:  # one search per shared generation option, the best kept
+            sub = problem.restricted(keep) if keep else problem
+            seeds = [_restricted_choice(b.choice, keep) for b in baselines if b.feasible]
+            result = search(
+                sub,
+                seconds=seconds,
+                seed=cfg.seed,
+                initial_plans=[c for c in seeds if c is not None],
+                progress=progress,
+            )
+            if best is None or result.cost < best[1].cost:
+                best = (sub, result)
+        sub, result = best
+        return ExecutionPlan.from_choice(sub, result.choice, result.result, name="search")
     if mode == "heuristic":
         chosen = heuristic_plan(problem)
     elif mode == "colocated":
@@ -173,6 +181,45 @@ def _choose(
     if chosen.choice is None:
         raise ValueError(f"placement.mode={mode!r}: {chosen.reason}")
     return ExecutionPlan.from_choice(problem, chosen.choice, chosen.result, name=mode)
+
+
+def tied_generate_options(problem: PlanProblem, generate: list[str]) -> list[dict[int, list[int]]]:
+    """The generate calls of one model on one layout, as the vLLM rollout engine needs (one vLLM
+    instance per process): one restriction per layout those calls have in common, each cutting
+    every such call to that layout. Empty when no model has two generate calls.
+
+    Raises:
+        ValueError: two generate calls of one model share no layout.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, name in enumerate(problem.mfc_names):
+        if name in generate:
+            groups.setdefault(problem.mfc_models[i], []).append(i)
+    restrictions: list[dict[int, list[int]]] = [{}]
+    for calls in (c for c in groups.values() if len(c) > 1):
+        layouts = [{(o.mesh, o.strategy): j for j, o in enumerate(problem.options[i])} for i in calls]
+        common = [key for key in layouts[0] if all(key in lay for lay in layouts[1:])]
+        if not common:
+            names = [problem.mfc_names[i] for i in calls]
+            raise ValueError(f"rollout.engine=vllm: generate calls {names} share no layout the planner may choose")
+        restrictions = [
+            {**r, **{i: [lay[key]] for i, lay in zip(calls, layouts)}} for r in restrictions for key in common
+        ]
+    return restrictions if restrictions != [{}] else []
+
+
+def _restricted_choice(choice: tuple[int, ...] | None, keep: Mapping[int, list[int]]) -> tuple[int, ...] | None:
+    """``choice`` in the option indices of ``problem.restricted(keep)``; None when it is cut."""
+    if choice is None:
+        return None
+    out = []
+    for i, j in enumerate(choice):
+        if i in keep:
+            if j not in keep[i]:
+                return None
+            j = keep[i].index(j)
+        out.append(j)
+    return tuple(out)
 
 
 def _manual_config(cfg: RLFlowConfig, problem: PlanProblem) -> dict:

@@ -21,3 +21,76 @@ def test_gpu_generation_is_priced_in_the_engines_dtype() -> None:
     vllm = planning_cluster(load_config(GRPO, ["rollout.engine=vllm"]), use_gpu=True, profile=None)
     assert hf.precision.rollout_bytes == 4  # the HF sampler runs the fp32 copy
     assert vllm.precision.rollout_bytes == 2  # vLLM generates in bf16
+
+
+# ----------------------------------------------------------------- calls tied to one layout
+REMAX = Path(__file__).parents[2] / "recipes" / "remax_arithmetic.yaml"
+ON_8_GPUS = ["placement.devices_per_node=8", "placement.search_seconds=1", "data.batch_size=64"]
+
+
+def _plan_remax(extra: list[str]):
+    from rlflow.planner.model_spec import model_preset
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement
+
+    cfg = load_config(REMAX, [*ON_8_GPUS, *extra])
+    specs = {"actor": model_preset("llama2-7b"), "ref": model_preset("llama2-7b")}
+    return plan_placement(cfg, build_dataflow(cfg, rule_reward=True), specs, use_gpu=True, progress=False)
+
+
+def test_with_vllm_both_remax_rollouts_get_one_layout_and_the_plan_prices_as_in_the_full_problem() -> None:
+    """One vLLM instance per process: the sampled and the greedy rollout of ReMax must share a layout."""
+    from rlflow.planner.simulate import Simulator
+
+    placement = _plan_remax(["rollout.engine=vllm"])
+    calls = {c.name: c for c in placement.plan.calls}
+    sampled, greedy = calls["actor_gen"], calls["actor_gen_greedy"]
+    assert (sampled.mesh, sampled.strategy) == (greedy.mesh, greedy.strategy)
+    assert sampled.mesh.num_devices == 8 and sampled.strategy.pp == 1  # vLLM spans the world
+    full = placement.problem
+    choice = [full.option_index(i, calls[n].mesh, calls[n].strategy) for i, n in enumerate(full.mfc_names)]
+    assert Simulator(full).evaluate(choice).iteration_time_s == placement.plan.iteration_time_s
+
+
+def test_restricting_options_keeps_the_prices_of_the_plans_left() -> None:
+    from rlflow.planner.simulate import Simulator
+
+    full = _plan_remax([]).problem
+    names = full.mfc_names
+    gen, greedy = names.index("actor_gen"), names.index("actor_gen_greedy")
+    keep = {gen: [3, 1], greedy: [2]}
+    sub = full.restricted(keep)
+    assert [len(o) for o in sub.options][gen] == 2 and len(sub.options[greedy]) == 1
+    assert sub.options[gen][0] == full.options[gen][3]
+    plan = [0] * len(names)
+    for sub_index, full_index in enumerate(keep[gen]):
+        sub_plan = [*plan]
+        sub_plan[gen] = sub_index
+        full_plan = [*plan]
+        full_plan[gen], full_plan[greedy] = full_index, 2
+        assert Simulator(sub).cost(sub_plan) == Simulator(full).cost(full_plan)
+
+
+def test_rollouts_that_would_each_prefer_another_layout_are_still_tied_under_vllm() -> None:
+    """Price every layout but one a thousand times dearer, a different one for each rollout:
+    untied, each rollout takes its own cheap layout; tied (vLLM), both share one."""
+    import dataclasses
+
+    from rlflow.trainer.placement import _choose
+
+    problem = _plan_remax(["rollout.engine=vllm"]).problem
+    options = [*problem.options]
+    for name, cheap in (("actor_gen", 0), ("actor_gen_greedy", 1)):
+        i = problem.mfc_names.index(name)
+        options[i] = [
+            o if j == cheap else dataclasses.replace(o, time_s=o.time_s * 1000) for j, o in enumerate(options[i])
+        ]
+    biased = dataclasses.replace(problem, options=options)
+
+    def layouts(engine: str) -> set:
+        cfg = load_config(REMAX, [*ON_8_GPUS, f"rollout.engine={engine}"])
+        plan = _choose("auto", biased, [], ["actor_gen", "actor_gen_greedy"], cfg, progress=False)
+        return {(c.mesh, c.strategy) for c in plan.calls if c.name in ("actor_gen", "actor_gen_greedy")}
+
+    assert len(layouts("hf")) == 2
+    assert len(layouts("vllm")) == 1
