@@ -13,6 +13,11 @@ in bf16 — the usual checkpoint dtype — and in fp32, two ways:
 Each figure is a rank's peak resident memory (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each build) minus its resident memory before the build, and
 the build's wall time. The run checks that both ways give bit-identical local parameters.
+
+It also measures an off-home forward copy (``Residency._build_copy`` with an FSDP layout: the
+engine of a call on another layout than the model's home, whose weights the reallocation
+manager writes): built on the meta device (``copy_meta``) against built from a whole empty model
+first (``copy_full``, before this was changed).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import gc
 import json
 import os
 import re
-import socket
 import tempfile
 import time
 
 import torch
+
+from rlflow.parallel.groups import free_port
 
 WORLD = 4
 STRATEGIES = [(4, 1, 1), (2, 2, 1), (2, 1, 2)]  # (dp, tp, pp)
@@ -78,11 +84,11 @@ def peak_rss(fn):
 def _measure(path: str, groups) -> dict:
     from transformers import AutoConfig
 
-    from rlflow.engine.loading import sharded_model
+    from rlflow.engine.loading import build_meta_model, init_buffers, sharded_model
     from rlflow.engine.train_engine import EngineConfig, TrainEngine
     from rlflow.parallel.executor import module_param_tensors
     from rlflow.parallel.layout import build_layout
-    from rlflow.workers.residency import load_hf_model
+    from rlflow.workers.residency import _empty_hf_model, load_hf_model
     from rlflow.workers.setup import ModelSetup
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -97,13 +103,23 @@ def _measure(path: str, groups) -> dict:
         model = load_hf_model(ModelSetup("m", "actor", path))
         return module_param_tensors(TrainEngine(model, groups.mesh, engine_config).stage)
 
+    def copy_meta():  # an off-home forward copy as Residency builds it: the manager writes its weights next
+        return TrainEngine(build_meta_model(config, "lm"), groups.mesh, engine_config, load_weights=init_buffers)
+
+    def copy_full():  # the same copy built from a whole empty model, as before
+        return TrainEngine(_empty_hf_model(config, "lm"), groups.mesh, engine_config)
+
     new, new_s, new_peak = peak_rss(sharded)
     old, old_s, old_peak = peak_rss(full)
+    copy_meta_peak, copy_full_peak = peak_rss(copy_meta)[2], peak_rss(copy_full)[2]
     equal = new.keys() == old.keys() and all(
         all(torch.equal(a, b) for a, b in zip(new[k], old[k], strict=True)) for k in old
     )
     local = sum(t.numel() * t.element_size() for ts in new.values() for t in ts)
-    return {"sharded": new_peak, "full": old_peak, "sharded_s": new_s, "full_s": old_s, "local": local, "eq": equal}
+    return {
+        **{"sharded": new_peak, "full": old_peak, "sharded_s": new_s, "full_s": old_s, "local": local, "eq": equal},
+        **{"copy_meta": copy_meta_peak, "copy_full": copy_full_peak},
+    }
 
 
 def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
@@ -143,10 +159,7 @@ def run() -> list[dict]:
         model.save_pretrained(paths["fp32"])
         model.to(torch.bfloat16).save_pretrained(paths["bf16"])
         del model
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.multiprocessing.spawn(_worker, args=(port, paths, tmp), nprocs=WORLD, join=True)
+        torch.multiprocessing.spawn(_worker, args=(free_port(), paths, tmp), nprocs=WORLD, join=True)
         ranks = []
         for r in range(WORLD):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
@@ -163,6 +176,8 @@ def run() -> list[dict]:
                 "sharded_peak_mib": [round(r["sharded"] / MIB, 1) for r in per_rank],
                 "full_seconds": [round(r["full_s"], 2) for r in per_rank],
                 "sharded_seconds": [round(r["sharded_s"], 2) for r in per_rank],
+                "copy_full_peak_mib": [round(r["copy_full"] / MIB, 1) for r in per_rank],
+                "copy_meta_peak_mib": [round(r["copy_meta"] / MIB, 1) for r in per_rank],
                 "bit_identical": all(r["eq"] for r in per_rank),
             }
         )

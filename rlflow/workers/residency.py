@@ -37,7 +37,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from rlflow.dataflow.mfc import MFCDef
-from rlflow.engine.loading import sharded_model
+from rlflow.engine.loading import build_meta_model, init_buffers, sharded_model
 from rlflow.engine.models import build_value_model, init_value_model_from_lm, load_causal_lm
 from rlflow.engine.optim import build_lr_scheduler, build_optimizer
 from rlflow.engine.rollout.hf_sampler import HFRolloutEngine
@@ -199,11 +199,12 @@ class Residency:
         groups = self.call_groups(call)
         if not layout.fsdp and self.setup.rollout_engine == "vllm":
             return self._vllm_engine(hosted, layout, groups)
-        model = _empty_hf_model(hosted.config, hosted.head)
-        if layout.fsdp:  # a forward copy: the engine's stage
-            engine = TrainEngine(model, groups.mesh, self._engine_config(hosted.setup, call))
+        if layout.fsdp:  # a forward copy: the engine's stage, built on meta so only this rank's shards exist
+            model = build_meta_model(hosted.config, hosted.head, dtype=PARAM_DTYPE)
+            # The manager writes the weights next; only the rotary buffers need computing here.
+            engine = TrainEngine(model, groups.mesh, self._engine_config(hosted.setup, call), load_weights=init_buffers)
         else:  # a rollout copy: the whole HF model, tensor-parallel like the rollout engine splits it
-            model = model.to(self.device)
+            model = _empty_hf_model(hosted.config, hosted.head).to(self.device)
             if layout.strategy.tp > 1:
                 apply_tp(model, groups.submesh("tp"))
             engine = HFRolloutEngine(model, groups.mesh, pad_token_id=hosted.config.pad_token_id)
