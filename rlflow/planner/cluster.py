@@ -110,6 +110,9 @@ class ClusterSpec:
             ``mem_bandwidth`` the roofline uses.
         precision: dtypes the engines use on these devices (:class:`Precision`); what every
             weight, gradient, activation and transfer is priced in.
+        rollout_memory_fraction: share of a device's memory the rollout engine takes while it
+            generates, whatever the generation needs (vLLM's ``gpu_memory_utilization``: weights
+            plus a KV cache sized to fill it); ``None``: only what the generation needs.
         name: preset name, for reports.
     """
 
@@ -127,6 +130,7 @@ class ClusterSpec:
     matmul_efficiency: float = 1.0
     memory_efficiency: float = 1.0
     precision: Precision = field(default_factory=lambda: GPU_PRECISION)
+    rollout_memory_fraction: float | None = None
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -145,6 +149,8 @@ class ClusterSpec:
         for attr in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be in (0, 1]")
+        if self.rollout_memory_fraction is not None and not 0 < self.rollout_memory_fraction <= 1:
+            raise ValueError(f"ClusterSpec.rollout_memory_fraction={self.rollout_memory_fraction} must be in (0, 1]")
         if not isinstance(self.precision, Precision):
             raise ValueError(f"ClusterSpec.precision={self.precision!r} must be a Precision")
 

@@ -191,10 +191,13 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     # In steady state the micro-batches circulate: each step takes max(n_mbs, pp) slots.
     decode = float(np.sum(decode_slot)) * max(n_mbs, strategy.pp) + per_token
     act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, p_len, workload.gen_len)
+    weights = memory.weight_bytes(model, strategy, prec, generate=True)
+    if cluster.rollout_memory_fraction is not None:  # vLLM takes its share whatever the batch needs
+        act = max(act, cluster.rollout_memory_fraction * cluster.device_memory_bytes - weights)
     return CallCost(
         prefill + repeat + decode,
         act,
-        memory.weight_bytes(model, strategy, prec, generate=True),
+        weights,
         0.0,
         prefill,
         {"prefill_s": prefill, "kv_repeat_s": repeat, "decode_s": decode},

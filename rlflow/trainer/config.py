@@ -230,6 +230,9 @@ class RolloutConfig(_Section):
     top_k: int = _f(0, "keep the k most likely tokens; 0: off", ge=0)
     max_new_tokens: int | None = _f(None, "response tokens sampled; null: data.max_response_len", ge=1)
     eval_greedy: bool = _f(True, "evaluate with greedy decoding (else with the sampling settings)")
+    gpu_memory_utilization: float = _f(
+        0.5, "vllm: share of each GPU's memory vLLM takes while generating (weights + KV cache)", gt=0.0, le=1.0
+    )
 
 
 @dataclass(kw_only=True)

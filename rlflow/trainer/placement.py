@@ -14,7 +14,7 @@ Rule-based reward calls need no device; they run data-parallel over every worker
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import networkx as nx
@@ -72,8 +72,11 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: dict | None) -> 
     p = cfg.placement
     if use_gpu:
         cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
-        # The built-in sampler generates with the fp32 copy it is given; vLLM runs bf16.
-        return cluster.with_precision(rollout_bytes=4) if cfg.rollout.engine == "hf" else cluster
+        # The built-in sampler generates with the fp32 copy it is given; vLLM runs bf16 and takes
+        # its share of the memory for weights and KV cache while it generates.
+        if cfg.rollout.engine == "hf":
+            return cluster.with_precision(rollout_bytes=4)
+        return replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
     return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile)
 
 

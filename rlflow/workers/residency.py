@@ -57,7 +57,7 @@ PARAM_DTYPE = torch.float32
 _KEEP_ALL_BYTES = 2**62
 # The vLLM rollout engine: bf16 like the training engine's compute on CUDA; at most half of the
 # GPU (weights + KV cache), the rest stays with the colocated training engine.
-VLLM_ENGINE_KWARGS = {"dtype": "bfloat16", "gpu_memory_utilization": 0.5, "enable_sleep_mode": True}
+VLLM_ENGINE_KWARGS = {"dtype": "bfloat16", "enable_sleep_mode": True}
 # Level 1 keeps the weights in host memory: a call whose copy is still current (keep_copies)
 # needs no push. (Level 2 would discard them, and vLLM's buffers with them on older versions.)
 VLLM_SLEEP_LEVEL = 1
@@ -222,6 +222,7 @@ class Residency:
                 groups.mesh,
                 pad_token_id=hosted.config.pad_token_id,
                 seed=self.setup.seed,
+                gpu_memory_utilization=self.setup.vllm_gpu_memory_utilization,
                 **VLLM_ENGINE_KWARGS,
             )
             self._copies[key] = engine

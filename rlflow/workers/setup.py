@@ -204,6 +204,8 @@ class WorkerSetup:
         rollout_engine: ``"hf"`` (built-in sampler on a tensor-parallel HF copy) or ``"vllm"``
             (a vLLM engine per process, kept between calls and asleep in between, its weights
             pushed into vLLM's own layout).
+        vllm_gpu_memory_utilization: the share of each GPU's memory a vLLM engine takes while
+            it generates (weights + KV cache).
     """
 
     models: Mapping[str, ModelSetup]
@@ -216,6 +218,7 @@ class WorkerSetup:
     seed: int = 0
     keep_copies: bool = False
     rollout_engine: str = "hf"
+    vllm_gpu_memory_utilization: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", dict(self.models))

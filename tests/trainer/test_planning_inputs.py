@@ -94,3 +94,32 @@ def test_rollouts_that_would_each_prefer_another_layout_are_still_tied_under_vll
 
     assert len(layouts("hf")) == 2
     assert len(layouts("vllm")) == 1
+
+
+def test_vllm_takes_its_share_of_gpu_memory_while_it_generates() -> None:
+    from rlflow.dataflow import algorithm_mfcs
+    from rlflow.planner.cost import call_cost
+    from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+    from rlflow.planner.model_spec import model_preset
+
+    cfg = load_config(GRPO, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.7"])
+    vllm = planning_cluster(cfg, use_gpu=True, profile=None)
+    hf = planning_cluster(load_config(GRPO), use_gpu=True, profile=None)
+    assert vllm.rollout_memory_fraction == 0.7 and hf.rollout_memory_fraction is None
+    gen = algorithm_mfcs("grpo")[0]
+    model, strategy, mesh = model_preset("llama2-7b"), ParallelStrategy(tp=2), DeviceMesh(1, 2, devices_per_node=8)
+    workload = planning_workload(cfg)
+    cost = call_cost(gen, model, strategy, mesh, vllm, workload)
+    assert cost.act_bytes + cost.weight_bytes == 0.7 * vllm.device_memory_bytes  # a small batch: the share binds
+    unreserved = call_cost(
+        gen, model, strategy, mesh, vllm.__class__(**{**vllm.__dict__, "rollout_memory_fraction": None}), workload
+    )
+    assert unreserved.act_bytes < cost.act_bytes and unreserved.weight_bytes == cost.weight_bytes
+
+
+def test_a_vllm_share_that_leaves_no_room_for_training_is_refused_by_the_memory_model() -> None:
+    """Colocated with 7B training state on 8 GPUs, vLLM at 0.5 fits; at 0.95 no plan generating
+    on the training GPUs does: the search has to move the rollout or it reports not fitting."""
+    fits = _plan_remax(["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5", "data.batch_size=8"])
+    tight = _plan_remax(["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.95", "data.batch_size=8"])
+    assert fits.plan.fits and not tight.plan.fits
