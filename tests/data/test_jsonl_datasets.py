@@ -97,6 +97,16 @@ def test_sft_truncation(tok):
         SFTDataset(records, tok, max_length=5, truncation="right")
 
 
+def test_sft_on_the_chosen_answers_of_a_preference_file(tmp_path, tok):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "rejected": "4"}\n')
+    with pytest.raises(DatasetFormatError, match=rf"{path}:2: missing field 'chosen'"):
+        SFTDataset(path, tok, max_length=10, answer_field="chosen")
+    path.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    ds = SFTDataset(path, tok, max_length=10, answer_field="chosen")
+    assert ds[0] == SFTDataset([{"prompt": "1+1=", "answer": "2"}], tok, max_length=10)[0]
+
+
 def test_preference_pairs_pad_to_one_length(tok):
     ds = PreferenceDataset([{"prompt": "1+1=", "chosen": "2", "rejected": "333"}], tok, max_length=12)
     batch = ds.collate([ds[0]])
