@@ -166,7 +166,8 @@ def algorithm_mfcs(name: str, **kw) -> list[MFCDef]:
             (micro-batches), ``n_ppo_minibatches`` (optimizer steps per RL train call),
             ``rule_based_reward`` (reward computed by a rule on the host instead of a reward
             model; default True for GRPO, False otherwise), ``use_ref`` (PPO, GRPO, RLOO,
-            ReMax: keep the KL reference, default True; PPO-EMA always has one), ``ref_ema_eta`` (PPO-EMA blend factor, default 0.008).
+            ReMax: keep the KL reference, default True; PPO-EMA always has one), ``ref_ema_eta``
+            (PPO-EMA blend factor, default 0.008).
 
     >>> [m.name for m in algorithm_mfcs("grpo")]
     ['actor_gen', 'ref_inf', 'reward_inf', 'actor_train']

@@ -426,6 +426,12 @@ class RLFlowConfig(_Section):
         return self.rollout.max_new_tokens or self.data.max_response_len
 
     @property
+    def scores_generations(self) -> bool:
+        """Whether the run's held-out evaluation generates: every algorithm trains a policy but
+        ``rm``, whose reward model is scored on pairs by its recipe."""
+        return self.algorithm.name != "rm"
+
+    @property
     def reward_fn(self) -> str | None:
         """The rule-based reward of an RL run: ``algorithm.reward_fn``, else the task's own reward
         when there is no reward model; None when ``models.reward`` scores responses."""
@@ -497,7 +503,7 @@ class RLFlowConfig(_Section):
             self.data.train_file is not None
             and self.data.eval_file is None
             and self.data.eval_size
-            and algo.name != "rm"
+            and self.scores_generations
         ):
             raise ConfigError(
                 "data.eval_file",
@@ -513,8 +519,8 @@ class RLFlowConfig(_Section):
         w, why = self.warmup, None
         if not w.eval_every or not w.steps:
             return
-        if self.algorithm.name == "rm":
-            why = "algorithm 'rm' has no held-out generation to score"
+        if not self.scores_generations:
+            why = f"algorithm {self.algorithm.name!r} has no held-out generation to score"
         elif self.data.eval_size == 0:
             why = "data.eval_size is 0"
         elif self.algorithm.reward_fn is None and self.data.task is None:

@@ -133,7 +133,7 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
         dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len)
         train = loader(dataset, "data.batch_size")
     eval_prompts = None
-    if d.eval_size > 0 and algo != "rm":  # a policy (DPO's too) is scored on held-out generations
+    if d.eval_size > 0 and cfg.scores_generations:
         records = _records(cfg, "test", d.eval_size)
         if isinstance(records, str):
             records = _eval_records(records, d.eval_size)

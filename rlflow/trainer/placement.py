@@ -158,11 +158,11 @@ def _choose(
     progress: bool,
 ) -> ExecutionPlan:
     if mode == "auto":
-        ties = tied_generate_options(problem, generate) if cfg.rollout.engine == "vllm" else []
-        seconds = max(cfg.placement.search_seconds, 0.1) / max(len(ties), 1)
+        ties = tied_generate_options(problem, generate) if cfg.rollout.engine == "vllm" else [{}]
+        seconds = max(cfg.placement.search_seconds, 0.1) / len(ties)
         best = None
-        for keep in ties or [{}]:  # one search per shared generation option, the best kept
-            sub = problem.restricted(keep) if keep else problem
+        for keep in ties:  # one search per shared generation layout, the best kept
+            sub = problem.restricted(keep)
             seeds = [_restricted_choice(b.choice, keep) for b in baselines if b.feasible]
             result = search(
                 sub,
@@ -189,7 +189,7 @@ def _choose(
 def tied_generate_options(problem: PlanProblem, generate: list[str]) -> list[dict[int, list[int]]]:
     """The generate calls of one model on one layout, as the vLLM rollout engine needs (one vLLM
     instance per process): one restriction per layout those calls have in common, each cutting
-    every such call to that layout. Empty when no model has two generate calls.
+    every such call to that layout; ``[{}]`` (nothing cut) when no model has two generate calls.
 
     Raises:
         ValueError: two generate calls of one model share no layout.
@@ -208,7 +208,7 @@ def tied_generate_options(problem: PlanProblem, generate: list[str]) -> list[dic
         restrictions = [
             {**r, **{i: [lay[key]] for i, lay in zip(calls, layouts)}} for r in restrictions for key in common
         ]
-    return restrictions if restrictions != [{}] else []
+    return restrictions
 
 
 def _restricted_choice(choice: tuple[int, ...] | None, keep: Mapping[int, list[int]]) -> tuple[int, ...] | None:

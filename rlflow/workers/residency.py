@@ -55,8 +55,8 @@ __all__ = ["HostedModel", "Residency"]
 PARAM_DTYPE = torch.float32
 # keep_copies keeps every copy: the manager's keep budget is then unbounded.
 _KEEP_ALL_BYTES = 2**62
-# The vLLM rollout engine: bf16 like the training engine's compute on CUDA; at most half of the
-# GPU (weights + KV cache), the rest stays with the colocated training engine.
+# The vLLM rollout engine: bf16 like the training engine's compute on CUDA; its share of the GPU
+# (weights + KV cache) is WorkerSetup.vllm_gpu_memory_utilization, the rest stays with training.
 VLLM_ENGINE_KWARGS = {"dtype": "bfloat16", "enable_sleep_mode": True}
 # Level 1 keeps the weights in host memory: a call whose copy is still current (keep_copies)
 # needs no push. (Level 2 would discard them, and vLLM's buffers with them on older versions.)

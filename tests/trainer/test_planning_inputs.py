@@ -97,6 +97,8 @@ def test_rollouts_that_would_each_prefer_another_layout_are_still_tied_under_vll
 
 
 def test_vllm_takes_its_share_of_gpu_memory_while_it_generates() -> None:
+    import dataclasses
+
     from rlflow.dataflow import algorithm_mfcs
     from rlflow.planner.cost import call_cost
     from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
@@ -112,7 +114,7 @@ def test_vllm_takes_its_share_of_gpu_memory_while_it_generates() -> None:
     cost = call_cost(gen, model, strategy, mesh, vllm, workload)
     assert cost.act_bytes + cost.weight_bytes == 0.7 * vllm.device_memory_bytes  # a small batch: the share binds
     unreserved = call_cost(
-        gen, model, strategy, mesh, vllm.__class__(**{**vllm.__dict__, "rollout_memory_fraction": None}), workload
+        gen, model, strategy, mesh, dataclasses.replace(vllm, rollout_memory_fraction=None), workload
     )
     assert unreserved.act_bytes < cost.act_bytes and unreserved.weight_bytes == cost.weight_bytes
 
