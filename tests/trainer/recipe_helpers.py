@@ -12,7 +12,7 @@ TINY = [
     "models.actor.intermediate_size=128",
     "models.actor.num_layers=2",
     "placement.search_seconds=0.5",
-    "placement.profile=false",  # the recipe's profile of this machine costs ~9 s a run
+    "placement.profile=false",  # the recipe's profile of this machine costs 12-15 s a run
     "logging.tensorboard=false",
 ]
 
