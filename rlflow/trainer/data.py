@@ -25,8 +25,7 @@ from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
 from rlflow.trainer.config import ConfigError, RLFlowConfig
-
-PAIR_ALGORITHMS = ("dpo", "rm")
+from rlflow.workers.setup import PAIR_ALGORITHMS
 
 # Enough training problems that a short run never repeats a prompt within an epoch; a task
 # with fewer distinct training problems (1-digit arithmetic) gives all it has.

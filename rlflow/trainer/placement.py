@@ -33,6 +33,7 @@ from rlflow.planner.search import search
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
+from rlflow.workers.setup import PAIR_ALGORITHMS
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
 
@@ -264,7 +265,7 @@ def profile_shapes(cfg: RLFlowConfig) -> dict:
     layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
     workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
     prompts = max(1, cfg.data.batch_size // workers)
-    per_prompt = {"sft": 1, "dpo": 2, "rm": 2}.get(cfg.algorithm.name, cfg.algorithm.n_samples)  # 2: a pair
+    per_prompt = cfg.algorithm.n_samples if _samples(cfg) else 2 if cfg.algorithm.name in PAIR_ALGORITHMS else 1
     rows = prompts * per_prompt
     p, r = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens or cfg.data.max_response_len
     passes = ((1, 64), (4, 128), (4, 256), (prompts, p), (rows, p + r))
