@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -104,10 +106,24 @@ def test_dead_worker_is_named_within_30s(doomed):
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"worker rank 1"):
         doomed.whoami()  # later calls fail fast too
-    ray.kill(doomed._actors.hosts[0])
+    # SIGKILL, as the OOM killer would. (ray.kill is asynchronous: a call sent right after it
+    # could still run on the live actor.) Wait until the process is gone before calling.
+    pid = doomed.view([0]).whoami()[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    while _alive(pid):
+        assert time.monotonic() - start < 30, f"worker process {pid} outlived SIGKILL"
+        time.sleep(0.05)
     with pytest.raises(WorkerDiedError, match=r"worker rank 0"):
         doomed.view([0]).whoami()
     assert time.monotonic() - start < 30
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (state Z) waits for its parent, but is dead
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 _TWO_NODES = textwrap.dedent(
