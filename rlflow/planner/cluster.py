@@ -113,6 +113,9 @@ class ClusterSpec:
         rollout_memory_fraction: share of a device's memory the rollout engine takes while it
             generates, whatever the generation needs (vLLM's ``gpu_memory_utilization``: weights
             plus a KV cache sized to fill it); ``None``: only what the generation needs.
+        comm_overlaps_compute: FSDP's collectives run beside compute (NCCL on a stream of its
+            own). ``False`` for CPU workers: gloo's threads take the cores the workers compute on,
+            so every collective adds to the call's time.
         name: preset name, for reports.
     """
 
@@ -131,6 +134,7 @@ class ClusterSpec:
     memory_efficiency: float = 1.0
     precision: Precision = field(default_factory=lambda: GPU_PRECISION)
     rollout_memory_fraction: float | None = None
+    comm_overlaps_compute: bool = True
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -258,5 +262,6 @@ def _cpu_cluster(num_nodes: int, devices_per_node: int, profile: str | Path | di
         intra_host_latency_s=hw["loopback_latency_s"],
         inter_host_latency_s=hw["loopback_latency_s"],
         precision=CPU_PRECISION,
+        comm_overlaps_compute=False,
         name="cpu",
     )

@@ -10,7 +10,10 @@ tp collectives). On top come:
   alike): each micro-batch all-gathers every layer's weights in the compute dtype — once per
   forward, and again in backward when layers are resharded after forward (``pp == 1``) — and
   training reduce-scatters fp32 gradients. FSDP prefetches the next layer during the current
-  one, so only what compute cannot hide, and one layer's gather, is exposed.
+  one, so only what compute cannot hide, and one layer's gather, is exposed; on CPU workers gloo
+  shares the workers' cores and nothing is hidden. FSDP runs one collective per unit (each
+  decoder layer, and the root). Each optimizer step also all-reduces three scalars over dp (loss
+  units, gradient norm, metrics).
 
 Generation (``rlflow.engine.rollout.hf_sampler``): one prefill of the prompts — ``n_seqs /
 n_samples_per_prompt`` of them, before the KV cache is repeated for the samples — with the
@@ -149,17 +152,31 @@ def _pipeline(slot_s, n_mbs: int, pp: int):
 
 def _fsdp_exposed_s(model, strategy, mesh, cluster, compute_s: float, gathers: int, train: bool) -> float:
     """FSDP communication of one (mini-)batch that compute does not hide: ``gathers`` all-gathers
-    of the stage in the compute dtype (and a reduce-scatter of fp32 gradients when ``train``)
-    run while ``compute_s`` computes; the first layer's gather is always exposed."""
+    of the stage in the compute dtype (and a reduce-scatter of fp32 gradients when ``train``),
+    one collective per FSDP unit (each decoder layer, and the root: embedding, norm, head).
+
+    With ``cluster.comm_overlaps_compute`` they run while ``compute_s`` computes and only what
+    compute cannot hide, and one unit's gather, is exposed; otherwise (gloo on CPU workers) all
+    of it adds to the call."""
     if strategy.dp == 1:
         return 0.0
     prec, cross = cluster.precision, dp_group_crosses_hosts(mesh, strategy)
     stage = memory.max_stage_params(model, strategy.pp) / strategy.tp
-    gather = float(collective_s(cluster, stage * prec.compute_bytes, strategy.dp, cross, "all_gather"))
-    scatter = float(collective_s(cluster, stage * prec.grad_bytes, strategy.dp, cross, "reduce_scatter"))
+    units = max(1, int(model.stage_layers(strategy.pp).max())) + 1
+    gather = units * float(collective_s(cluster, stage * prec.compute_bytes / units, strategy.dp, cross, "all_gather"))
+    scatter = units * float(
+        collective_s(cluster, stage * prec.grad_bytes / units, strategy.dp, cross, "reduce_scatter")
+    )
     comm = gathers * gather + (scatter if train else 0.0)
-    layers = max(1, int(model.stage_layers(strategy.pp).max()))
-    return max(0.0, comm - compute_s) + gather / layers
+    if not cluster.comm_overlaps_compute:
+        return comm
+    return max(0.0, comm - compute_s) + gather / units
+
+
+def _step_sync_s(strategy, mesh, cluster) -> float:
+    """The small all-reduces of one optimizer step over dp: the mini-batch's loss units, the
+    gradient norm and the step's metrics."""
+    return 3 * float(collective_s(cluster, 8, strategy.dp, dp_group_crosses_hosts(mesh, strategy)))
 
 
 def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
@@ -187,7 +204,7 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     # Every token: tp rank 0 draws it and broadcasts it to its tp peers, and the sampler's own
     # fixed work (its bytes are in the head's softmax passes).
     broadcast = float(collective_s(cluster, rows * 8, tp, False, "all_gather"))
-    per_token = (broadcast + rates.sample_step_s) * workload.gen_len
+    per_token = (broadcast + float(rates.sample_step_s(rows))) * workload.gen_len
     # In steady state the micro-batches circulate: each step takes max(n_mbs, pp) slots.
     decode = float(np.sum(decode_slot)) * max(n_mbs, strategy.pp) + per_token
     act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, p_len, workload.gen_len)
@@ -250,7 +267,8 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, gathers, train=True)
     opt_params = memory.max_stage_params(model, strategy.pp) / (strategy.tp * strategy.dp)
     optimizer = float(rates.memory_s(adam_step_bytes_per_param(prec) * opt_params))
-    total = n_steps * (compute + fsdp + optimizer)
+    sync = _step_sync_s(strategy, mesh, cluster)
+    total = n_steps * (compute + fsdp + sync + optimizer)
     act = memory.train_act_bytes(model, strategy, prec, mb, s, n_mbs, workload.gradient_checkpointing)
     return CallCost(
         total,
@@ -258,7 +276,12 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         memory.weight_bytes(model, strategy, prec),
         memory.train_state_bytes(model, strategy, prec),
         fwd,
-        {"compute_s": n_steps * compute, "fsdp_exposed_s": n_steps * fsdp, "optimizer_s": n_steps * optimizer},
+        {
+            "compute_s": n_steps * compute,
+            "fsdp_exposed_s": n_steps * fsdp,
+            "sync_s": n_steps * sync,
+            "optimizer_s": n_steps * optimizer,
+        },
     )
 
 

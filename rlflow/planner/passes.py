@@ -58,7 +58,6 @@ class Rates:
         # Fixed seconds of framework dispatch, measured by a profile (0 for the analytic roofline):
         self.overhead_s = 0.0  # per layer pass
         self.pass_overhead_s = 0.0  # per pass of a whole stage (embedding, rotary, masks, norm, head)
-        self.sample_step_s = 0.0  # per generated token (the sampler's draw and log-softmax)
 
     def compute_s(self, flops, matmul_bytes, stream_bytes, tokens, backward: bool = False):
         """Seconds of a layer pass: matmuls at the roofline, then the element-wise ``stream_bytes``.
@@ -72,6 +71,11 @@ class Rates:
         """
         matmul = np.maximum(np.asarray(flops) / self.flops, np.asarray(matmul_bytes) / self.bandwidth)
         return self.overhead_s + matmul + np.asarray(stream_bytes) / self.bandwidth
+
+    def sample_step_s(self, rows):
+        """Fixed seconds of the sampler's per-token work (draw, log-softmax, stop check) over
+        ``rows`` rows; 0 without a profile (the head's softmax bytes are priced with the head)."""
+        return np.zeros_like(np.asarray(rows, dtype=np.float64))
 
     def memory_s(self, nbytes):
         """Seconds of a purely memory-bound pass (optimizer step, embedding gather, softmax)."""

@@ -373,9 +373,9 @@ class ProfiledRates(Rates):
     another model is then priced at ``overhead + max(its flops / rate, its bytes / bandwidth)``:
     the measured efficiency, scaled by the model's dimensions. Two more fixed costs come from
     the profile: ``pass_overhead_s`` per pass of a whole stage (what a one-layer model's decode
-    step takes beyond its layer and head) and ``sample_step_s`` per generated token (the
-    sampler's softmax, draw, log-softmax and stop check); profiles without these timings price
-    them at 0.
+    step takes beyond its layer and head) and :meth:`sample_step_s` per generated token (the
+    sampler's softmax, draw, log-softmax and stop check, by the rows it draws for); profiles
+    without these timings price them at 0.
     """
 
     def __init__(self, profile: dict, cluster: ClusterSpec):
@@ -389,7 +389,8 @@ class ProfiledRates(Rates):
         roofline = [max(f / hw["matmul_flops"], (m + b) / self.bandwidth) for f, m, b, _, _ in decode]
         self.overhead_s = max(0.0, min((d[4] - r for d, r in zip(decode, roofline)), default=0.0))
         self.pass_overhead_s = self._pass_overhead(spec, profile, hw, nbytes)
-        self.sample_step_s = float(np.median([s["seconds"] for s in profile.get("sample", [])] or [0.0]))
+        sample = sorted((s["batch"], s["seconds"]) for s in profile.get("sample", []))
+        self._sample = (np.array([b for b, _ in sample], dtype=np.float64), np.array([t for _, t in sample]))
         forward = [self._work(spec, s, nbytes, decode=False) for s in profile["forward"]] + decode
         self._fwd = self._table([w[3] for w in forward], [w[0] / self._net(w[4]) for w in forward])
         backward = [self._work(spec, s, nbytes, decode=False) for s in profile["backward"]]
@@ -412,6 +413,15 @@ class ProfiledRates(Rates):
             head = max(head_flops / hw["matmul_flops"], head_bytes / self.bandwidth)
             extra.append(s["seconds"] - layer_s[(s["batch"], s["seq"])] - head)
         return max(0.0, float(np.median(extra))) if extra else 0.0
+
+    def sample_step_s(self, rows):
+        """The profiled sampler step, interpolated in the rows; beyond the largest profiled batch
+        it grows in proportion to the rows (the draw and log-softmax stream every row's logits)."""
+        batch, seconds = self._sample
+        rows = np.asarray(rows, dtype=np.float64)
+        if batch.size == 0:
+            return np.zeros_like(rows)
+        return np.where(rows > batch[-1], seconds[-1] * rows / batch[-1], np.interp(rows, batch, seconds))
 
     def _net(self, seconds: float) -> float:
         """Measured seconds without the fixed overhead (at least a tenth of the measurement)."""

@@ -64,13 +64,24 @@ def test_profiled_rates_price_calls(profile):
         num_kv_heads=4,
         vocab_size=256,
     )
-    # Enough rows that halving them outweighs the gloo collectives data parallelism adds (at
-    # 8 rows the two were within the noise of a one-round profile).
-    w = Workload(batch_size=64, prompt_len=16, gen_len=8)
+    # Enough rows that halving them outweighs the gloo collectives data parallelism adds: FSDP's
+    # per-layer gathers and reduce-scatters share the workers' cores, so at 16 rows per rank and
+    # mini-batch (64 prompts, 4 mini-batches) training on two workers is priced slower than on one.
+    w = Workload(batch_size=256, prompt_len=16, gen_len=8)
     for mfc in algorithm_mfcs("ppo")[::2]:
         one = call_cost(mfc, m, ParallelStrategy(), DeviceMesh(1, 1, devices_per_node=2), cluster, w, rates).time_s
         two = call_cost(mfc, m, ParallelStrategy(dp=2), DeviceMesh(1, 2, devices_per_node=2), cluster, w, rates).time_s
         assert 0 < two < one < 60
+
+
+def test_the_sampler_step_is_priced_at_the_rows_it_draws_for(profile):
+    """The sampler's per-token work grows with the rows (2.0 ms for 256 rows against 0.08 ms for
+    one on the sandbox); a median over the profiled sizes priced every generation at ~0.25 ms."""
+    rates = ProfiledRates.from_profile(profile, cluster_preset("cpu", 1, 2, profile=profile))
+    (b1, t1), (b4, t4) = [(s["batch"], s["seconds"]) for s in profile["sample"]]
+    assert (b1, b4) == (1, 4)
+    got = rates.sample_step_s(np.array([1, 2.5, 4, 8]))
+    np.testing.assert_allclose(got, [t1, (t1 + t4) / 2, t4, 2 * t4])  # beyond the largest: in proportion
 
 
 def test_profile_files_are_checked(tmp_path, monkeypatch):
