@@ -3,12 +3,14 @@
 For each recipe, a profile of this machine is measured with the actor's layer shape and the
 pass shapes its calls run (:func:`rlflow.planner.profile.run_profile`), then the recipe runs a
 few RL steps of its tiny model on 2 CPU worker processes (a subprocess with its own Ray; no warm-up, no evaluation;
-``placement.profile=true``, so the trainer plans with a profile of its own, of the default
-layer shape; ``placement.mode=colocated``: every call data-parallel over both workers, the same
-strategies in every run). Every device MFC's (mesh, strategy) in the run's plan is priced by the
+``placement.profile=true``, so the trainer plans with a profile of its own, which also times the
+actor's whole calls with both workers busy and calibrates the estimates by them;
+``placement.mode=colocated``: every call data-parallel over both workers, the same strategies in
+every run). Every device MFC's (mesh, strategy) in the run's plan is priced by the
 cost model calibrated by each profile — and by the analytic roofline on the measured hardware
 rates, what the trainer uses without ``placement.profile`` — and compared with the measured call
-times (the slowest rank of each call, median over the steps after the first). Reallocation and EMA hooks (``pre_call``) are
+times (the slowest rank of each call, median over the steps after the first); the trainer's
+profile also without its calibration (``_uncalibrated``: the layer timings alone). Reallocation and EMA hooks (``pre_call``) are
 compared with the plan's transfers into the same call.
 
     python -m benchmarks.bench_cost_model [--recipes grpo ppo_ema] [--steps 8]
@@ -72,9 +74,9 @@ def _estimates(run_dir: Path, profiles: dict[str, dict]) -> dict[str, dict[str, 
     workload = planning_workload(cfg)
     out: dict[str, dict[str, float]] = {}
     for call in plan["calls"]:
-        model_dir = run_dir / "models" / call["model"]
-        if not model_dir.exists():  # a copy of another model (init: copy): its architecture
-            model_dir = run_dir / "models" / cfg.models[call["model"]].init_from
+        model_dir, model = run_dir / "models" / call["model"], cfg.models[call["model"]]
+        if not model_dir.exists():  # loaded from a path, or a copy of another model (init: copy)
+            model_dir = Path(model.path) if model.path else run_dir / "models" / model.init_from
         hf = AutoConfig.from_pretrained(model_dir)
         spec = ModelSpec.from_hf_config(hf, value_head=call["model"] in ("critic", "reward"))
         mesh = DeviceMesh(**call["mesh"])
@@ -82,7 +84,12 @@ def _estimates(run_dir: Path, profiles: dict[str, dict]) -> dict[str, dict[str, 
         out[call["name"]] = {}
         for label, profile in profiles.items():
             cluster = cluster_preset("cpu", mesh.num_nodes, mesh.devices_per_node, profile=profile)
-            for suffix, rates in (("", ProfiledRates(profile, cluster)), ("_roofline", Rates(cluster))):
+            variants = (
+                ("", ProfiledRates(profile, cluster)),
+                ("_uncalibrated", ProfiledRates(profile, cluster, calibrate=False)),  # layer timings alone
+                ("_roofline", Rates(cluster)),
+            )
+            for suffix, rates in variants:
                 cost = call_cost(mfcs[call["name"]], spec, strategy, mesh, cluster, workload, rates)
                 out[call["name"]][label + suffix] = cost.time_s
     return out
@@ -129,6 +136,10 @@ def compare(recipe: str, workdir: Path) -> list[dict]:
                 "rel_err": round((est["actor_profile"] - median) / median, 3),
                 "estimated_trainer_profile_s": round(est["trainer_profile"], 4),
                 "rel_err_trainer_profile": round((est["trainer_profile"] - median) / median, 3),
+                "estimated_trainer_profile_uncalibrated_s": round(est["trainer_profile_uncalibrated"], 4),
+                "rel_err_trainer_profile_uncalibrated": round(
+                    (est["trainer_profile_uncalibrated"] - median) / median, 3
+                ),
                 "estimated_roofline_s": round(est["actor_profile_roofline"], 4),
                 "rel_err_roofline": round((est["actor_profile_roofline"] - median) / median, 3),
                 "unit": "s",

@@ -26,6 +26,11 @@ stop token.
 Training (``TrainEngine.train_step``): per mini-batch and epoch, forward, backward (2x the
 forward FLOPs), recomputation under gradient checkpointing, the gradient-norm clip and one
 AdamW step over the fp32 master weights, gradients and moments.
+
+A profile taken with the planned model's calls (``run_profile(calls=...)``) scales the compute
+of every call (not its collectives) by the measured over estimated seconds of a whole call of
+the same type at one worker's shape (:meth:`Rates.call_scale`, see
+:class:`rlflow.planner.profile.ProfiledRates`).
 """
 
 from __future__ import annotations
@@ -207,6 +212,8 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     per_token = (broadcast + float(rates.sample_step_s(rows))) * workload.gen_len
     # In steady state the micro-batches circulate: each step takes max(n_mbs, pp) slots.
     decode = float(np.sum(decode_slot)) * max(n_mbs, strategy.pp) + per_token
+    scale = rates.call_scale("generate")
+    prefill, repeat, decode = prefill * scale, repeat * scale, decode * scale
     act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, p_len, workload.gen_len)
     weights = memory.weight_bytes(model, strategy, prec, generate=True)
     if cluster.rollout_memory_fraction is not None:  # vLLM takes its share whatever the batch needs
@@ -231,7 +238,7 @@ def _inference(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost
     slot = stage_pass_s(model, strategy, cluster, rates, StagePass(mb, s, s * (s + 1) / 2, b, 0, mb * s))
     if strategy.pp > 1:
         slot = slot + p2p_s(cluster, mb * s * model.hidden_size * b, mesh.num_nodes > 1)
-    compute = float(_pipeline(slot, n_mbs, strategy.pp))
+    compute = float(_pipeline(slot, n_mbs, strategy.pp)) * rates.call_scale("inference")
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, n_mbs, train=False)
     act = memory.inference_act_bytes(model, strategy, prec, mb, s, n_mbs)
     first = compute / n_mbs
@@ -261,12 +268,13 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         bwd += fwd
     hidden_bytes = mb * s * model.hidden_size * b
     p2p = 2 * float(p2p_s(cluster, hidden_bytes, mesh.num_nodes > 1)) if strategy.pp > 1 else 0.0
-    compute = float(_pipeline(fwd + bwd + p2p, n_mbs, strategy.pp))
+    scale = rates.call_scale("train_step")
+    compute = float(_pipeline(fwd + bwd + p2p, n_mbs, strategy.pp)) * scale
     # Layers are resharded after forward (and gathered again in backward) only without pipelining.
     gathers = n_mbs * (2 if strategy.pp == 1 else 1)
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, gathers, train=True)
     opt_params = memory.max_stage_params(model, strategy.pp) / (strategy.tp * strategy.dp)
-    optimizer = float(rates.memory_s(adam_step_bytes_per_param(prec) * opt_params))
+    optimizer = float(rates.memory_s(adam_step_bytes_per_param(prec) * opt_params)) * scale
     sync = _step_sync_s(strategy, mesh, cluster)
     total = n_steps * (compute + fsdp + sync + optimizer)
     act = memory.train_act_bytes(model, strategy, prec, mb, s, n_mbs, workload.gradient_checkpointing)
@@ -275,7 +283,7 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         act,
         memory.weight_bytes(model, strategy, prec),
         memory.train_state_bytes(model, strategy, prec),
-        fwd,
+        fwd * scale,
         {
             "compute_s": n_steps * compute,
             "fsdp_exposed_s": n_steps * fsdp,

@@ -77,6 +77,11 @@ class Rates:
         ``rows`` rows; 0 without a profile (the head's softmax bytes are priced with the head)."""
         return np.zeros_like(np.asarray(rows, dtype=np.float64))
 
+    def call_scale(self, interface_type: str) -> float:
+        """Measured over estimated seconds of whole calls of this interface type (a profile's
+        calibration); 1 for the analytic roofline."""
+        return 1.0
+
     def memory_s(self, nbytes):
         """Seconds of a purely memory-bound pass (optimizer step, embedding gather, softmax)."""
         return np.asarray(nbytes) / self.bandwidth

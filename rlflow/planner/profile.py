@@ -179,6 +179,122 @@ def _build_layer(spec: ModelSpec, device: str, dtype):
     return config, layer, LlamaRotaryEmbedding(config).to(device), model
 
 
+def _call_model(spec: dict, device: str, dtype):
+    """An HF Llama causal LM of the planned model's shape (``spec``: :class:`ModelSpec` fields),
+    whose whole calls are timed (:func:`_time_call`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        head_dim=spec.get("head_dim") or spec["hidden_size"] // spec["num_heads"],
+        num_hidden_layers=spec["num_layers"],
+        vocab_size=spec["vocab_size"],
+        tie_word_embeddings=spec.get("tie_embeddings", False),
+        attention_bias=spec.get("qkv_bias", False),
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def _left_padded(rows: int, length: int, vocab: int, device: str):
+    """Random ids and a mask whose every other row is left-padded by a quarter of ``length``,
+    as a batch of prompts of unequal lengths is."""
+    import torch
+
+    ids = torch.randint(vocab, (rows, length), device=device)
+    mask = torch.ones(rows, length, dtype=torch.long, device=device)
+    mask[::2, : length // 4] = 0
+    return ids, mask
+
+
+def _time_call(kind: str, model, shape: dict, device: str, sync) -> float:
+    """Seconds of one whole call of the planned model, run as rlflow's engines run it, on one
+    process: ``generate`` (the rollout sampler: prefill, cache repeat, ``gen_len`` decode steps
+    — no stop tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs and
+    entropies of every token) or ``train`` (that forward, backward, gradient clip, AdamW step)."""
+    import torch
+
+    from rlflow.engine.packing import position_ids_from_mask
+    from rlflow.engine.pipeline import token_log_probs
+    from rlflow.engine.rollout.base import SamplingParams
+    from rlflow.engine.rollout.hf_sampler import sample_responses
+
+    vocab = model.config.vocab_size
+    if kind == "generate":
+        ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab, device)
+        params = SamplingParams(n=shape["n"], max_new_tokens=shape["gen_len"], seed=0)
+        model.eval()
+
+        def generate():
+            generator = torch.Generator(device=device).manual_seed(0)
+            sample_responses(model, ids, mask, params, pad_token_id=0, generator=generator)
+
+        return _timed(generate, 2, sync)
+    ids, mask = _left_padded(shape["rows"], shape["seq"], vocab, device)
+    pos = position_ids_from_mask(mask)
+
+    def forward():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        return token_log_probs(logits, ids, pos)
+
+    if kind == "forward":
+        model.eval()
+        with torch.no_grad():
+            return _timed(forward, 2, sync)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # the weights barely move between repetitions
+    model.train()
+
+    def train():
+        log_probs, _ = forward()  # the entropies are computed, as the engine's metrics need
+        (-(log_probs * mask).sum() / mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _timed(train, 2, sync)
+
+
+_CALLS = ("generate", "forward", "train")
+
+
+def _call_shapes(calls: dict) -> dict[str, dict]:
+    return {"generate": calls["generate"], "forward": calls["train"], "train": calls["train"]}
+
+
+def _call_peer(rank: int, calls: dict, rounds: int, barrier, out) -> None:
+    """One of the worker-like processes of :func:`concurrent_call_seconds`."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    model, shapes = _call_model(calls["model"], "cpu", torch.float32), _call_shapes(calls)
+    barrier.wait()
+    timings = [[_time_call(k, model, shapes[k], "cpu", lambda: None) for k in _CALLS] for _ in range(rounds)]
+    out.put(np.median(timings, axis=0).tolist())
+
+
+def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
+    """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU with ``processes``
+    single-threaded worker processes running them at once, the slowest process's median.
+
+    A CPU device is one worker process: when a plan keeps every worker of a host busy, they
+    share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
+    of its cores. A data-parallel call lasts as long as its slowest rank.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, barrier = ctx.SimpleQueue(), ctx.Barrier(processes)
+    mp.start_processes(
+        _call_peer, args=(calls, rounds, barrier, out), nprocs=processes, join=True, start_method="spawn"
+    )
+    per_process = [out.get() for _ in range(processes)]
+    return {k: max(p[i] for p in per_process) for i, k in enumerate(_CALLS)}
+
+
 def _decode_step(config, model, batch: int, context: int, device: str):
     """One decode step of the whole one-layer model at ``context`` cached tokens (the cache is
     cropped back after it, so that repetitions see the same context)."""
@@ -269,6 +385,8 @@ def run_profile(
     decodes: tuple[tuple[int, int], ...] | None = None,
     layer: dict[str, int] | None = None,
     rounds: int = 3,
+    calls: dict | None = None,
+    call_processes: int = 1,
 ) -> dict:
     """Measure this machine and write the profile JSON.
 
@@ -285,6 +403,13 @@ def run_profile(
             measured rates across model sizes.
         rounds: every size is timed once per round, rounds one after another; the profile
             keeps the median.
+        calls: whole calls of the planned model to time, which calibrate the cost model's
+            estimates of its calls (:class:`ProfiledRates`): ``model`` (:class:`ModelSpec`
+            fields of the actor), ``generate`` (``prompts``, ``prompt_len``, ``n`` samples per
+            prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed as a forward), the
+            shapes one worker runs; see ``rlflow.trainer.placement.profile_shapes``.
+        call_processes: on CPU, time those calls in this many worker processes at once
+            (:func:`concurrent_call_seconds`; the workers of one host); 1 times them here.
 
     Returns:
         The profile dict (also written to ``path``; ``profile["path"]`` says where).
@@ -305,6 +430,7 @@ def run_profile(
         + [("decode", b, c) for b, c in decodes]
         + [("model_decode", b, c) for b, c in decodes]
         + [("sample", b, 0) for b, _ in decodes]
+        + [(f"call_{k}", 0, 0) for k in (_CALLS if calls and (cuda or call_processes == 1) else ())]
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
@@ -316,11 +442,29 @@ def run_profile(
             hardware["collective_latency_s"] = gloo_collective_latency()
         bar.update()
         parts = _build_layer(spec, device, dtype)
+        call_model = _call_model(calls["model"], device, dtype) if calls else None
+        shapes = _call_shapes(calls) if calls else {}
+
+        def timed(kind: str, batch: int, seq: int) -> float:
+            if kind.startswith("call_"):
+                return _time_call(
+                    kind.removeprefix("call_"), call_model, shapes[kind.removeprefix("call_")], device, sync
+                )
+            return _time_layer(kind, batch, seq, parts, device, dtype, sync)
+
         samples: dict[str, list] = {k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")}
+        measured_calls: dict[str, dict] = {}
+        if calls and not cuda and call_processes > 1:
+            seconds = concurrent_call_seconds(calls, call_processes, rounds)
+            measured_calls = {k: {**shapes[k], "seconds": seconds[k], "processes": call_processes} for k in _CALLS}
         # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
         # machine disturbs one round of every size rather than every round of one size.
-        timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
+        timings = [[timed(kind, b, s) for kind, b, s in jobs] for _ in range(rounds)]
         for (kind, batch, seq), seconds in zip(jobs, np.median(timings, axis=0)):
+            if kind.startswith("call_"):
+                name = kind.removeprefix("call_")
+                measured_calls[name] = {**shapes[name], "seconds": float(seconds), "processes": 1}
+                continue
             samples[kind].append({"batch": batch, "seq": seq, "seconds": float(seconds)})
         bar.update(len(jobs))
         bar.close()
@@ -339,6 +483,7 @@ def run_profile(
             "bytes_per_param": 2 if cuda else 4,  # the dtype the layer ran in
         },
         **samples,
+        **({"calls": {"model": dict(calls["model"]), **measured_calls}} if calls else {}),
         "elapsed_s": time.perf_counter() - start,
     }
     out = Path(path) if path is not None else default_profile_path()
@@ -378,8 +523,9 @@ class ProfiledRates(Rates):
     without these timings price them at 0.
     """
 
-    def __init__(self, profile: dict, cluster: ClusterSpec):
+    def __init__(self, profile: dict, cluster: ClusterSpec, calibrate: bool = True):
         super().__init__(cluster)
+        self.call_scales: dict[str, float] = {}
         layer = dict(profile["layer"])
         nbytes = int(layer.pop("bytes_per_param", 4))
         spec = ModelSpec(num_layers=1, **{"vocab_size": 1, **layer})
@@ -396,6 +542,42 @@ class ProfiledRates(Rates):
         backward = [self._work(spec, s, nbytes, decode=False) for s in profile["backward"]]
         rates = [BACKWARD_FLOPS_FACTOR * w[0] / self._net(w[4]) for w in backward]
         self._bwd = self._table([w[3] for w in backward], rates)
+        if calibrate and profile.get("calls"):
+            self.call_scales = self._calibrate(profile["calls"], cluster)
+
+    def _calibrate(self, calls: dict, cluster: ClusterSpec) -> dict[str, float]:
+        """Measured over estimated seconds of the profiled whole calls, per interface type.
+
+        The layer timings miss what a whole call adds at the planned model's shape: the HF
+        model's per-pass work around its layers, the sampler's bookkeeping, masks with padding,
+        the loss and the optimizer. The planned model's calls are priced by these rates (one
+        device, no scaling) and compared with their measurement; the ratio, bounded to
+        ``[1/4, 4]``, then scales the compute of every call of that type.
+        """
+        from rlflow.dataflow.mfc import MFCDef
+        from rlflow.planner.cost import Workload, call_cost
+        from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+
+        model = ModelSpec(**{k: v for k, v in calls["model"].items() if k in ModelSpec.__dataclass_fields__})
+        mesh = DeviceMesh(1, 1, devices_per_node=cluster.devices_per_node)
+        scales = {}
+        jobs = [("generate", "generate"), ("inference", "forward"), ("train_step", "train")]
+        for interface, name in jobs:
+            if name not in calls:
+                continue
+            shape = calls[name]
+            if name == "generate":
+                workload = Workload(shape["prompts"], shape["prompt_len"], shape["gen_len"], shape["n"])
+            else:
+                workload = Workload(shape["rows"], shape["seq"], 0, n_ppo_minibatches=1, gradient_checkpointing=False,
+                                    max_tokens_per_mb=None)  # fmt: skip
+            mfc = MFCDef(f"profiled_{name}", "profiled", interface)
+            estimate = call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, self).time_s
+            scales[interface] = float(np.clip(shape["seconds"] / estimate, 0.25, 4.0))
+        return scales
+
+    def call_scale(self, interface_type: str) -> float:
+        return self.call_scales.get(interface_type, 1.0)
 
     def _pass_overhead(self, spec: ModelSpec, profile: dict, hw: dict, nbytes: int) -> float:
         """Seconds a whole model's pass adds to its layers (embedding, rotary, masks, final norm,
@@ -454,5 +636,5 @@ class ProfiledRates(Rates):
         return self.overhead_s + np.maximum(np.asarray(flops) / rate, nbytes / self.bandwidth)
 
     @classmethod
-    def from_profile(cls, profile: dict | str | Path, cluster: ClusterSpec) -> ProfiledRates:
-        return cls(profile if isinstance(profile, dict) else load_profile(profile), cluster)
+    def from_profile(cls, profile: dict | str | Path, cluster: ClusterSpec, calibrate: bool = True) -> ProfiledRates:
+        return cls(profile if isinstance(profile, dict) else load_profile(profile), cluster, calibrate)

@@ -256,13 +256,18 @@ def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowC
     return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
 
 
-def profile_shapes(cfg: RLFlowConfig) -> dict:
+def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     """``run_profile`` arguments that measure what the run will price: the actor's layer shape,
     and the shapes its calls run on one worker when every worker is data-parallel — a
     forward/backward over the rollout rows, a prefill of the prompts, a decode step of the rows —
-    on top of a few default sizes (the rates are interpolated between them)."""
+    on top of a few default sizes (the rates are interpolated between them). With the actor's
+    ``spec``, also whole calls of it at those shapes (a rollout, a forward and a training step),
+    timed with every worker of a host running them at once, which calibrate the estimates of
+    every call type."""
     m = cfg.models["actor"] if "actor" in cfg.models else next(iter(cfg.models.values()))
     layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
+    if spec is not None:
+        layer = {k: getattr(spec, k) for k in layer}
     workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
     prompts = max(1, cfg.data.batch_size // workers)
     per_prompt = cfg.algorithm.n_samples if _samples(cfg) else 2 if cfg.algorithm.name in PAIR_ALGORITHMS else 1
@@ -270,14 +275,30 @@ def profile_shapes(cfg: RLFlowConfig) -> dict:
     p, r = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens or cfg.data.max_response_len
     passes = ((1, 64), (4, 128), (4, 256), (prompts, p), (rows, p + r))
     decodes = ((1, 128), (8, 128), (32, 128), (rows, p + r // 2))
-    return {"layer": layer, "passes": passes, "decodes": decodes}
+    shapes: dict = {"layer": layer, "passes": passes, "decodes": decodes}
+    if spec is not None:
+        fields = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size",
+                  "head_dim", "tie_embeddings", "qkv_bias")  # fmt: skip
+        shapes["calls"] = {
+            "model": {k: getattr(spec, k) for k in fields},
+            "generate": {
+                "prompts": prompts,
+                "prompt_len": p,
+                "n": cfg.algorithm.n_samples if _samples(cfg) else 1,
+                "gen_len": r,
+            },  # fmt: skip
+            "train": {"rows": rows, "seq": p + r},
+        }
+        shapes["call_processes"] = cfg.placement.devices_per_node  # every worker of a host busy
+    return shapes
 
 
-def load_profile_for(cfg: RLFlowConfig, use_gpu: bool, run_dir: Path) -> dict | None:
+def load_profile_for(cfg: RLFlowConfig, use_gpu: bool, run_dir: Path, spec: ModelSpec | None = None) -> dict | None:
     """A measured profile of this machine at the run's shapes when ``placement.profile`` asks for
-    one (CPU only: GPU clusters are priced from the presets)."""
+    one (CPU only: GPU clusters are priced from the presets), with whole calls of ``spec`` (the
+    actor) when given."""
     if use_gpu or not cfg.placement.profile:
         return None
     from rlflow.planner.profile import run_profile
 
-    return run_profile(path=run_dir / "profile.json", progress=True, **profile_shapes(cfg))
+    return run_profile(path=run_dir / "profile.json", progress=True, **profile_shapes(cfg, spec))

@@ -109,7 +109,8 @@ class Trainer:
     def _plan(self) -> Placement:
         values = {n for n in self.cfg.models if n in build.VALUE_ROLES}
         specs = model_specs(self.model_paths, values)
-        profile = load_profile_for(self.cfg, self.use_gpu, self.run_dir)
+        actor = specs.get("actor", next(iter(specs.values()), None))
+        profile = load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
         placement = plan_placement(
             self.cfg, self.graph, specs, use_gpu=self.use_gpu, profile=profile, progress=self.progress_bars
         )

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rlflow.dataflow import algorithm_mfcs
+from rlflow.dataflow import MFCDef, algorithm_mfcs
 from rlflow.planner.cluster import cluster_preset
 from rlflow.planner.cost import Workload, call_cost
 from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
@@ -82,6 +82,55 @@ def test_the_sampler_step_is_priced_at_the_rows_it_draws_for(profile):
     assert (b1, b4) == (1, 4)
     got = rates.sample_step_s(np.array([1, 2.5, 4, 8]))
     np.testing.assert_allclose(got, [t1, (t1 + t4) / 2, t4, 2 * t4])  # beyond the largest: in proportion
+
+
+CALLS = {
+    "model": dict(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=40,
+        tie_embeddings=True,
+    ),  # fmt: skip
+    "generate": dict(prompts=4, prompt_len=6, n=2, gen_len=3),
+    "train": dict(rows=8, seq=9),
+}
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, processes):
+    """The layer timings miss what a whole call adds (the sampler's bookkeeping, the HF model
+    around its layers, the loss, the optimizer) and, on a CPU host, what workers running at once
+    cost each other. Profiled whole calls scale the estimates of their call types, so that a call
+    at the profiled shape is estimated at its measurement; ``processes`` times them in that many
+    worker processes at once."""
+    layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
+    prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
+                       decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=CALLS, call_processes=processes)  # fmt: skip
+    assert load_profile(prof["path"])["calls"] == prof["calls"]
+    for name in ("generate", "forward", "train"):
+        assert prof["calls"][name]["seconds"] > 0 and prof["calls"][name]["processes"] == processes
+    cluster = cluster_preset("cpu", 1, 2, profile=prof)
+    rates = ProfiledRates.from_profile(prof, cluster)
+    plain = ProfiledRates.from_profile(prof, cluster, calibrate=False)
+    assert set(rates.call_scales) == {"generate", "inference", "train_step"} and plain.call_scales == {}
+    model = ModelSpec(**CALLS["model"])
+    mesh = DeviceMesh(1, 1, devices_per_node=2)
+    gen_mfc, train_mfc = MFCDef("g", "m", "generate"), MFCDef("t", "m", "train_step")
+    gen = Workload(batch_size=4, prompt_len=6, gen_len=3, n_samples_per_prompt=2)
+    train = Workload(batch_size=8, prompt_len=9, gen_len=0, n_ppo_minibatches=1, gradient_checkpointing=False,
+                     max_tokens_per_mb=None)  # fmt: skip
+    for mfc, workload, name in ((gen_mfc, gen, "generate"), (train_mfc, train, "train")):
+        scale = rates.call_scale(mfc.interface_type)
+        if 0.25 < scale < 4:  # not at a bound: the calibrated estimate is the measurement
+            got = call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, rates).time_s
+            assert got == pytest.approx(prof["calls"][name]["seconds"], rel=1e-6)
+        uncalibrated = call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, plain).time_s
+        assert call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, rates).time_s == pytest.approx(
+            scale * uncalibrated, rel=1e-6
+        )
 
 
 def test_profile_files_are_checked(tmp_path, monkeypatch):

@@ -125,3 +125,20 @@ def test_a_vllm_share_that_leaves_no_room_for_training_is_refused_by_the_memory_
     fits = _plan_remax(["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.5", "data.batch_size=8"])
     tight = _plan_remax(["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.95", "data.batch_size=8"])
     assert fits.plan.fits and not tight.plan.fits
+
+
+def test_the_profile_measures_the_actors_own_calls_at_one_workers_shapes() -> None:
+    from rlflow.planner.model_spec import ModelSpec
+    from rlflow.trainer.placement import profile_shapes
+
+    cfg = load_config(GRPO)  # 32 prompts x 8 samples, prompts of 8 tokens, responses of 5, 2 workers
+    assert "calls" not in profile_shapes(cfg)
+    spec = ModelSpec(num_layers=4, hidden_size=96, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab_size=100)
+    shapes = profile_shapes(cfg, spec)
+    # the layer is the planned model's (the config's sizes may not be: a model loaded from a path)
+    assert shapes["layer"] == {"hidden_size": 96, "intermediate_size": 256, "num_heads": 4, "num_kv_heads": 2}
+    calls = shapes["calls"]
+    assert calls["model"]["num_layers"] == 4 and calls["model"]["vocab_size"] == 100
+    assert calls["generate"] == {"prompts": 16, "prompt_len": 8, "n": 8, "gen_len": 5}
+    assert calls["train"] == {"rows": 128, "seq": 13}
+    assert shapes["call_processes"] == 2  # both workers of the host busy, as the plan keeps them
