@@ -77,11 +77,12 @@ def whole(ray_session, tmp_path_factory) -> tuple[Path, FitResult]:
         mp.chdir(root)
         result = fit(*WHOLE, "logging.dir=whole")
     # A closed trainer hands its workers' CPUs back (placement groups removed), so later runs
-    # in the same Ray cluster find them.
+    # in the same Ray cluster find them. (At least what was free before: an earlier test's
+    # placement groups may still have been on their way out when ``free`` was read.)
     deadline = time.time() + 30
     while ray_session.available_resources().get("CPU", 0.0) < free and time.time() < deadline:
         time.sleep(0.2)
-    assert ray_session.available_resources().get("CPU", 0.0) == free
+    assert ray_session.available_resources().get("CPU", 0.0) >= free
     return root / "whole", result
 
 
