@@ -210,11 +210,12 @@ def _left_padded(rows: int, length: int, vocab: int, device: str):
     return ids, mask
 
 
-def _time_call(kind: str, model, shape: dict, device: str, sync) -> float:
-    """Seconds of one whole call of the planned model, run as rlflow's engines run it, on one
-    process: ``generate`` (the rollout sampler: prefill, cache repeat, ``gen_len`` decode steps
-    — no stop tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs and
-    entropies of every token) or ``train`` (that forward, backward, gradient clip, AdamW step)."""
+def _time_call(kind: str, model, shape: dict, device: str, sync, engine=None) -> float:
+    """Seconds of one whole call of the planned model, run as rlflow's engines run it:
+    ``generate`` (the rollout sampler: prefill, cache repeat, ``gen_len`` decode steps — no stop
+    tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs and entropies of
+    every token) or ``train`` (that forward, backward, gradient clip, AdamW step). With
+    ``engine`` (a ``TrainEngine``), forward and train run through it."""
     import torch
 
     from rlflow.engine.packing import position_ids_from_mask
@@ -235,6 +236,15 @@ def _time_call(kind: str, model, shape: dict, device: str, sync) -> float:
         return _timed(generate, 2, sync)
     ids, mask = _left_padded(shape["rows"], shape["seq"], vocab, device)
     pos = position_ids_from_mask(mask)
+    if engine is not None:
+        batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
+
+        def loss(outputs, data):  # a mean over the micro-batch's tokens, as the engine expects
+            return -(outputs["log_probs"] * data["loss_mask"]).sum() / data["loss_mask"].sum(), {}
+
+        if kind == "forward":
+            return _timed(lambda: engine.forward(batch), 2, sync)
+        return _timed(lambda: engine.train_step(batch, loss, loss_mask_key="loss_mask"), 2, sync)
 
     def forward():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
@@ -264,33 +274,59 @@ def _call_shapes(calls: dict) -> dict[str, dict]:
     return {"generate": calls["generate"], "forward": calls["train"], "train": calls["train"]}
 
 
-def _call_peer(rank: int, calls: dict, rounds: int, barrier, out) -> None:
+def _call_peer(rank: int, calls: dict, rounds: int, port: int, processes: int, barrier, out) -> None:
     """One of the worker-like processes of :func:`concurrent_call_seconds`."""
+    import copy
+
     import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    from rlflow.engine.optim import OptimConfig
+    from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
     torch.set_num_threads(1)
-    torch.manual_seed(rank)
-    model, shapes = _call_model(calls["model"], "cpu", torch.float32), _call_shapes(calls)
-    barrier.wait()
-    timings = [[_time_call(k, model, shapes[k], "cpu", lambda: None) for k in _CALLS] for _ in range(rounds)]
-    out.put(np.median(timings, axis=0).tolist())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
+    try:
+        torch.manual_seed(0)  # the same weights on every rank
+        rollout = _call_model(calls["model"], "cpu", torch.float32)
+        mesh = TorchMesh("cpu", torch.arange(processes).reshape(1, processes, 1), mesh_dim_names=("pp", "dp", "tp"))
+        optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
+        engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
+        torch.manual_seed(rank)  # each rank its own rows
+        shapes = _call_shapes(calls)
+        barrier.wait()
+        timings = [
+            [
+                _time_call(k, rollout, shapes[k], "cpu", lambda: None, None if k == "generate" else engine)
+                for k in _CALLS
+            ]
+            for _ in range(rounds)
+        ]
+        out.put(np.median(timings, axis=0).tolist())
+    finally:
+        dist.destroy_process_group()
 
 
 def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
-    """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU with ``processes``
-    single-threaded worker processes running them at once, the slowest process's median.
+    """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU in ``processes``
+    single-threaded worker processes at once, the slowest process's median: each its own
+    rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
+    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them.
 
     A CPU device is one worker process: when a plan keeps every worker of a host busy, they
     share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
-    of its cores. A data-parallel call lasts as long as its slowest rank.
+    of its cores; FSDP adds its hooks, copies and collectives around every unit. A
+    data-parallel call lasts as long as its slowest rank.
     """
     import torch.multiprocessing as mp
 
+    from rlflow.parallel.groups import free_port
+
     ctx = mp.get_context("spawn")
     out, barrier = ctx.SimpleQueue(), ctx.Barrier(processes)
-    mp.start_processes(
-        _call_peer, args=(calls, rounds, barrier, out), nprocs=processes, join=True, start_method="spawn"
-    )
+    args = (calls, rounds, free_port(), processes, barrier, out)
+    mp.start_processes(_call_peer, args=args, nprocs=processes, join=True, start_method="spawn")
     per_process = [out.get() for _ in range(processes)]
     return {k: max(p[i] for p in per_process) for i, k in enumerate(_CALLS)}
 
@@ -457,6 +493,8 @@ def run_profile(
         if calls and not cuda and call_processes > 1:
             seconds = concurrent_call_seconds(calls, call_processes, rounds)
             measured_calls = {k: {**shapes[k], "seconds": seconds[k], "processes": call_processes} for k in _CALLS}
+            for k in ("forward", "train"):
+                measured_calls[k]["fsdp"] = True  # a TrainEngine over dp = call_processes
         # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
         # machine disturbs one round of every size rather than every round of one size.
         timings = [[timed(kind, b, s) for kind, b, s in jobs] for _ in range(rounds)]
@@ -550,9 +588,11 @@ class ProfiledRates(Rates):
 
         The layer timings miss what a whole call adds at the planned model's shape: the HF
         model's per-pass work around its layers, the sampler's bookkeeping, masks with padding,
-        the loss and the optimizer. The planned model's calls are priced by these rates (one
-        device, no scaling) and compared with their measurement; the ratio, bounded to
-        ``[1/4, 4]``, then scales the compute of every call of that type.
+        the loss and the optimizer, FSDP's work around its collectives and, on a CPU host,
+        what busy workers cost each other. The planned model's calls are priced by these rates
+        (no scaling) on the layout they were timed on — one device, or FSDP over the processes
+        that ran them — and compared with their measurement; the ratio of what is not
+        collectives, bounded to ``[1/4, 4]``, then scales the compute of every call of that type.
         """
         from rlflow.dataflow.mfc import MFCDef
         from rlflow.planner.cost import Workload, call_cost
@@ -566,14 +606,19 @@ class ProfiledRates(Rates):
             if name not in calls:
                 continue
             shape = calls[name]
+            dp = shape.get("processes", 1) if shape.get("fsdp") else 1
             if name == "generate":
                 workload = Workload(shape["prompts"], shape["prompt_len"], shape["gen_len"], shape["n"])
             else:
-                workload = Workload(shape["rows"], shape["seq"], 0, n_ppo_minibatches=1, gradient_checkpointing=False,
-                                    max_tokens_per_mb=None)  # fmt: skip
+                workload = Workload(shape["rows"] * dp, shape["seq"], 0, n_ppo_minibatches=1,
+                                    gradient_checkpointing=False, max_tokens_per_mb=None)  # fmt: skip
             mfc = MFCDef(f"profiled_{name}", "profiled", interface)
-            estimate = call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, self).time_s
-            scales[interface] = float(np.clip(shape["seconds"] / estimate, 0.25, 4.0))
+            on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=dp)
+            cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, self)
+            # Collectives are priced on their own and not scaled: calibrate the rest.
+            comm = cost.breakdown.get("fsdp_exposed_s", 0.0) + cost.breakdown.get("sync_s", 0.0)
+            scale = (shape["seconds"] - comm) / max(cost.time_s - comm, 1e-12)
+            scales[interface] = float(np.clip(scale, 0.25, 4.0))
         return scales
 
     def call_scale(self, interface_type: str) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -105,7 +106,8 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
     around its layers, the loss, the optimizer) and, on a CPU host, what workers running at once
     cost each other. Profiled whole calls scale the estimates of their call types, so that a call
     at the profiled shape is estimated at its measurement; ``processes`` times them in that many
-    worker processes at once."""
+    worker processes at once, the forward and training step through a TrainEngine on FSDP over
+    them."""
     layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
     prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
                        decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=CALLS, call_processes=processes)  # fmt: skip
@@ -123,14 +125,20 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
     train = Workload(batch_size=8, prompt_len=9, gen_len=0, n_ppo_minibatches=1, gradient_checkpointing=False,
                      max_tokens_per_mb=None)  # fmt: skip
     for mfc, workload, name in ((gen_mfc, gen, "generate"), (train_mfc, train, "train")):
+        # Timed with more processes, the training step ran on FSDP over them: priced so.
+        dp = processes if prof["calls"][name].get("fsdp") else 1
+        assert dp == (1 if name == "generate" else processes)
+        workload = dataclasses.replace(workload, batch_size=workload.batch_size * dp)
+        on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=2)
+        calibrated = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, rates)
         scale = rates.call_scale(mfc.interface_type)
         if 0.25 < scale < 4:  # not at a bound: the calibrated estimate is the measurement
-            got = call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, rates).time_s
-            assert got == pytest.approx(prof["calls"][name]["seconds"], rel=1e-6)
-        uncalibrated = call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, plain).time_s
-        assert call_cost(mfc, model, ParallelStrategy(), mesh, cluster, workload, rates).time_s == pytest.approx(
-            scale * uncalibrated, rel=1e-6
-        )
+            assert calibrated.time_s == pytest.approx(prof["calls"][name]["seconds"], rel=1e-6)
+        # the compute is scaled, the collectives are not
+        plain_cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, plain)
+        comm = plain_cost.breakdown.get("fsdp_exposed_s", 0.0) + plain_cost.breakdown.get("sync_s", 0.0)
+        assert (comm > 0) == (dp > 1)
+        assert calibrated.time_s == pytest.approx(comm + scale * (plain_cost.time_s - comm), rel=1e-6)
 
 
 def test_profile_files_are_checked(tmp_path, monkeypatch):
