@@ -97,24 +97,45 @@ def _loopback(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
     return bandwidth, latency
 
 
-def _gloo_peer(rank: int, port: int, iters: int, out) -> None:
+def _gloo_process(rank: int, world: int, port: int, job, args: tuple, out) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)  # as rlflow runs CPU workers
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        x = torch.ones(16)
-        for _ in range(10):
-            dist.all_reduce(x)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        if rank == 0:
-            out.put((time.perf_counter() - start) / iters)
+        out.put((rank, job(rank, *args)))
     finally:
         dist.destroy_process_group()
+
+
+def _in_gloo_processes(job, world: int, *args) -> list:
+    """``job(rank, *args)`` in ``world`` spawned single-threaded processes that form one gloo
+    group (the default process group); their results in rank order. ``job`` must be importable
+    (a module-level function) and its results small."""
+    import torch.multiprocessing as mp
+
+    from rlflow.parallel.groups import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method="spawn")
+    results = dict(out.get() for _ in range(world))
+    return [results[rank] for rank in range(world)]
+
+
+def _all_reduce_seconds(rank: int, iters: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(16)
+    for _ in range(10):
+        dist.all_reduce(x)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    return (time.perf_counter() - start) / iters
 
 
 def gloo_collective_latency(iters: int = 300) -> float:
@@ -124,14 +145,7 @@ def gloo_collective_latency(iters: int = 300) -> float:
     socket round trips, gloo's own protocol and the wake-up of the peer process, which a raw
     TCP ping (``loopback_latency_s``) does not see (measured here at tens of times more).
     """
-    import torch.multiprocessing as mp
-
-    from rlflow.parallel.groups import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_gloo_peer, args=(free_port(), iters, out), nprocs=2, join=True, start_method="spawn")
-    return float(out.get())
+    return float(_in_gloo_processes(_all_reduce_seconds, 2, iters)[0])
 
 
 def measure_hardware(device: str = "cpu") -> dict[str, float]:
@@ -179,7 +193,7 @@ def _build_layer(spec: ModelSpec, device: str, dtype):
     return config, layer, LlamaRotaryEmbedding(config).to(device), model
 
 
-def _call_model(spec: dict, device: str, dtype):
+def _call_model(spec: dict, dtype):
     """An HF Llama causal LM of the planned model's shape (``spec``: :class:`ModelSpec` fields),
     whose whole calls are timed (:func:`_time_call`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -194,77 +208,53 @@ def _call_model(spec: dict, device: str, dtype):
         vocab_size=spec["vocab_size"],
         tie_word_embeddings=spec.get("tie_embeddings", False),
         attention_bias=spec.get("qkv_bias", False),
+        mlp_bias=spec.get("mlp_bias", False),
     )
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    return LlamaForCausalLM(config).to(dtype=dtype)
 
 
-def _left_padded(rows: int, length: int, vocab: int, device: str):
+def _left_padded(rows: int, length: int, vocab: int):
     """Random ids and a mask whose every other row is left-padded by a quarter of ``length``,
     as a batch of prompts of unequal lengths is."""
     import torch
 
-    ids = torch.randint(vocab, (rows, length), device=device)
-    mask = torch.ones(rows, length, dtype=torch.long, device=device)
+    ids = torch.randint(vocab, (rows, length))
+    mask = torch.ones(rows, length, dtype=torch.long)
     mask[::2, : length // 4] = 0
     return ids, mask
 
 
-def _time_call(kind: str, model, shape: dict, device: str, sync, engine=None) -> float:
+def _time_call(kind: str, rollout, engine, shape: dict) -> float:
     """Seconds of one whole call of the planned model, run as rlflow's engines run it:
-    ``generate`` (the rollout sampler: prefill, cache repeat, ``gen_len`` decode steps — no stop
-    tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs and entropies of
-    every token) or ``train`` (that forward, backward, gradient clip, AdamW step). With
-    ``engine`` (a ``TrainEngine``), forward and train run through it."""
+    ``generate`` (the rollout sampler on ``rollout``: prefill, cache repeat, ``gen_len`` decode
+    steps — no stop tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs
+    and entropies of every token) or ``train`` (that forward, backward, gradient clip, AdamW
+    step), both through ``engine`` (a ``TrainEngine``)."""
     import torch
 
-    from rlflow.engine.packing import position_ids_from_mask
-    from rlflow.engine.pipeline import token_log_probs
     from rlflow.engine.rollout.base import SamplingParams
     from rlflow.engine.rollout.hf_sampler import sample_responses
 
-    vocab = model.config.vocab_size
+    vocab, no_sync = rollout.config.vocab_size, lambda: None
     if kind == "generate":
-        ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab, device)
+        ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab)
         params = SamplingParams(n=shape["n"], max_new_tokens=shape["gen_len"], seed=0)
-        model.eval()
 
         def generate():
-            generator = torch.Generator(device=device).manual_seed(0)
-            sample_responses(model, ids, mask, params, pad_token_id=0, generator=generator)
+            generator = torch.Generator().manual_seed(0)
+            sample_responses(rollout, ids, mask, params, pad_token_id=0, generator=generator)
 
-        return _timed(generate, 2, sync)
-    ids, mask = _left_padded(shape["rows"], shape["seq"], vocab, device)
-    pos = position_ids_from_mask(mask)
-    if engine is not None:
-        batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
+        return _timed(generate, 2, no_sync)
+    ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
 
-        def loss(outputs, data):  # a mean over the micro-batch's tokens, as the engine expects
-            return -(outputs["log_probs"] * data["loss_mask"]).sum() / data["loss_mask"].sum(), {}
-
-        if kind == "forward":
-            return _timed(lambda: engine.forward(batch), 2, sync)
-        return _timed(lambda: engine.train_step(batch, loss, loss_mask_key="loss_mask"), 2, sync)
-
-    def forward():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        return token_log_probs(logits, ids, pos)
+    def loss(outputs, data):  # a mean over the micro-batch's tokens, as the engine expects
+        return -(outputs["log_probs"] * data["loss_mask"]).sum() / data["loss_mask"].sum(), {}
 
     if kind == "forward":
-        model.eval()
-        with torch.no_grad():
-            return _timed(forward, 2, sync)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # the weights barely move between repetitions
-    model.train()
-
-    def train():
-        log_probs, _ = forward()  # the entropies are computed, as the engine's metrics need
-        (-(log_probs * mask).sum() / mask.sum()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return _timed(train, 2, sync)
+        return _timed(lambda: engine.forward(batch), 2, no_sync)
+    return _timed(lambda: engine.train_step(batch, loss, loss_mask_key="loss_mask"), 2, no_sync)
 
 
 _CALLS = ("generate", "forward", "train")
@@ -274,38 +264,29 @@ def _call_shapes(calls: dict) -> dict[str, dict]:
     return {"generate": calls["generate"], "forward": calls["train"], "train": calls["train"]}
 
 
-def _call_peer(rank: int, calls: dict, rounds: int, port: int, processes: int, barrier, out) -> None:
-    """One of the worker-like processes of :func:`concurrent_call_seconds`."""
+def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
+    """One worker-like process of :func:`concurrent_call_seconds`: its medians, per call."""
     import copy
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
     from rlflow.engine.optim import OptimConfig
     from rlflow.engine.train_engine import EngineConfig, TrainEngine
+    from rlflow.parallel.groups import build_call_groups
+    from rlflow.planner.mesh import ParallelStrategy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
-    try:
-        torch.manual_seed(0)  # the same weights on every rank
-        rollout = _call_model(calls["model"], "cpu", torch.float32)
-        mesh = TorchMesh("cpu", torch.arange(processes).reshape(1, processes, 1), mesh_dim_names=("pp", "dp", "tp"))
-        optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
-        engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
-        torch.manual_seed(rank)  # each rank its own rows
-        shapes = _call_shapes(calls)
-        barrier.wait()
-        timings = [
-            [
-                _time_call(k, rollout, shapes[k], "cpu", lambda: None, None if k == "generate" else engine)
-                for k in _CALLS
-            ]
-            for _ in range(rounds)
-        ]
-        out.put(np.median(timings, axis=0).tolist())
-    finally:
-        dist.destroy_process_group()
+    world = dist.get_world_size()
+    torch.manual_seed(0)  # the same weights on every rank
+    rollout = _call_model(calls["model"], torch.float32).eval()
+    mesh = build_call_groups(range(world), ParallelStrategy(dp=world), "cpu").mesh
+    optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
+    engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
+    torch.manual_seed(rank)  # each rank its own rows
+    shapes = _call_shapes(calls)
+    dist.barrier()
+    timings = [[_time_call(k, rollout, engine, shapes[k]) for k in _CALLS] for _ in range(rounds)]
+    return np.median(timings, axis=0).tolist()
 
 
 def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
@@ -319,15 +300,7 @@ def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dic
     of its cores; FSDP adds its hooks, copies and collectives around every unit. A
     data-parallel call lasts as long as its slowest rank.
     """
-    import torch.multiprocessing as mp
-
-    from rlflow.parallel.groups import free_port
-
-    ctx = mp.get_context("spawn")
-    out, barrier = ctx.SimpleQueue(), ctx.Barrier(processes)
-    args = (calls, rounds, free_port(), processes, barrier, out)
-    mp.start_processes(_call_peer, args=args, nprocs=processes, join=True, start_method="spawn")
-    per_process = [out.get() for _ in range(processes)]
+    per_process = _in_gloo_processes(_call_seconds, processes, calls, rounds)
     return {k: max(p[i] for p in per_process) for i, k in enumerate(_CALLS)}
 
 
@@ -439,13 +412,17 @@ def run_profile(
             measured rates across model sizes.
         rounds: every size is timed once per round, rounds one after another; the profile
             keeps the median.
-        calls: whole calls of the planned model to time, which calibrate the cost model's
-            estimates of its calls (:class:`ProfiledRates`): ``model`` (:class:`ModelSpec`
-            fields of the actor), ``generate`` (``prompts``, ``prompt_len``, ``n`` samples per
-            prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed as a forward), the
-            shapes one worker runs; see ``rlflow.trainer.placement.profile_shapes``.
-        call_processes: on CPU, time those calls in this many worker processes at once
-            (:func:`concurrent_call_seconds`; the workers of one host); 1 times them here.
+        calls: whole calls of the planned model to time on CPU workers, which calibrate the
+            cost model's estimates of its calls (:class:`ProfiledRates`): ``model``
+            (:class:`ModelSpec` fields of the actor), ``generate`` (``prompts``, ``prompt_len``,
+            ``n`` samples per prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed
+            as a forward), the shapes one worker runs; see
+            ``rlflow.trainer.placement.profile_shapes``.
+        call_processes: the worker processes that time those calls at once
+            (:func:`concurrent_call_seconds`; the workers of one host).
+
+    Raises:
+        ValueError: ``calls`` with a CUDA device (GPU clusters are priced from the presets).
 
     Returns:
         The profile dict (also written to ``path``; ``profile["path"]`` says where).
@@ -460,13 +437,14 @@ def run_profile(
     spec = ModelSpec(**{**(_CUDA_LAYER if cuda else _CPU_LAYER), **(layer or {})}, name="profile-layer")
     passes = passes or (_CUDA_PASSES if cuda else _CPU_PASSES)
     decodes = decodes or (_CUDA_DECODE if cuda else _CPU_DECODE)
+    if calls and cuda:
+        raise ValueError("run_profile(calls=...) times whole calls in CPU worker processes; use device='cpu'")
     jobs = (
         [("forward", b, s) for b, s in passes]
         + [("backward", b, s) for b, s in passes]
         + [("decode", b, c) for b, c in decodes]
         + [("model_decode", b, c) for b, c in decodes]
         + [("sample", b, 0) for b, _ in decodes]
-        + [(f"call_{k}", 0, 0) for k in (_CALLS if calls and (cuda or call_processes == 1) else ())]
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
@@ -478,31 +456,18 @@ def run_profile(
             hardware["collective_latency_s"] = gloo_collective_latency()
         bar.update()
         parts = _build_layer(spec, device, dtype)
-        call_model = _call_model(calls["model"], device, dtype) if calls else None
-        shapes = _call_shapes(calls) if calls else {}
-
-        def timed(kind: str, batch: int, seq: int) -> float:
-            if kind.startswith("call_"):
-                return _time_call(
-                    kind.removeprefix("call_"), call_model, shapes[kind.removeprefix("call_")], device, sync
-                )
-            return _time_layer(kind, batch, seq, parts, device, dtype, sync)
-
         samples: dict[str, list] = {k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")}
         measured_calls: dict[str, dict] = {}
-        if calls and not cuda and call_processes > 1:
+        if calls:
             seconds = concurrent_call_seconds(calls, call_processes, rounds)
-            measured_calls = {k: {**shapes[k], "seconds": seconds[k], "processes": call_processes} for k in _CALLS}
-            for k in ("forward", "train"):
-                measured_calls[k]["fsdp"] = True  # a TrainEngine over dp = call_processes
+            for k, shape in _call_shapes(calls).items():
+                # dp: the layout the call ran on (the rollouts: one per process)
+                dp = 1 if k == "generate" else call_processes
+                measured_calls[k] = {**shape, "seconds": seconds[k], "processes": call_processes, "dp": dp}
         # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
         # machine disturbs one round of every size rather than every round of one size.
-        timings = [[timed(kind, b, s) for kind, b, s in jobs] for _ in range(rounds)]
+        timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
         for (kind, batch, seq), seconds in zip(jobs, np.median(timings, axis=0)):
-            if kind.startswith("call_"):
-                name = kind.removeprefix("call_")
-                measured_calls[name] = {**shapes[name], "seconds": float(seconds), "processes": 1}
-                continue
             samples[kind].append({"batch": batch, "seq": seq, "seconds": float(seconds)})
         bar.update(len(jobs))
         bar.close()
@@ -598,7 +563,7 @@ class ProfiledRates(Rates):
         from rlflow.planner.cost import Workload, call_cost
         from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
 
-        model = ModelSpec(**{k: v for k, v in calls["model"].items() if k in ModelSpec.__dataclass_fields__})
+        model = ModelSpec(**calls["model"])
         mesh = DeviceMesh(1, 1, devices_per_node=cluster.devices_per_node)
         scales = {}
         jobs = [("generate", "generate"), ("inference", "forward"), ("train_step", "train")]
@@ -606,7 +571,7 @@ class ProfiledRates(Rates):
             if name not in calls:
                 continue
             shape = calls[name]
-            dp = shape.get("processes", 1) if shape.get("fsdp") else 1
+            dp = shape["dp"]
             if name == "generate":
                 workload = Workload(shape["prompts"], shape["prompt_len"], shape["gen_len"], shape["n"])
             else:

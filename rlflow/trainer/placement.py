@@ -270,23 +270,18 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
         layer = {k: getattr(spec, k) for k in layer}
     workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
     prompts = max(1, cfg.data.batch_size // workers)
-    per_prompt = cfg.algorithm.n_samples if _samples(cfg) else 2 if cfg.algorithm.name in PAIR_ALGORITHMS else 1
-    rows = prompts * per_prompt
+    samples = cfg.algorithm.n_samples if _samples(cfg) else 1  # responses a rollout draws per prompt
+    rows = prompts * (2 if cfg.algorithm.name in PAIR_ALGORITHMS else samples)
     p, r = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens or cfg.data.max_response_len
     passes = ((1, 64), (4, 128), (4, 256), (prompts, p), (rows, p + r))
     decodes = ((1, 128), (8, 128), (32, 128), (rows, p + r // 2))
     shapes: dict = {"layer": layer, "passes": passes, "decodes": decodes}
     if spec is not None:
         fields = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size",
-                  "head_dim", "tie_embeddings", "qkv_bias")  # fmt: skip
+                  "head_dim", "tie_embeddings", "qkv_bias", "mlp_bias")  # fmt: skip
         shapes["calls"] = {
             "model": {k: getattr(spec, k) for k in fields},
-            "generate": {
-                "prompts": prompts,
-                "prompt_len": p,
-                "n": cfg.algorithm.n_samples if _samples(cfg) else 1,
-                "gen_len": r,
-            },  # fmt: skip
+            "generate": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
             "train": {"rows": rows, "seq": p + r},
         }
         shapes["call_processes"] = cfg.placement.devices_per_node  # every worker of a host busy

@@ -94,7 +94,7 @@ CALLS = {
         num_kv_heads=2,
         vocab_size=40,
         tie_embeddings=True,
-    ),  # fmt: skip
+    ),
     "generate": dict(prompts=4, prompt_len=6, n=2, gen_len=3),
     "train": dict(rows=8, seq=9),
 }
@@ -126,7 +126,7 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
                      max_tokens_per_mb=None)  # fmt: skip
     for mfc, workload, name in ((gen_mfc, gen, "generate"), (train_mfc, train, "train")):
         # Timed with more processes, the training step ran on FSDP over them: priced so.
-        dp = processes if prof["calls"][name].get("fsdp") else 1
+        dp = prof["calls"][name]["dp"]
         assert dp == (1 if name == "generate" else processes)
         workload = dataclasses.replace(workload, batch_size=workload.batch_size * dp)
         on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=2)
@@ -137,8 +137,15 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
         # the compute is scaled, the collectives are not
         plain_cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, plain)
         comm = plain_cost.breakdown.get("fsdp_exposed_s", 0.0) + plain_cost.breakdown.get("sync_s", 0.0)
+        ratio = (prof["calls"][name]["seconds"] - comm) / (plain_cost.time_s - comm)
+        assert scale == pytest.approx(np.clip(ratio, 0.25, 4.0), rel=1e-9)  # whether bounded or not
         assert (comm > 0) == (dp > 1)
         assert calibrated.time_s == pytest.approx(comm + scale * (plain_cost.time_s - comm), rel=1e-6)
+
+
+def test_whole_calls_are_timed_on_cpu_workers_only(tmp_path):
+    with pytest.raises(ValueError, match="CPU worker processes"):
+        run_profile(tmp_path / "p.json", device="cuda", progress=False, calls=CALLS)
 
 
 def test_profile_files_are_checked(tmp_path, monkeypatch):
