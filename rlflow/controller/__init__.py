@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rlflow.controller.data_plane import BALANCE_BY, DataFuture, RemoteRows, TransferStats, transfer_stats
 from rlflow.controller.decorator import Dispatch, Execute, MethodSpec, method_spec, register, registered_methods
-from rlflow.controller.errors import ResourceError, WorkerDiedError, WorkerError
+from rlflow.controller.errors import ResourceError, TaskError, WorkerDiedError, WorkerError
 from rlflow.controller.resource_pool import ResourcePool
 from rlflow.controller.worker import Worker, WorkerInfo
 from rlflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
@@ -23,6 +23,7 @@ __all__ = [
     "RemoteRows",
     "ResourceError",
     "ResourcePool",
+    "TaskError",
     "TransferStats",
     "Worker",
     "WorkerDiedError",

@@ -21,7 +21,7 @@ import torch
 
 from rlflow.controller.data_plane import materialize_args
 from rlflow.controller.decorator import Dispatch, method_spec, register
-from rlflow.controller.errors import WorkerError
+from rlflow.controller.errors import TaskError, WorkerError
 from rlflow.parallel.groups import free_port
 from rlflow.protocol import DataProto
 
@@ -199,6 +199,7 @@ class WorkerHost:
             if spec is None or spec.materialize_futures:
                 args, kwargs = materialize_args(args, kwargs)
             output = fn(*args, **kwargs)
-        except Exception:
-            raise WorkerError(role, self._info.rank, self._info.node_id, method, traceback.format_exc()) from None
+        except Exception as exc:
+            task = str(exc) if isinstance(exc, TaskError) else None
+            raise WorkerError(role, self._info.rank, self._info.node_id, method, traceback.format_exc(), task) from None
         return (output, _rows_of(output)) if with_num_rows else output
