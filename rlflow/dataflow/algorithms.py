@@ -1,4 +1,11 @@
-"""The dataflow graphs of the algorithms rlflow ships.
+"""Algorithms as registered records, and the dataflow graphs of the ones rlflow ships.
+
+An :class:`Algorithm` is everything the rest of rlflow reads about an algorithm: its graph
+builder, what one training row is (``dataset``), how rows group on a dp rank, the models it
+needs and trains, its default advantage estimator and where its KL term goes. Config
+validation, the trainer's build steps, placement, data loading and the workers read the
+record, never the algorithm's name; each train call declares its objective on its
+:class:`~rlflow.dataflow.mfc.MFCDef`. Users add an algorithm with :func:`register_algorithm`.
 
 Dataflow keys (what trainers, workers and the planner's transfer model agree on):
 
@@ -23,29 +30,250 @@ DPO and RM datasets interleave pairs along the batch: row ``2i`` chosen, ``2i+1`
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
 import networkx as nx
 
 from rlflow.dataflow.graph import build_graph
 from rlflow.dataflow.mfc import MFCDef, ParamReallocHook
 
+__all__ = [
+    "DATASETS",
+    "Algorithm",
+    "GraphOptions",
+    "algorithm_graph",
+    "algorithm_mfcs",
+    "get_algorithm",
+    "list_algorithms",
+    "register_algorithm",
+]
+
 ROLLOUT_KEYS = ("input_ids", "attention_mask", "response_mask")
 GEN_OUTPUT_KEYS = ROLLOUT_KEYS + ("old_logp",)
 PROMPT_KEYS = ("prompts", "prompt_mask")
 PAIR_KEYS = ("input_ids", "attention_mask", "loss_mask")
+# What one training row is: a prompt to sample from, a (chosen, rejected) pair, a prompt+response example.
+DATASETS = ("prompts", "pairs", "examples")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
-# OpenRLHF's default EMA coefficient (--ema_beta 0.992) expressed as a blend factor 1 - beta.
+# OpenRLHF's default EMA coefficient (--ema_beta 0.992) expressed as a blend factor 1 - beta. The
+# one default of the EMA factor: the trainer's ``algorithm.ema_eta`` reads it from here.
 DEFAULT_REF_EMA_ETA = 0.008
 
 
-def _common(kw: dict) -> dict:
-    return {"n_seqs": kw.get("n_seqs"), "n_mbs": kw.get("n_mbs")}
+# --- What a graph depends on ---
 
 
-def _actor_gen(kw: dict) -> MFCDef:
-    return MFCDef("actor_gen", "actor", "generate", PROMPT_KEYS, GEN_OUTPUT_KEYS, **_common(kw))
+@dataclass(frozen=True)
+class GraphOptions:
+    """The settings an algorithm's graph depends on.
+
+    Args:
+        n_seqs: sequences per call; ``None``: decided by the workload.
+        n_mbs: micro-batches per call; ``None``: the planner picks.
+        n_ppo_minibatches: optimizer steps per RL train call; ``None``: the workload's default.
+        rule_based_reward: rewards come from a rule on the host rather than a reward model;
+            ``None``: the algorithm's default (:attr:`Algorithm.reward_by_rule`).
+        use_ref: keep the reference call (a KL term reads it); algorithms whose record says
+            ``ref="always"`` build it regardless.
+        ref_ema_eta: PPO-EMA blend factor of the actor into the reference per iteration.
+    """
+
+    n_seqs: int | None = None
+    n_mbs: int | None = None
+    n_ppo_minibatches: int | None = None
+    rule_based_reward: bool | None = None
+    use_ref: bool = True
+    ref_ema_eta: float = DEFAULT_REF_EMA_ETA
 
 
-def _ref_inf(kw: dict, keys: tuple[str, ...] = ROLLOUT_KEYS, hooks: tuple = ()) -> MFCDef:
+# --- The record ---
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm: its graph and the rules the config, trainer, placement, data and workers read.
+
+    Args:
+        name: the ``algorithm.name`` of a config (lower-case letters, digits, ``_``).
+        build_mfcs: the graph builder, :class:`GraphOptions` -> the MFCs of one iteration; every
+            ``train_step`` declares its ``objective``.
+        dataset: what one training row is (``DATASETS``): ``"prompts"`` to sample responses
+            from (RL), ``"pairs"`` of (chosen, rejected) answers, or ``"examples"`` of prompt +
+            response.
+        default_estimator: the advantage estimator when ``algorithm.adv_estimator`` is null;
+            set for (and only for) algorithms that sample responses.
+        ref: when the reference model is used: ``"never"``, ``"kl"`` (when ``kl_coef > 0``) or
+            ``"always"`` (DPO's implicit reward, PPO-EMA's moving anchor).
+        trains: the models its train calls optimise besides a critic (a critic is needed, and
+            trained, exactly when the estimator reads values).
+        groups_samples: a prompt's samples must share a dp rank whatever the estimator (ReMax:
+            its greedy baseline is per prompt).
+        reward_by_rule: rewards come from a rule unless a reward model is configured (the
+            graph's default when :attr:`GraphOptions.rule_based_reward` is ``None``).
+        kl_in_reward: where the KL term goes by default: subtracted from the token rewards
+            (True), or a loss term of the policy (False).
+        description: one line for listings.
+    """
+
+    name: str
+    build_mfcs: Callable[[GraphOptions], list[MFCDef]]
+    dataset: Literal["prompts", "pairs", "examples"]
+    default_estimator: str | None = None
+    ref: Literal["never", "kl", "always"] = "never"
+    trains: tuple[str, ...] = ("actor",)
+    groups_samples: bool = False
+    reward_by_rule: bool = False
+    kl_in_reward: bool = False
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"algorithm {self.name!r}"
+        if not _NAME.match(self.name):
+            raise ValueError(f"{where}: the name must be lower-case letters, digits and '_'")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"{where}: dataset={self.dataset!r}, expected one of {DATASETS}")
+        if self.ref not in ("never", "kl", "always"):
+            raise ValueError(f"{where}: ref={self.ref!r}, expected 'never', 'kl' or 'always'")
+        if self.samples_responses != (self.default_estimator is not None):
+            raise ValueError(
+                f"{where}: default_estimator={self.default_estimator!r}; an algorithm that samples responses "
+                "(dataset 'prompts') needs one, and only such an algorithm has one"
+            )
+        if self.groups_samples and not self.samples_responses:
+            raise ValueError(f"{where}: groups_samples needs sampled responses (dataset 'prompts')")
+        if not self.trains:
+            raise ValueError(f"{where}: trains names no model")
+
+    @property
+    def samples_responses(self) -> bool:
+        """RL: a rollout samples responses to prompts and a reward scores them."""
+        return self.dataset == "prompts"
+
+    def uses_ref(self, kl_coef: float) -> bool:
+        """Whether the reference model is built, given the KL weight."""
+        return self.ref == "always" or (self.ref == "kl" and kl_coef > 0)
+
+    def row_group_size(self, n_samples: int, group_relative: bool) -> int:
+        """Rows that must share a dp rank: a (chosen, rejected) pair; a prompt's ``n_samples``
+        samples when the estimator compares them (``group_relative``) or the algorithm needs it.
+
+        >>> get_algorithm("dpo").row_group_size(8, False), get_algorithm("grpo").row_group_size(8, True)
+        (2, 8)
+        """
+        if self.dataset == "pairs":
+            return 2
+        if self.samples_responses and (group_relative or self.groups_samples):
+            return n_samples
+        return 1
+
+    def required_models(self, *, kl_coef: float, critic: bool, reward_model: bool) -> tuple[str, ...]:
+        """The models a run builds, in ``("actor", "ref", "critic", "reward")`` order.
+
+        Args:
+            kl_coef: the KL weight (a reference is built for it under ``ref="kl"``).
+            critic: the estimator reads values (GAE).
+            reward_model: a configured reward model scores responses (no rule-based reward).
+
+        >>> get_algorithm("ppo").required_models(kl_coef=0.1, critic=True, reward_model=False)
+        ('actor', 'ref', 'critic')
+        """
+        needed = set(self.trains)
+        if self.uses_ref(kl_coef):
+            needed.add("ref")
+        if critic and self.samples_responses:
+            needed.add("critic")
+        if reward_model and self.samples_responses:
+            needed.add("reward")
+        return tuple(r for r in ("actor", "ref", "critic", "reward") if r in needed) + tuple(
+            sorted(needed - {"actor", "ref", "critic", "reward"})
+        )
+
+    def graph(self, options: GraphOptions | None = None) -> nx.DiGraph:
+        """The validated dataflow graph under ``options`` (defaults: :class:`GraphOptions`)."""
+        options = options or GraphOptions()
+        if options.rule_based_reward is None:
+            options = replace(options, rule_based_reward=self.reward_by_rule)
+        if self.ref == "always" and not options.use_ref:
+            options = replace(options, use_ref=True)
+        graph = build_graph(self.build_mfcs(options))
+        graph.graph["algorithm"] = self.name
+        return graph
+
+
+# --- Registry ---
+
+_ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(algo: Algorithm) -> Algorithm:
+    """Add ``algo`` to the registry; returns it.
+
+    Raises:
+        ValueError: an algorithm of that name is already registered.
+    """
+    if algo.name in _ALGORITHMS:
+        raise ValueError(f"algorithm {algo.name!r} is already registered")
+    _ALGORITHMS[algo.name] = algo
+    return algo
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The registered algorithm ``name``.
+
+    Raises:
+        ValueError: no such algorithm; the message lists the registered ones.
+    """
+    if name not in _ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; expected one of {list_algorithms()}")
+    return _ALGORITHMS[name]
+
+
+def list_algorithms() -> list[str]:
+    """Names of the registered algorithms, sorted."""
+    return sorted(_ALGORITHMS)
+
+
+def algorithm_mfcs(name: str, **options) -> list[MFCDef]:
+    """The MFCs of a registered algorithm; ``options`` are :class:`GraphOptions` fields.
+
+    >>> [m.name for m in algorithm_mfcs("grpo")]
+    ['actor_gen', 'ref_inf', 'reward_inf', 'actor_train']
+    """
+    return [data["mfc"] for _, data in algorithm_graph(name, **options).nodes(data=True)]
+
+
+def algorithm_graph(name: str, **options) -> nx.DiGraph:
+    """The validated dataflow graph of a registered algorithm; ``options`` are :class:`GraphOptions` fields.
+
+    Raises:
+        ValueError: an unknown algorithm or option.
+    """
+    algo = get_algorithm(name)
+    known = {f.name for f in fields(GraphOptions)}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {sorted(unknown)} for algorithm {name!r}; expected a subset of {sorted(known)}"
+        )
+    return algo.graph(GraphOptions(**options))
+
+
+# --- The graphs of the shipped algorithms ---
+
+
+def _common(o: GraphOptions) -> dict:
+    return {"n_seqs": o.n_seqs, "n_mbs": o.n_mbs}
+
+
+def _actor_gen(o: GraphOptions) -> MFCDef:
+    return MFCDef("actor_gen", "actor", "generate", PROMPT_KEYS, GEN_OUTPUT_KEYS, **_common(o))
+
+
+def _ref_inf(o: GraphOptions, keys: tuple[str, ...] = ROLLOUT_KEYS, hooks: tuple = ()) -> MFCDef:
     return MFCDef(
         "ref_inf",
         "ref",
@@ -54,13 +282,13 @@ def _ref_inf(kw: dict, keys: tuple[str, ...] = ROLLOUT_KEYS, hooks: tuple = ()) 
         ("ref_logp",),
         output_key_remap={"logp": "ref_logp"},
         pre_hooks=hooks,
-        **_common(kw),
+        **_common(o),
     )
 
 
-def _reward(kw: dict, name: str = "reward_inf", prefix: str = "") -> MFCDef:
+def _reward(o: GraphOptions, name: str = "reward_inf", prefix: str = "") -> MFCDef:
     """A reward call: a reward model's inference, or a rule on the host when ``rule_based_reward``."""
-    rule = bool(kw.get("rule_based_reward", False))
+    rule = bool(o.rule_based_reward)
     keys = tuple(prefix + k for k in ROLLOUT_KEYS) + (("answers",) if rule else ())
     return MFCDef(
         name,
@@ -71,48 +299,51 @@ def _reward(kw: dict, name: str = "reward_inf", prefix: str = "") -> MFCDef:
         input_key_remap={prefix + k: k for k in ROLLOUT_KEYS} if prefix else {},
         output_key_remap={"rewards": prefix + "rewards"} if prefix else {},
         runs_on_host=rule,
-        **_common(kw),
+        **_common(o),
     )
 
 
-def _train(name: str, model: str, keys: tuple[str, ...], kw: dict, minibatches: bool = True) -> MFCDef:
-    n_minibatches = kw.get("n_ppo_minibatches") if minibatches else 1
-    return MFCDef(name, model, "train_step", keys, (), n_minibatches=n_minibatches, **_common(kw))
+def _train(name: str, model: str, keys: tuple[str, ...], o: GraphOptions, objective: str) -> MFCDef:
+    # RL train calls take the configured mini-batches; supervised ones one optimizer step per batch.
+    n_minibatches = o.n_ppo_minibatches if objective in ("rl", "value") else 1
+    return MFCDef(name, model, "train_step", keys, (), n_minibatches=n_minibatches, objective=objective, **_common(o))
 
 
-def _ref_calls(kw: dict, hooks: tuple = ()) -> tuple[list[MFCDef], tuple[str, ...]]:
+def _ref_calls(o: GraphOptions, hooks: tuple = ()) -> tuple[list[MFCDef], tuple[str, ...]]:
     """The reference call and the key it adds to the train calls' inputs, or nothing without ``use_ref``."""
-    if not kw.get("use_ref", True):
+    if not o.use_ref:
         return [], ()
-    return [_ref_inf(kw, hooks=hooks)], ("ref_logp",)
+    return [_ref_inf(o, hooks=hooks)], ("ref_logp",)
 
 
-def _ppo(kw: dict, ref_hooks: tuple = ()) -> list[MFCDef]:
-    ref, ref_keys = _ref_calls(kw, ref_hooks)
+def ppo_mfcs(o: GraphOptions, ref_hooks: tuple = ()) -> list[MFCDef]:
+    """PPO: rollout, critic values, reference log-probs, reward, then actor and critic train steps."""
+    ref, ref_keys = _ref_calls(o, ref_hooks)
     train_keys = GEN_OUTPUT_KEYS + ref_keys + ("values", "rewards")
     return [
-        _actor_gen(kw),
-        MFCDef("critic_inf", "critic", "inference", ROLLOUT_KEYS, ("values",), **_common(kw)),
+        _actor_gen(o),
+        MFCDef("critic_inf", "critic", "inference", ROLLOUT_KEYS, ("values",), **_common(o)),
         *ref,
-        _reward(kw),
-        _train("actor_train", "actor", train_keys, kw),
-        _train("critic_train", "critic", train_keys, kw),
+        _reward(o),
+        _train("actor_train", "actor", train_keys, o, "rl"),
+        _train("critic_train", "critic", train_keys, o, "value"),
     ]
 
 
-def _ppo_ema(kw: dict) -> list[MFCDef]:
-    eta = kw.get("ref_ema_eta", DEFAULT_REF_EMA_ETA)
-    return _ppo({**kw, "use_ref": True}, ref_hooks=(ParamReallocHook(source="actor", eta=eta),))
+def ppo_ema_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """PPO whose reference moves toward the actor by ``ref_ema_eta`` before each reference call."""
+    return ppo_mfcs(o, ref_hooks=(ParamReallocHook(source="actor", eta=o.ref_ema_eta),))
 
 
-def _grpo_like(kw: dict, default_rule: bool) -> list[MFCDef]:
-    kw = {"rule_based_reward": default_rule, **kw}
-    ref, ref_keys = _ref_calls(kw)
+def critic_free_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """GRPO, RLOO, REINFORCE++: rollout, reference, reward, actor train step (no critic)."""
+    ref, ref_keys = _ref_calls(o)
     train_keys = GEN_OUTPUT_KEYS + ref_keys + ("rewards",)
-    return [_actor_gen(kw), *ref, _reward(kw), _train("actor_train", "actor", train_keys, kw)]
+    return [_actor_gen(o), *ref, _reward(o), _train("actor_train", "actor", train_keys, o, "rl")]
 
 
-def _remax(kw: dict) -> list[MFCDef]:
+def remax_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """ReMax: a sampled and a greedy rollout, both scored; the greedy reward is the baseline."""
     greedy_out = {k: "greedy_" + k for k in ROLLOUT_KEYS}
     greedy = MFCDef(
         "actor_gen_greedy",
@@ -122,68 +353,60 @@ def _remax(kw: dict) -> list[MFCDef]:
         tuple(greedy_out.values()),
         output_key_remap=greedy_out,
         greedy=True,
-        **_common(kw),
+        **_common(o),
     )
-    ref, ref_keys = _ref_calls(kw)
+    ref, ref_keys = _ref_calls(o)
     train_keys = GEN_OUTPUT_KEYS + ref_keys + ("rewards", "greedy_rewards")
     return [
-        _actor_gen(kw),
+        _actor_gen(o),
         greedy,
         *ref,
-        _reward(kw),
-        _reward(kw, name="reward_inf_greedy", prefix="greedy_"),
-        _train("actor_train", "actor", train_keys, kw),
+        _reward(o),
+        _reward(o, name="reward_inf_greedy", prefix="greedy_"),
+        _train("actor_train", "actor", train_keys, o, "rl"),
     ]
 
 
-def _dpo(kw: dict) -> list[MFCDef]:
-    return [
-        _ref_inf(kw, keys=PAIR_KEYS),
-        _train("actor_train", "actor", PAIR_KEYS + ("ref_logp",), kw, minibatches=False),
-    ]
+def dpo_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """DPO: reference log-probs of both answers of each pair, then the actor's DPO step."""
+    return [_ref_inf(o, keys=PAIR_KEYS), _train("actor_train", "actor", PAIR_KEYS + ("ref_logp",), o, "dpo")]
 
 
-ALGORITHMS = {
-    "ppo": lambda kw: _ppo(kw),
-    "ppo_ema": _ppo_ema,
-    "grpo": lambda kw: _grpo_like(kw, default_rule=True),
-    "rloo": lambda kw: _grpo_like(kw, default_rule=False),
-    "remax": _remax,
-    "dpo": _dpo,
-    "sft": lambda kw: [_train("actor_train", "actor", PAIR_KEYS, kw, minibatches=False)],
-    "rm": lambda kw: [_train("reward_train", "reward", PAIR_KEYS[:2], kw, minibatches=False)],
-}
-
-_KWARGS = {"n_seqs", "n_mbs", "n_ppo_minibatches", "rule_based_reward", "use_ref", "ref_ema_eta"}
+def sft_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """SFT: one cross-entropy step of the actor on prompt + response examples."""
+    return [_train("actor_train", "actor", PAIR_KEYS, o, "sft")]
 
 
-def algorithm_mfcs(name: str, **kw) -> list[MFCDef]:
-    """The MFCs of a built-in algorithm.
-
-    Args:
-        name: one of ``ppo``, ``ppo_ema``, ``grpo``, ``rloo``, ``remax``, ``dpo``, ``sft``, ``rm``.
-        **kw: ``n_seqs`` (sequences per call, default: decided by the workload), ``n_mbs``
-            (micro-batches), ``n_ppo_minibatches`` (optimizer steps per RL train call),
-            ``rule_based_reward`` (reward computed by a rule on the host instead of a reward
-            model; default True for GRPO, False otherwise), ``use_ref`` (PPO, GRPO, RLOO,
-            ReMax: keep the KL reference, default True; PPO-EMA always has one), ``ref_ema_eta``
-            (PPO-EMA blend factor, default 0.008).
-
-    >>> [m.name for m in algorithm_mfcs("grpo")]
-    ['actor_gen', 'ref_inf', 'reward_inf', 'actor_train']
-    """
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; expected one of {sorted(ALGORITHMS)}")
-    unknown = set(kw) - _KWARGS
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {sorted(unknown)} for algorithm {name!r}; expected a subset of {sorted(_KWARGS)}"
-        )
-    return ALGORITHMS[name](kw)
+def rm_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """Reward modelling: one Bradley-Terry step of the reward model on (chosen, rejected) pairs."""
+    return [_train("reward_train", "reward", PAIR_KEYS[:2], o, "rm")]
 
 
-def algorithm_graph(name: str, **kw) -> nx.DiGraph:
-    """The validated dataflow graph of a built-in algorithm (see :func:`algorithm_mfcs`)."""
-    graph = build_graph(algorithm_mfcs(name, **kw))
-    graph.graph["algorithm"] = name
-    return graph
+for _algo in (
+    Algorithm("ppo", ppo_mfcs, "prompts", "gae", ref="kl", description="PPO with a critic (GAE)"),
+    Algorithm(
+        "ppo_ema", ppo_ema_mfcs, "prompts", "gae", ref="always", description="PPO, reference an EMA of the actor"
+    ),
+    Algorithm(
+        "grpo", critic_free_mfcs, "prompts", "grpo", ref="kl", reward_by_rule=True, description="group-relative PG"
+    ),
+    Algorithm("rloo", critic_free_mfcs, "prompts", "rloo", ref="kl", description="REINFORCE, leave-one-out baseline"),
+    Algorithm(
+        "remax", remax_mfcs, "prompts", "remax", ref="kl", groups_samples=True, description="greedy-baseline REINFORCE"
+    ),
+    # REINFORCE++ (OpenRLHF): no critic; the token-level KL penalty enters the rewards, then the
+    # discounted returns are whitened over the whole batch.
+    Algorithm(
+        "reinforce_pp",
+        critic_free_mfcs,
+        "prompts",
+        "reinforce_plus_plus",
+        ref="kl",
+        kl_in_reward=True,
+        description="REINFORCE++: batch-whitened returns, KL in the reward",
+    ),
+    Algorithm("dpo", dpo_mfcs, "pairs", ref="always", description="direct preference optimisation"),
+    Algorithm("sft", sft_mfcs, "examples", description="supervised fine-tuning"),
+    Algorithm("rm", rm_mfcs, "pairs", trains=("reward",), description="Bradley-Terry reward model"),
+):
+    register_algorithm(_algo)

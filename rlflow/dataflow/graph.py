@@ -37,7 +37,7 @@ def build_graph(mfcs: Sequence[MFCDef]) -> nx.DiGraph:
 
     >>> from rlflow.dataflow.mfc import MFCDef
     >>> g = build_graph([MFCDef("gen", "actor", "generate", ("prompts",), ("input_ids",)),
-    ...                  MFCDef("train", "actor", "train_step", ("input_ids",))])
+    ...                  MFCDef("train", "actor", "train_step", ("input_ids",), objective="sft")])
     >>> list(g.edges(data="keys")), g.graph["dataset_keys"]
     ([('gen', 'train', ('input_ids',))], ('prompts',))
     """

@@ -19,6 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 INTERFACE_TYPES = ("generate", "inference", "train_step")
+# What a train_step optimises; each role interface serves some of them (``rlflow.workers.interfaces``):
+# the policy-gradient loss on advantages, the critic's value loss, DPO over (chosen, rejected) pairs,
+# cross-entropy on examples, the reward model's Bradley-Terry loss over pairs.
+OBJECTIVES = ("rl", "value", "dpo", "sft", "rm")
+# Objectives whose rows come as (chosen, rejected) pairs, row 2i chosen and 2i+1 rejected.
+PAIR_OBJECTIVES = ("dpo", "rm")
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,9 @@ class MFCDef:
         pre_hooks / post_hooks: hooks run before / after the call, e.g. :class:`ParamReallocHook`.
         greedy: a ``generate`` call that decodes greedily — one greedy response per prompt,
             repeated for every sample slot (ReMax's baseline rollout).
+        objective: what a ``train_step`` optimises, one of ``OBJECTIVES`` (``"rl"``, ``"value"``,
+            ``"dpo"``, ``"sft"``, ``"rm"``); required on every ``train_step``, ``None`` elsewhere.
+            The model's interface dispatches on it.
 
     >>> MFCDef("ref_inf", "ref", "inference", input_keys=("input_ids",), output_keys=("ref_logp",)).model_role
     'ref'
@@ -109,6 +118,7 @@ class MFCDef:
     pre_hooks: tuple[ParamReallocHook, ...] = ()
     post_hooks: tuple[ParamReallocHook, ...] = ()
     greedy: bool = False
+    objective: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so that the definition is immutable and hashable.
@@ -155,6 +165,10 @@ class MFCDef:
             raise ValueError(f"MFC {self.name!r}: greedy=True only applies to generate calls")
         if self.runs_on_host and self.interface_type == "train_step":
             raise ValueError(f"MFC {self.name!r}: a train_step cannot run on the host without a model")
+        if self.interface_type == "train_step" and self.objective not in OBJECTIVES:
+            raise ValueError(f"MFC {self.name!r}: a train_step needs objective in {OBJECTIVES}; got {self.objective!r}")
+        if self.interface_type != "train_step" and self.objective is not None:
+            raise ValueError(f"MFC {self.name!r}: objective={self.objective!r} only applies to train_step calls")
 
     def __hash__(self) -> int:
         return hash((self.name, self.model_name, self.interface_type, self.input_keys, self.output_keys))

@@ -8,14 +8,17 @@ import networkx as nx
 import pytest
 
 from rlflow.dataflow import (
-    ALGORITHMS,
+    Algorithm,
     MFCDef,
     ParamReallocHook,
     algorithm_graph,
     algorithm_mfcs,
     build_graph,
+    get_algorithm,
+    list_algorithms,
     mfcs_of,
     model_calls,
+    register_algorithm,
     unroll_graph,
     version_edges,
 )
@@ -66,7 +69,7 @@ def test_grpo_reward_is_a_rule_on_the_host_unless_asked_for_a_model():
     assert "ref_inf" not in no_ref and "ref_logp" not in no_ref.nodes["actor_train"]["mfc"].input_keys
 
 
-@pytest.mark.parametrize("name", ["ppo", "grpo", "rloo", "remax"])
+@pytest.mark.parametrize("name", ["ppo", "grpo", "rloo", "remax", "reinforce_pp"])
 def test_without_a_reference_no_call_reads_one(name):
     g = algorithm_graph(name, use_ref=False)
     assert "ref_inf" not in g
@@ -93,7 +96,7 @@ def test_ppo_ema_blends_the_reference_toward_the_actor():
     assert ref.hook_sources == ("actor",)
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@pytest.mark.parametrize("name", list_algorithms())
 def test_every_algorithm_builds_a_dag_whose_train_calls_consume_every_output(name):
     g = algorithm_graph(name)
     assert nx.is_directed_acyclic_graph(g) and g.graph["algorithm"] == name
@@ -101,6 +104,9 @@ def test_every_algorithm_builds_a_dag_whose_train_calls_consume_every_output(nam
     consumed = {k for m in mfcs_of(g) for k in m.input_keys}
     assert produced <= consumed  # nothing computed for nobody
     assert any(m.is_train for m in mfcs_of(g))
+    # Every train call declares its objective, and the models it trains are the record's (plus a critic).
+    trained = {m.model_name for m in mfcs_of(g) if m.is_train}
+    assert trained - {"critic"} == set(get_algorithm(name).trains)
 
 
 def test_supervised_graphs_are_small():
@@ -141,7 +147,10 @@ def test_build_graph_rejects_bad_graphs(mfcs, match):
         (dict(output_keys=("x",), output_key_remap={"a": "q"}), "targets"),
         (dict(n_seqs=0), "n_seqs=0"),
         (dict(n_minibatches=4), "only applies to train_step"),
-        (dict(interface_type="train_step", runs_on_host=True), "cannot run on the host"),
+        (dict(interface_type="train_step", runs_on_host=True, objective="rl"), "cannot run on the host"),
+        (dict(interface_type="train_step"), "'m': a train_step needs objective in"),
+        (dict(interface_type="train_step", objective="ppo"), "got 'ppo'"),
+        (dict(objective="sft"), "only applies to train_step"),
     ],
 )
 def test_mfcdef_validates_its_fields(kwargs, match):
@@ -191,3 +200,39 @@ def test_unrolled_graph_waits_for_the_previous_weights():
     assert (0, "critic_train") not in nx.ancestors(u, (1, "actor_gen"))
     with pytest.raises(ValueError, match="num_iterations=0"):
         unroll_graph(g, 0)
+
+
+def test_the_train_calls_declare_their_objectives():
+    objectives = {name: {m.name: m.objective for m in algorithm_mfcs(name) if m.is_train} for name in list_algorithms()}
+    assert objectives["ppo"] == {"actor_train": "rl", "critic_train": "value"}
+    assert objectives["reinforce_pp"] == objectives["grpo"] == {"actor_train": "rl"}
+    assert objectives["dpo"] == {"actor_train": "dpo"} and objectives["sft"] == {"actor_train": "sft"}
+    assert objectives["rm"] == {"reward_train": "rm"}
+
+
+def test_the_records_hold_each_algorithms_rules():
+    ppo, grpo, remax, dpo, rm = (get_algorithm(n) for n in ("ppo", "grpo", "remax", "dpo", "rm"))
+    rpp = get_algorithm("reinforce_pp")
+    assert (rpp.default_estimator, rpp.kl_in_reward, rpp.samples_responses) == ("reinforce_plus_plus", True, True)
+    assert rpp.required_models(kl_coef=0.01, critic=False, reward_model=False) == ("actor", "ref")
+    assert rpp.required_models(kl_coef=0.0, critic=False, reward_model=True) == ("actor", "reward")
+    assert ppo.required_models(kl_coef=0.0, critic=True, reward_model=False) == ("actor", "critic")
+    assert get_algorithm("ppo_ema").required_models(kl_coef=0.0, critic=True, reward_model=False)[:2] == (
+        "actor",
+        "ref",
+    )
+    assert dpo.required_models(kl_coef=0.0, critic=False, reward_model=True) == ("actor", "ref")  # no rollouts to score
+    assert rm.required_models(kl_coef=0.5, critic=True, reward_model=True) == ("reward",)
+    # Rows that share a dp rank: pairs; a prompt's samples when the estimator compares them or ReMax's baseline.
+    assert [a.row_group_size(4, False) for a in (ppo, grpo, remax, dpo, rm)] == [1, 1, 4, 2, 2]
+    assert grpo.row_group_size(4, True) == 4 and get_algorithm("sft").row_group_size(4, True) == 1
+    assert (dpo.dataset, get_algorithm("sft").dataset, grpo.dataset) == ("pairs", "examples", "prompts")
+
+
+def test_the_registry_refuses_duplicates_and_inconsistent_records():
+    with pytest.raises(ValueError, match="'grpo' is already registered"):
+        register_algorithm(get_algorithm("grpo"))
+    with pytest.raises(ValueError, match="needs one"):
+        Algorithm("pg", lambda o: [], "prompts")  # samples responses but names no estimator
+    with pytest.raises(ValueError, match="dataset='rows'"):
+        Algorithm("pg", lambda o: [], "rows")

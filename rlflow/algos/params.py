@@ -1,0 +1,131 @@
+"""The hyper-parameters of an algorithm, declared once: :class:`AlgorithmParams`.
+
+The trainer's ``algorithm`` config section (:class:`rlflow.trainer.config.AlgorithmConfig`)
+extends this record, so its keys, defaults, help text and allowed values (which render
+``docs/configuration.md``) are these fields; the workers receive a plain ``AlgorithmParams``
+with the estimator and the KL placement resolved (:meth:`AlgorithmParams.resolved`).
+
+Each field's ``metadata`` holds ``help``, ``choices`` (a sequence, or a callable read at
+validation time for registries users extend) and the bounds ``ge``/``gt``/``le``/``lt`` — the
+form of the trainer's ``_f`` fields.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
+from rlflow.algos.kl import KL_ESTIMATORS
+from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
+from rlflow.dataflow.algorithms import DEFAULT_REF_EMA_ETA, get_algorithm, list_algorithms
+
+__all__ = ["DPO_LOSSES", "AlgorithmParams", "estimator_reads"]
+
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def _param(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt})
+
+
+def estimator_reads(estimator: str, key: str) -> bool:
+    """Whether advantage estimator ``estimator`` takes input ``key`` (``"values"``: it needs a
+    critic; ``"index"``: it compares the samples of a prompt, which must then share a dp rank).
+
+    >>> estimator_reads("gae", "values"), estimator_reads("grpo", "index")
+    (True, True)
+    """
+    return key in inspect.signature(get_adv_estimator(estimator)).parameters
+
+
+@dataclass(frozen=True)
+class AlgorithmParams:
+    """What is optimised: the algorithm, its advantage estimator and loss coefficients."""
+
+    name: str = _param("grpo", "training algorithm; decides the dataflow graph", choices=list_algorithms)
+    adv_estimator: str | None = _param(
+        None, "null: the algorithm's (ppo: gae, grpo: grpo...)", choices=list_adv_estimators
+    )
+    policy_loss: str = _param(
+        "ppo", "policy-gradient loss (registry in rlflow.algos.losses)", choices=list_policy_losses
+    )
+    n_samples: int = _param(8, "responses sampled per prompt (the GRPO/RLOO group size)", ge=1)
+    gamma: float = _param(1.0, "discount factor of GAE / discounted returns", ge=0.0, le=1.0)
+    lam: float = _param(1.0, "GAE lambda", ge=0.0, le=1.0)
+    clip_ratio_low: float = _param(0.2, "PPO clip: ratio kept above 1 - clip_ratio_low", gt=0.0, lt=1.0)
+    clip_ratio_high: float = _param(0.2, "PPO clip: ratio kept below 1 + clip_ratio_high (DAPO clip-higher)", gt=0.0)
+    dual_clip_c: float | None = _param(None, "dual-clip bound c for negative advantages; null: off", gt=1.0)
+    entropy_coef: float = _param(0.0, "weight of the entropy bonus in the policy loss", ge=0.0)
+    kl_coef: float = _param(0.0, "weight of KL(actor || ref); 0 disables the reference model's KL", ge=0.0)
+    kl_estimator: str = _param("k3", "per-token KL estimator", choices=KL_ESTIMATORS)
+    kl_in_reward: bool | None = _param(
+        None,
+        "true: subtract kl_coef*KL from the token rewards; false: add a KL loss; null: the algorithm's "
+        "(reinforce_pp: true, others: false)",
+    )
+    kl_target: float | None = _param(None, "target KL of the adaptive controller; null: fixed kl_coef", gt=0.0)
+    kl_horizon: int = _param(10000, "horizon (in samples) of the adaptive KL controller", ge=1)
+    loss_agg_mode: str = _param("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
+    norm_adv_by_std: bool = _param(True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)")
+    value_clip: float | None = _param(0.5, "clip of value predictions around the old values; null: off", gt=0.0)
+    vf_coef: float = _param(0.5, "weight of the value loss in the critic's loss", gt=0.0)
+    n_minibatches: int = _param(1, "optimizer steps per epoch over one batch (PPO mini-batches)", ge=1)
+    ppo_epochs: int = _param(1, "passes over each batch of samples", ge=1)
+    dpo_beta: float = _param(0.1, "DPO inverse temperature beta", gt=0.0)
+    dpo_loss: str = _param("sigmoid", "DPO loss variant", choices=DPO_LOSSES)
+    ema_eta: float = _param(
+        DEFAULT_REF_EMA_ETA, "ppo_ema: weight of the actor in the reference's moving average per step", gt=0.0, le=1.0
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(AlgorithmParams):
+            _check(f"AlgorithmParams.{f.name}", getattr(self, f.name), f.metadata)
+
+    @property
+    def resolved_adv_estimator(self) -> str | None:
+        """``adv_estimator``, or the algorithm's default when null; None for algorithms that sample nothing."""
+        return self.adv_estimator or get_algorithm(self.name).default_estimator
+
+    @property
+    def resolved_kl_in_reward(self) -> bool:
+        """``kl_in_reward``, or the algorithm's default when null."""
+        return get_algorithm(self.name).kl_in_reward if self.kl_in_reward is None else self.kl_in_reward
+
+    def resolved(self) -> AlgorithmParams:
+        """A plain record with the estimator and the KL placement resolved: what the workers receive."""
+        values = {f.name: getattr(self, f.name) for f in fields(AlgorithmParams)}
+        values.update(adv_estimator=self.resolved_adv_estimator, kl_in_reward=self.resolved_kl_in_reward)
+        return AlgorithmParams(**values)
+
+
+def _check(name: str, value: Any, meta: Any) -> None:
+    """The field's choices and bounds (``None`` means off and passes)."""
+    if value is None:
+        return
+    choices = meta.get("choices")
+    if choices is not None:
+        allowed = list(choices() if callable(choices) else choices)
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}; expected one of {allowed}")
+    bounds = {
+        "ge": (float.__ge__, ">="),
+        "gt": (float.__gt__, ">"),
+        "le": (float.__le__, "<="),
+        "lt": (float.__lt__, "<"),
+    }
+    for key, (holds, op) in bounds.items():
+        limit = meta.get(key)
+        if limit is not None and not isinstance(value, bool) and not holds(float(value), float(limit)):
+            raise ValueError(f"{name}={value!r}; expected {op} {limit:g}")
