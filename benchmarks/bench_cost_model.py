@@ -34,10 +34,11 @@ from transformers import AutoConfig
 from rlflow.dataflow import mfcs_of
 from rlflow.planner.cluster import cluster_preset
 from rlflow.planner.cost import call_cost
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import Rates
 from rlflow.planner.profile import ProfiledRates, run_profile
+from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.build import build_dataflow
 from rlflow.trainer.config import load_config
 from rlflow.trainer.placement import planning_workload, profile_shapes

@@ -29,7 +29,7 @@ from transformers import LlamaConfig
 from rlflow.parallel.executor import execute_reshard
 from rlflow.parallel.layout import Layout, build_layout
 from rlflow.parallel.reshard import minimum_moved_numel, plan_reshard, transfer_bytes_summary
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 WORLD = 4
 REPEATS = 5

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 NUM_PROMPTS = 32
 PROMPT_LEN = 16

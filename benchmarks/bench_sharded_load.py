@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 WORLD = 4
 STRATEGIES = [(4, 1, 1), (2, 2, 1), (2, 1, 2)]  # (dp, tp, pp)
@@ -126,7 +126,7 @@ def _worker(rank: int, port: int, paths: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
     from rlflow.parallel.groups import build_call_groups, clear_group_cache
-    from rlflow.planner.mesh import ParallelStrategy
+    from rlflow.strategy import ParallelStrategy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)

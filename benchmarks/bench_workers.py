@@ -25,8 +25,8 @@ from rlflow.dataflow import MFCDef, algorithm_mfcs
 from rlflow.dataflow.algorithms import GEN_OUTPUT_KEYS, PROMPT_KEYS
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import SamplingParams
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
 

@@ -2,7 +2,7 @@
 
 A dispatch turns the driver-side arguments into one ``(args, kwargs)`` per rank of the group
 (or view); a collect turns the per-rank outputs into the call's result. The group only needs
-``world_size`` and ``strategy`` (a :class:`~rlflow.planner.mesh.ParallelStrategy` whose
+``world_size`` and ``strategy`` (a :class:`~rlflow.strategy.ParallelStrategy` whose
 product is ``world_size``; rank order ``rank = (pp_rank*dp + dp_rank)*tp + tp_rank``).
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 
 from rlflow.controller.data_plane import DataFuture, RowSplit, collect_rows, split_rows
 from rlflow.controller.decorator import Dispatch, Execute, MethodSpec
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 
 
 class GroupShape(Protocol):
@@ -58,7 +58,7 @@ def dispatch(group: GroupShape, spec: MethodSpec, args: tuple, kwargs: dict) -> 
         return Dispatched(*_transpose(args, kwargs, world, f"{mode.name} argument"))
     if mode is Dispatch.MESH_PROTO:
         strategy = group.strategy
-        dp_of_rank = [strategy.coords(r)[1] for r in range(world)]
+        dp_of_rank = [strategy.coords(r).dp for r in range(world)]
         last_stage = [strategy.rank_of(strategy.pp - 1, d, 0) for d in range(strategy.dp)]
         return _dispatch_rows(args, kwargs, strategy.dp, dp_of_rank, last_stage, _group_size(group))
     if mode is Dispatch.DP_COMPUTE_PROTO_WITH_FUNC:

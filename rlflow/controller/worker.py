@@ -22,8 +22,8 @@ import torch
 from rlflow.controller.data_plane import materialize_args
 from rlflow.controller.decorator import Dispatch, method_spec, register
 from rlflow.controller.errors import TaskError, WorkerError
-from rlflow.parallel.groups import free_port
 from rlflow.protocol import DataProto
+from rlflow.rendezvous import free_port
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from rlflow.controller.dispatch import Dispatched, collect, dispatch, returns_ro
 from rlflow.controller.errors import WorkerDiedError, WorkerError
 from rlflow.controller.resource_pool import ResourcePool
 from rlflow.controller.worker import WorkerHost, WorkerInfo
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 
 class RayClassWithInitArgs:
@@ -150,7 +150,7 @@ class RayWorkerGroup:
         """A group over some of this group's ranks (positions in this group), arranged as ``strategy``.
 
         Rank ``i`` of the view is ``ranks[i]``; with ``strategy`` its coordinates follow
-        ``rank = (pp_rank*dp + dp_rank)*tp + tp_rank`` (see ``rlflow/planner/mesh.py``).
+        ``rank = (pp_rank*dp + dp_rank)*tp + tp_rank`` (see ``rlflow/strategy.py``).
         ``row_group_size`` keeps that many consecutive rows on one dp rank when DataProto
         arguments are split (the samples of one prompt, for group-relative advantages).
         """

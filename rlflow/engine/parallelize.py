@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.parallel.tensor_parallel import check_tp_degree
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 __all__ = ["MESH_AXES", "ParallelDims", "apply_ac", "apply_fsdp", "mixed_precision_dtype"]
 

@@ -7,7 +7,7 @@ Three kinds of rank appear in rlflow:
 * **call rank** — index of a worker inside one call's mesh: call rank ``r`` is the global
   rank ``ranks[r]`` (``ranks`` = the mesh's device ids, in order).
 * **coordinates** ``(pp_rank, dp_rank, tp_rank)`` with
-  ``call_rank = (pp_rank * dp + dp_rank) * tp + tp_rank`` (``rlflow.planner.mesh``).
+  ``call_rank = (pp_rank * dp + dp_rank) * tp + tp_rank`` (``rlflow.strategy``).
 
 Protocol for the controller (why: ``torch.distributed.new_group`` — which a torch
 ``DeviceMesh`` calls once per sub-group of each of its dims — must be called by *every*
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy, RankCoords
 
 MESH_AXES = ("pp", "dp", "tp")
 
@@ -100,8 +100,8 @@ def rank_grid(ranks: Sequence[int], strategy: ParallelStrategy) -> torch.Tensor:
     return torch.tensor(ranks, dtype=torch.int).reshape(strategy.pp, strategy.dp, strategy.tp)
 
 
-def global_coords(ranks: Sequence[int], strategy: ParallelStrategy, global_rank: int) -> tuple[int, int, int] | None:
-    """``(pp_rank, dp_rank, tp_rank)`` of ``global_rank`` in the call, or ``None`` when outside it."""
+def global_coords(ranks: Sequence[int], strategy: ParallelStrategy, global_rank: int) -> RankCoords | None:
+    """The coordinates of ``global_rank`` in the call, or ``None`` when outside it."""
     ranks = _check_ranks(ranks, strategy)
     return strategy.coords(ranks.index(global_rank)) if global_rank in ranks else None
 
@@ -146,8 +146,8 @@ class CallGroups:
         return self.ranks.index(self.rank)
 
     @property
-    def coords(self) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of this worker."""
+    def coords(self) -> RankCoords:
+        """The coordinates of this worker in the call."""
         return self.strategy.coords(self.call_rank)
 
     def group(self, axis: str) -> dist.ProcessGroup:

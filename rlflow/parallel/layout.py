@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy, RankCoords
 
 # A box is a rectangular slice of a full parameter: one half-open [start, stop) per tensor dim.
 Box = tuple[tuple[int, int], ...]
@@ -384,7 +384,7 @@ class Layout:
             raise ValueError(f"global rank {rank} is not in this layout's ranks {self.ranks}")
         return self._call_rank[rank]
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
+    def coords(self, rank: int) -> RankCoords:
         """``(pp_rank, dp_rank, tp_rank)`` of global rank ``rank``."""
         return self.strategy.coords(self.call_rank(rank))
 

@@ -232,7 +232,7 @@ def plan_reshard(src: Layout, dst: Layout, host_of: Mapping[int, int] | None = N
 
     >>> from transformers import LlamaConfig
     >>> from rlflow.parallel.layout import build_layout
-    >>> from rlflow.planner.mesh import ParallelStrategy
+    >>> from rlflow.strategy import ParallelStrategy
     >>> cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
     ...                   num_attention_heads=4, num_key_value_heads=2)
     >>> train = build_layout(cfg, ParallelStrategy(dp=2), [0, 1], fsdp=True)

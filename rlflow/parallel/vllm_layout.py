@@ -56,7 +56,7 @@ from rlflow.parallel.layout import (
     build_layout,
     model_param_specs,
 )
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 __all__ = [
     "VOCAB_PADDING",

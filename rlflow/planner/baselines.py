@@ -27,9 +27,10 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.simulate import SimResult, Simulator
+from rlflow.strategy import ParallelStrategy
 
 Placements = dict[int, tuple[DeviceMesh, ParallelStrategy]]
 

@@ -43,7 +43,7 @@ import numpy as np
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.planner import memory
 from rlflow.planner.cluster import ClusterSpec, Precision
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import (
     BACKWARD_FLOPS_FACTOR,
@@ -55,6 +55,7 @@ from rlflow.planner.passes import (
     stage_pass_s,
 )
 from rlflow.planner.space import num_microbatches, seqs_per_rank
+from rlflow.strategy import ParallelStrategy
 
 __all__ = [
     "BACKWARD_FLOPS_FACTOR",

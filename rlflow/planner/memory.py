@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 
 from rlflow.planner.cluster import Precision
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.strategy import ParallelStrategy
 
 # fp32 tensors of the vocabulary's size besides the logits: the log-softmax input and the softmax.
 LOGIT_WORK_TENSORS = 2

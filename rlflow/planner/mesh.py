@@ -1,4 +1,4 @@
-"""Device meshes and parallel strategies: the two coordinates of every model function call.
+"""Device meshes: where a model function call runs (its strategy is :mod:`rlflow.strategy`).
 
 A *device mesh* is a rectangle of devices at a position in the cluster: whole hosts, or a
 consecutive run of one host whose size divides the host's device count. Devices are
@@ -6,14 +6,7 @@ numbered globally in node order (device ``d`` lives on node ``d // devices_per_n
 same order as the bundles of a resource pool, so a mesh is always a contiguous range of
 global device indices.
 
-A *parallel strategy* ``(dp, tp, pp)`` arranges the mesh's devices. Ranks inside a call are
-ordered with tp innermost, then dp, then pp::
-
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
-
-so tensor-parallel peers are neighbours (and stay inside a host), and the order equals a
-``torch.distributed.device_mesh.DeviceMesh`` of shape ``(pp, dp, tp)`` built over
-``arange(world_size)`` with ``mesh_dim_names=("pp", "dp", "tp")``.
+A mesh's devices are arranged by a :class:`rlflow.strategy.ParallelStrategy` of the same size.
 """
 
 from __future__ import annotations
@@ -102,50 +95,4 @@ class DeviceMesh:
 
     @classmethod
     def from_dict(cls, d: dict) -> DeviceMesh:
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class ParallelStrategy:
-    """``(dp, tp, pp)``: data-, tensor- and pipeline-parallel degrees of one call.
-
-    >>> s = ParallelStrategy(dp=2, tp=2, pp=2)
-    >>> s.rank_of(pp_rank=1, dp_rank=0, tp_rank=1), s.coords(5)
-    (5, (1, 0, 1))
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        """Rank inside the call of the given coordinates (tp innermost, pp outermost)."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of a rank inside the call."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} outside world_size={self.world_size} of {self}")
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return pp_rank, dp_rank, tp_rank
-
-    def __str__(self) -> str:
-        return f"(dp={self.dp},tp={self.tp},pp={self.pp})"
-
-    def to_dict(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ParallelStrategy:
         return cls(**d)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlflow.planner.cluster import ClusterSpec
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.strategy import ParallelStrategy
 
 BACKWARD_FLOPS_FACTOR = 2.0  # d(input) and d(weight) matmuls each cost one forward
 # Element-wise traffic of one HF Llama layer per token, in elements read + written: hidden-size

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlflow.planner.compiled import compile_problem
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.simulate import SimResult, node_table, pre_node_parts, simulate
+from rlflow.strategy import ParallelStrategy
 
 _FORMAT_VERSION = 1
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
+from rlflow.strategy import ParallelStrategy
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def _in_gloo_processes(job, world: int, *args) -> list:
     (a module-level function) and its results small."""
     import torch.multiprocessing as mp
 
-    from rlflow.parallel.groups import free_port
+    from rlflow.rendezvous import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
@@ -274,7 +274,7 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
     from rlflow.engine.optim import OptimConfig
     from rlflow.engine.train_engine import EngineConfig, TrainEngine
     from rlflow.parallel.groups import build_call_groups
-    from rlflow.planner.mesh import ParallelStrategy
+    from rlflow.strategy import ParallelStrategy
 
     world = dist.get_world_size()
     torch.manual_seed(0)  # the same weights on every rank
@@ -561,7 +561,8 @@ class ProfiledRates(Rates):
         """
         from rlflow.dataflow.mfc import MFCDef
         from rlflow.planner.cost import Workload, call_cost
-        from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+        from rlflow.planner.mesh import DeviceMesh
+        from rlflow.strategy import ParallelStrategy
 
         model = ModelSpec(**calls["model"])
         mesh = DeviceMesh(1, 1, devices_per_node=cluster.devices_per_node)

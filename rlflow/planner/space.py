@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from rlflow.dataflow.mfc import MFCDef
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.strategy import ParallelStrategy
 
 # Micro-batches per pipeline stage when an MFC does not say: 1F1B needs at least pp in flight to
 # fill the pipeline; twice that keeps the bubble (pp-1)/n_mb under one half.

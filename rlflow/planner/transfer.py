@@ -34,8 +34,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from rlflow.planner.cluster import ClusterSpec
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.strategy import ParallelStrategy
 
 Option = tuple[DeviceMesh, ParallelStrategy]
 

@@ -44,7 +44,8 @@ from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
 from rlflow.engine.optim import OptimConfig
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
+from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
 
 __all__ = [

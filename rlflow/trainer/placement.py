@@ -25,12 +25,12 @@ from rlflow.engine.rollout import ROLLOUT_CAPABILITIES
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
 from rlflow.planner.cluster import ClusterSpec, cluster_preset
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.search import search
 from rlflow.planner.space import RuntimeCapabilities
+from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.setup import PAIR_ALGORITHMS

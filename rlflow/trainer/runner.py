@@ -27,8 +27,8 @@ import ray
 
 from rlflow.controller import DataFuture, RayWorkerGroup
 from rlflow.dataflow import MFCDef, mfcs_of
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,7 @@ class ModelWorker(Worker):
         rows = len(out) if mfc.interface_type == "generate" else len(data)
         metrics = {"mfc": mfc.name, **reduce_metrics(local, rows, ctx)}
         self._record("call", "call", mfc.name, wall_start, {**metrics, "time_s": local["time_s"]})
-        if coords[2] != 0 or coords[0] != layout.strategy.pp - 1:
+        if coords.tp != 0 or coords.pp != layout.strategy.pp - 1:
             return None
         if mfc.is_train:
             return DataProto(meta_info=metrics)

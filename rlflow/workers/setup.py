@@ -17,9 +17,9 @@ Placement rules the worker follows (see :mod:`rlflow.workers.model_worker`):
 * with ``rollout_engine="vllm"`` every ``generate`` call uses one layout spanning every worker
   (pp = 1): one vLLM instance per process, whose groups vLLM builds over the whole world.
 
->>> from rlflow.planner.mesh import ParallelStrategy
+>>> from rlflow.strategy import ParallelStrategy, RankCoords
 >>> CallLayout((0, 1), ParallelStrategy(dp=2)).local_coords(1)
-(0, 1, 0)
+RankCoords(pp=0, dp=1, tp=0)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 __all__ = ["MODEL_ROLES", "ROLLOUT_ENGINES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
 
@@ -48,7 +48,7 @@ class CallLayout:
     """Where one MFC runs: global ranks in call-rank order, arranged as ``strategy``.
 
     Call rank ``r`` is the worker ``ranks[r]``; its coordinates are ``strategy.coords(r)``
-    (``rank = (pp_rank*dp + dp_rank)*tp + tp_rank``, see ``rlflow.planner.mesh``).
+    (``rank = (pp_rank*dp + dp_rank)*tp + tp_rank``, see ``rlflow.strategy``).
     """
 
     ranks: tuple[int, ...]
@@ -61,8 +61,8 @@ class CallLayout:
         if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
             raise ValueError(f"CallLayout: ranks {self.ranks} must be distinct non-negative global ranks")
 
-    def local_coords(self, global_rank: int) -> tuple[int, int, int] | None:
-        """``(pp_rank, dp_rank, tp_rank)`` of ``global_rank``, or ``None`` when it is not in the call."""
+    def local_coords(self, global_rank: int) -> RankCoords | None:
+        """The coordinates of ``global_rank`` in the call, or ``None`` when it is not in the call."""
         if global_rank not in self.ranks:
             return None
         return self.strategy.coords(self.ranks.index(global_rank))

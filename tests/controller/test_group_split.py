@@ -8,8 +8,8 @@ import torch
 from rlflow.controller.data_plane import even_sizes, split_rows
 from rlflow.controller.decorator import Dispatch, Execute, MethodSpec
 from rlflow.controller.dispatch import dispatch
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 
 
 class _Shape:

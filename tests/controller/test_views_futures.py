@@ -8,7 +8,7 @@ import torch
 from conftest import make_batch
 
 from rlflow.controller import BALANCE_BY, DataFuture, transfer_stats
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 
 def test_mesh_proto_dp2_tp2_splits_along_dp_and_collects_tp0(actor):

@@ -22,7 +22,7 @@ from train_engine_helpers import VOCAB, actor_loss, build_model, critic_loss
 from rlflow.engine.attention import VARLEN_SDPA
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 pytestmark = pytest.mark.distributed
 

@@ -18,8 +18,8 @@ from rlflow.engine.rollout import (
     rollout_engine_names,
 )
 from rlflow.engine.rollout.hf_sampler import apply_top_k, apply_top_p, choose_tokens
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 
 torch.set_num_threads(1)
 

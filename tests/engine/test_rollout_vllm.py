@@ -28,10 +28,11 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import algorithm_mfcs
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams, build_rollout_engine
-from rlflow.parallel.groups import clear_group_cache, free_port
+from rlflow.parallel.groups import clear_group_cache
 from rlflow.parallel.vllm_layout import vllm_param_views
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.rendezvous import free_port
+from rlflow.strategy import ParallelStrategy
 from rlflow.workers import residency
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup

@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.bench_sharded_load import peak_rss
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -162,7 +162,7 @@ def _worker(rank: int, port: int, root: str, outdir: str) -> None:
     import torch.distributed as dist
 
     from rlflow.parallel.groups import build_call_groups, clear_group_cache
-    from rlflow.planner.mesh import ParallelStrategy
+    from rlflow.strategy import ParallelStrategy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -216,7 +216,7 @@ def test_fallback_without_safetensors(tmp_path, caplog) -> None:
     """A directory holding only ``pytorch_model.bin`` is loaded whole, with a log line saying so."""
     from rlflow.engine.loading import sharded_model
     from rlflow.parallel.layout import build_layout
-    from rlflow.planner.mesh import ParallelStrategy
+    from rlflow.strategy import ParallelStrategy
 
     model = _tiny(LlamaForCausalLM, LlamaConfig, 0)
     model.config.save_pretrained(tmp_path)

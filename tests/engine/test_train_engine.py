@@ -25,7 +25,7 @@ from train_engine_helpers import (
     reference_train,
 )
 
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from train_engine_helpers import actor_loss, build_model, critic_loss, make_batch, reference_outputs
 
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 pytestmark = pytest.mark.gpu
 

@@ -17,9 +17,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rlflow.parallel.groups import build_call_groups, clear_group_cache, free_port, init_global_group
+from rlflow.parallel.groups import build_call_groups, clear_group_cache, init_global_group
 from rlflow.parallel.layout import Layout
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.rendezvous import free_port
+from rlflow.strategy import ParallelStrategy
 
 # ---- tiny models ----
 

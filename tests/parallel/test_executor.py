@@ -25,7 +25,7 @@ from rlflow.parallel.executor import execute_reshard, module_param_tensors
 from rlflow.parallel.layout import build_layout
 from rlflow.parallel.offload import offload_module
 from rlflow.parallel.reshard import plan_reshard, transfer_bytes_summary
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 HOSTS = {0: 0, 1: 0, 2: 1, 3: 1}  # two "hosts" of two ranks, so every cost tier is exercised
 INPUT_IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from realloc_helpers import run_world
 
 from rlflow.parallel.groups import axis_ranks, build_call_groups, build_plan_groups, global_coords, rank_grid
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
+from rlflow.strategy import ParallelStrategy
 
 
 def test_rank_maps_follow_the_planner_rank_order():

@@ -14,7 +14,7 @@ from rlflow.parallel.layout import (
     pipeline_items,
     pipeline_stages,
 )
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 
 def llama_7b_config() -> LlamaConfig:

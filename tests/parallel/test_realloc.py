@@ -20,7 +20,7 @@ from rlflow.controller import Dispatch, RayClassWithInitArgs, RayWorkerGroup, Re
 from rlflow.parallel.groups import build_plan_groups
 from rlflow.parallel.layout import build_layout
 from rlflow.parallel.realloc import ReallocManager
-from rlflow.planner.mesh import ParallelStrategy
+from rlflow.strategy import ParallelStrategy
 
 # Ray workers cannot import test modules: this one is shipped by value, and the helpers are
 # imported inside the workers from the test directory (same machine).

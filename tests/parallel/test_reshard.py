@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from rlflow.parallel.layout import build_layout
 from rlflow.parallel.reshard import minimum_moved_numel, plan_reshard, transfer_bytes_summary
-from rlflow.planner.mesh import ParallelStrategy as S
+from rlflow.strategy import ParallelStrategy as S
 
 
 def _mask(shape, box) -> np.ndarray:

@@ -22,7 +22,7 @@ from rlflow.parallel.layout import build_layout
 from rlflow.parallel.realloc import ReallocManager
 from rlflow.parallel.reshard import minimum_moved_numel, plan_reshard, transfer_bytes_summary
 from rlflow.parallel.vllm_layout import padded_vocab_size, vllm_param_specs, vllm_param_views, vocab_shard_rows
-from rlflow.planner.mesh import ParallelStrategy as S
+from rlflow.strategy import ParallelStrategy as S
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,8 +6,9 @@ import dataclasses
 
 import numpy as np
 
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.problem import CallOption, ModelEntry, PlanProblem
+from rlflow.strategy import ParallelStrategy
 
 GB = 1e9
 

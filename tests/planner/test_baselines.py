@@ -14,9 +14,10 @@ from rlflow.planner.baselines import (
     parse_strategy,
     split_plan,
 )
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.search import search
 from rlflow.planner.simulate import Simulator
+from rlflow.strategy import ParallelStrategy
 
 WHOLE_2x8 = DeviceMesh(2, 8, devices_per_node=8)
 

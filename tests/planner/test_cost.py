@@ -9,9 +9,10 @@ import pytest
 from rlflow.dataflow import MFCDef, algorithm_mfcs
 from rlflow.planner.cluster import GPU_PRECISION, cluster_preset
 from rlflow.planner.cost import Workload, call_cost, collective_s, estimate_call
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
 from rlflow.planner.passes import Rates, head_s
+from rlflow.strategy import ParallelStrategy
 
 S = ParallelStrategy
 GEN, CRITIC_INF, REF, _, TRAIN, _ = algorithm_mfcs("ppo")

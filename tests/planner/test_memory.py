@@ -6,8 +6,8 @@ import pytest
 
 from rlflow.planner import memory
 from rlflow.planner.cluster import CPU_PRECISION, GPU_PRECISION, Precision
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.model_spec import ModelSpec, model_preset
+from rlflow.strategy import ParallelStrategy
 
 S = ParallelStrategy
 P7B = 6_738_415_616

@@ -9,9 +9,9 @@ import pytest
 from plan_cases import GB, actor_problem, opt, ppo_problem
 
 from rlflow.planner.baselines import manual_plan
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.search import search
+from rlflow.strategy import ParallelStrategy
 
 
 def _actor_plan() -> tuple:

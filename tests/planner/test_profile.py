@@ -11,10 +11,11 @@ import pytest
 from rlflow.dataflow import MFCDef, algorithm_mfcs
 from rlflow.planner.cluster import cluster_preset
 from rlflow.planner.cost import Workload, call_cost
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import layer_work
 from rlflow.planner.profile import ProfiledRates, default_profile_path, load_profile, run_profile
+from rlflow.strategy import ParallelStrategy
 
 
 @pytest.fixture(scope="module")

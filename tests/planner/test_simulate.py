@@ -7,10 +7,10 @@ import pytest
 from plan_cases import GB, actor_problem, frozen_problem, opt, random_choice, random_problem
 
 from rlflow.planner.compiled import compile_problem
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import ModelEntry, PlanProblem
 from rlflow.planner.simulate import Simulator, simulate, simulate_py
+from rlflow.strategy import ParallelStrategy
 
 BACKENDS = ["python", "cpp"]
 

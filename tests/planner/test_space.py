@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlflow.dataflow import MFCDef, algorithm_mfcs
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
 from rlflow.planner.space import (
     RuntimeCapabilities,
@@ -14,6 +14,7 @@ from rlflow.planner.space import (
     enumerate_strategies,
     num_microbatches,
 )
+from rlflow.strategy import ParallelStrategy
 
 S = ParallelStrategy
 GEN, _, REF, _, TRAIN, _ = algorithm_mfcs("ppo")

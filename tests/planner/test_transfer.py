@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rlflow.planner.cluster import cluster_preset
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
 from rlflow.planner.space import enumerate_meshes
 from rlflow.planner.transfer import (
@@ -20,6 +20,7 @@ from rlflow.planner.transfer import (
     realloc_time_table,
     reload_time,
 )
+from rlflow.strategy import ParallelStrategy
 
 S = ParallelStrategy
 A100 = cluster_preset("a100-80g", num_nodes=2)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+from rlflow.planner.mesh import DeviceMesh
+from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.build import build_dataflow
 from rlflow.trainer.config import (
     AlgorithmConfig,

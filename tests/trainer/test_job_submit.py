@@ -31,7 +31,7 @@ import psutil
 import pytest
 from recipe_helpers import TINY
 
-from rlflow.parallel.groups import free_port
+from rlflow.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")

@@ -101,8 +101,9 @@ def test_vllm_takes_its_share_of_gpu_memory_while_it_generates() -> None:
 
     from rlflow.dataflow import algorithm_mfcs
     from rlflow.planner.cost import call_cost
-    from rlflow.planner.mesh import DeviceMesh, ParallelStrategy
+    from rlflow.planner.mesh import DeviceMesh
     from rlflow.planner.model_spec import model_preset
+    from rlflow.strategy import ParallelStrategy
 
     cfg = load_config(GRPO, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.7"])
     vllm = planning_cluster(cfg, use_gpu=True, profile=None)

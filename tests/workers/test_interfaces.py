@@ -27,8 +27,8 @@ from rlflow.dataflow import MFCDef, ParamReallocHook, algorithm_mfcs
 from rlflow.engine.models import load_causal_lm
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 from rlflow.workers.advantage import AdvantageEstimator, group_ids
 from rlflow.workers.context import CallContext, last_token_scatter, shift_right, temperature_scaled
 from rlflow.workers.interfaces import ActorInterface, RuleRewardInterface, build_interface, check_calls

@@ -20,8 +20,8 @@ from rlflow.dataflow.algorithms import GEN_OUTPUT_KEYS, PROMPT_KEYS, ROLLOUT_KEY
 from rlflow.engine.models import build_value_model, load_causal_lm
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
 

@@ -19,8 +19,8 @@ from rlflow.engine.optim import OptimConfig
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout import SamplingParams
 from rlflow.parallel.groups import clear_group_cache
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
 

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from rlflow.engine.packing import position_ids_from_mask
-from rlflow.planner.mesh import ParallelStrategy
 from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
 
 __all__ = [
     "ROLLOUT_CAPABILITIES",

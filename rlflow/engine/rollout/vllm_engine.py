@@ -56,10 +56,10 @@ from rlflow.engine.rollout.base import (
     register_rollout_engine,
     split_prompts,
 )
-from rlflow.parallel.groups import free_port
 from rlflow.parallel.layout import EMBED_NAME, HEAD_NAME
 from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
+from rlflow.rendezvous import free_port
 
 __all__ = ["VLLMRolloutEngine", "to_vllm_sampling_params"]
 
