@@ -25,7 +25,6 @@ rank of the default group, in the same order, even by ranks outside the new grou
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,13 +43,6 @@ _CACHE: dict[tuple[tuple[int, ...], ParallelStrategy, str], CallGroups | None] =
 def default_backend() -> str:
     """``cpu:gloo,cuda:nccl`` when CUDA is available (host and device tensors both work), else ``gloo``."""
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` now, for a rendezvous (``""``: on every interface)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def init_global_group(
