@@ -1,7 +1,7 @@
 """Cost-model accuracy: per-MFC estimated vs measured seconds of a short real run.
 
 For each recipe, a profile of this machine is measured with the actor's layer shape and the
-pass shapes its calls run (:func:`rlflow.planner.profile.run_profile`), then the recipe runs a
+pass shapes its calls run (:func:`rlflow.workers.profiling.run_profile`), then the recipe runs a
 few RL steps of its tiny model on 2 CPU worker processes (a subprocess with its own Ray; no warm-up, no evaluation;
 ``placement.profile=true``, so the trainer plans with a profile of its own, which also times the
 actor's whole calls with both workers busy and calibrates the estimates by them;
@@ -37,11 +37,12 @@ from rlflow.planner.cost import call_cost
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import Rates
-from rlflow.planner.profile import ProfiledRates, run_profile
+from rlflow.planner.profile import MachineProfile, ProfiledRates, load_profile
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.build import build_dataflow
 from rlflow.trainer.config import load_config
 from rlflow.trainer.placement import planning_workload, profile_shapes
+from rlflow.workers.profiling import run_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 # recipe name -> (script, extra overrides)
@@ -67,7 +68,7 @@ def _steady(values: list[float]) -> list[float]:
     return values[1:] if len(values) > 2 else values
 
 
-def _estimates(run_dir: Path, profiles: dict[str, dict]) -> dict[str, dict[str, float]]:
+def _estimates(run_dir: Path, profiles: dict[str, MachineProfile]) -> dict[str, dict[str, float]]:
     """Cost-model seconds of every planned call, per profile."""
     cfg = load_config(run_dir / "config.yaml")
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -115,8 +116,8 @@ def compare(recipe: str, workdir: Path) -> list[dict]:
     """The records of a finished :func:`measure` in ``workdir`` (its profiles and run directory)."""
     run_dir = workdir / "run"
     profiles = {
-        "actor_profile": json.loads((workdir / "profile_actor.json").read_text()),
-        "trainer_profile": json.loads((run_dir / "profile.json").read_text()),
+        "actor_profile": load_profile(workdir / "profile_actor.json"),
+        "trainer_profile": load_profile(run_dir / "profile.json"),
     }
     estimates = _estimates(run_dir, profiles)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -120,7 +120,12 @@ def build_plan_problem(args: argparse.Namespace):
     graph = algorithm_graph(args.algo)
     models = _model_specs(args, list(model_calls(graph)))
     try:
-        cluster = cluster_preset(args.device, args.nodes, args.devices_per_node, profile=args.profile)
+        profile = None
+        if args.device == "cpu":  # priced from this machine: its profile, or its hardware measured now
+            from rlflow.workers.profiling import profile_or_measure
+
+            profile = profile_or_measure(args.profile)
+        cluster = cluster_preset(args.device, args.nodes, args.devices_per_node, profile=profile)
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from exc
     workload = Workload(args.batch, args.prompt_len, args.gen_len, n_ppo_minibatches=args.minibatches)
@@ -185,12 +190,15 @@ def _profile_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from rlflow.planner.profile import run_profile
+    from pathlib import Path
 
-    profile = run_profile(args.out, args.device)
-    hw = profile["hardware"]
-    print(f"profiled {profile['device']} in {profile['elapsed_s']:.1f} s -> {profile['path']}")
-    for key, value in sorted(hw.items()):
+    from rlflow.planner.profile import default_profile_path
+    from rlflow.workers.profiling import run_profile
+
+    path = Path(args.out) if args.out else default_profile_path()
+    profile = run_profile(path, args.device)
+    print(f"profiled {profile.device} in {profile.elapsed_s:.1f} s -> {path}")
+    for key, value in sorted(profile.hardware.to_dict().items()):
         print(f"  {key}: {value:.4g}")
     return 0
 

@@ -193,7 +193,7 @@ def build_problem(
         workload: batch and sequence lengths of one iteration.
         capabilities: what the engines support (default: no pipelined generation).
         trainable: models trained by the graph; default: every model with a train_step MFC.
-        profile: measured profile (dict or JSON path) replacing the analytic roofline.
+        profile: measured profile (a ``MachineProfile`` or JSON path) replacing the analytic roofline.
         num_iterations: iterations the simulator unrolls.
         max_options_per_mfc: keep only the fastest options of each MFC (after the memory filter).
 

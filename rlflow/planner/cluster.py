@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # profile.py imports this module
+    from rlflow.planner.profile import HardwareProfile, MachineProfile
 
 GiB = 1024**3
 GB = 1e9
@@ -204,7 +208,10 @@ PRESETS = (*_GPU_PRESETS, "cpu")
 
 
 def cluster_preset(
-    name: str, num_nodes: int = 1, devices_per_node: int = 8, profile: str | Path | dict | None = None
+    name: str,
+    num_nodes: int = 1,
+    devices_per_node: int = 8,
+    profile: MachineProfile | HardwareProfile | str | Path | None = None,
 ) -> ClusterSpec:
     """A cluster of a known device type.
 
@@ -213,9 +220,13 @@ def cluster_preset(
             priced from a measured hardware profile).
         num_nodes: hosts.
         devices_per_node: devices (or CPU worker processes) per host.
-        profile: for ``"cpu"``: a profile dict or the path of a JSON written by
-            ``rlflow profile``; ``None`` loads the default profile of this host when present and
-            otherwise measures the hardware now (about a second).
+        profile: for ``"cpu"``: a measured profile, its hardware record, or the path of a JSON
+            written by ``rlflow profile``; ``None`` loads the default profile of this host
+            (``rlflow.workers.profiling.profile_or_measure`` measures the hardware when there is
+            none).
+
+    Raises:
+        ValueError: an unknown preset, or ``"cpu"`` without a profile when this host has none.
 
     >>> c = cluster_preset("a100-80g", num_nodes=2)
     >>> c.num_devices, c.peak_flops
@@ -236,31 +247,38 @@ def cluster_preset(
     raise ValueError(f"unknown cluster preset {name!r}; expected one of {PRESETS}")
 
 
-def _cpu_cluster(num_nodes: int, devices_per_node: int, profile: str | Path | dict | None) -> ClusterSpec:
-    from rlflow.planner.profile import default_profile_path, load_profile, measure_hardware
+def _cpu_cluster(
+    num_nodes: int, devices_per_node: int, profile: MachineProfile | HardwareProfile | str | Path | None
+) -> ClusterSpec:
+    from rlflow.planner.profile import HardwareProfile, MachineProfile, default_profile_path, load_profile
 
-    if isinstance(profile, dict):
-        hw = profile.get("hardware", profile)
+    if isinstance(profile, HardwareProfile):
+        hw = profile
+    elif isinstance(profile, MachineProfile):
+        hw = profile.hardware
     elif profile is not None:
-        hw = load_profile(profile)["hardware"]
+        hw = load_profile(profile).hardware
     elif default_profile_path().exists():
-        hw = load_profile(default_profile_path())["hardware"]
+        hw = load_profile(default_profile_path()).hardware
     else:
-        hw = measure_hardware()
+        raise ValueError(
+            f"the cpu preset is priced from a measured profile: none given and none at {default_profile_path()}; "
+            "run `rlflow profile` or pass profile="
+        )
     # Each "device" is one worker process with one thread: it gets the measured single-thread
     # rates and an equal share of the host's memory. Gloo moves data over loopback TCP.
     return ClusterSpec(
         num_nodes=num_nodes,
         devices_per_node=devices_per_node,
-        device_memory_bytes=hw["host_memory_bytes"] / devices_per_node,
-        peak_flops=hw["matmul_flops"],
-        mem_bandwidth=hw["memcpy_bandwidth"],
-        intra_host_bandwidth=hw["loopback_bandwidth"],
-        inter_host_bandwidth=hw["loopback_bandwidth"],
-        host_device_bandwidth=hw["memcpy_bandwidth"],
-        collective_latency_s=hw.get("collective_latency_s", hw["loopback_latency_s"]),
-        intra_host_latency_s=hw["loopback_latency_s"],
-        inter_host_latency_s=hw["loopback_latency_s"],
+        device_memory_bytes=hw.host_memory_bytes / devices_per_node,
+        peak_flops=hw.matmul_flops,
+        mem_bandwidth=hw.memcpy_bandwidth,
+        intra_host_bandwidth=hw.loopback_bandwidth,
+        inter_host_bandwidth=hw.loopback_bandwidth,
+        host_device_bandwidth=hw.memcpy_bandwidth,
+        collective_latency_s=hw.collective_latency_s if hw.collective_latency_s is not None else hw.loopback_latency_s,
+        intra_host_latency_s=hw.loopback_latency_s,
+        inter_host_latency_s=hw.loopback_latency_s,
         precision=CPU_PRECISION,
         comm_overlaps_compute=False,
         name="cpu",

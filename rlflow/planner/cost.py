@@ -27,7 +27,7 @@ Training (``TrainEngine.train_step``): per mini-batch and epoch, forward, backwa
 forward FLOPs), recomputation under gradient checkpointing, the gradient-norm clip and one
 AdamW step over the fp32 master weights, gradients and moments.
 
-A profile taken with the planned model's calls (``run_profile(calls=...)``) scales the compute
+A profile taken with the planned model's calls (``rlflow.workers.profiling.run_profile(calls=...)``) scales the compute
 of every call (not its collectives) by the measured over estimated seconds of a whole call of
 the same type at one worker's shape (:meth:`Rates.call_scale`, see
 :class:`rlflow.planner.profile.ProfiledRates`).
@@ -325,7 +325,8 @@ def estimate_call(
 
     Args:
         mfc, model, strategy, mesh, cluster, workload: what runs where.
-        profile: a measured profile (dict or JSON path from ``rlflow profile``); ``None`` uses
+        profile: a measured :class:`~rlflow.planner.profile.MachineProfile` or the JSON path
+            ``rlflow profile`` wrote; ``None`` uses
             the analytic roofline of ``cluster``.
 
     >>> from rlflow.dataflow import algorithm_mfcs

@@ -1,10 +1,12 @@
-"""``rlflow profile``: measure this machine so the cost model can price plans for it.
+"""Hardware profiles: the typed record of a measured machine, its JSON file, and the rates the
+cost model reads off it.
 
-A profile holds (1) hardware rates — matmul FLOP/s, device memory-copy bandwidth, loopback TCP
-bandwidth and latency (what gloo uses between CPU workers), host memory — and (2) timings of
-one real HF Llama decoder layer for a few (batch, sequence) sizes: forward, backward, and one
-decode step against a KV cache. On CPU the layer is small and runs in fp32 on one thread (as
-each CPU worker does); with CUDA it is a LLaMA-2-7B layer in bf16.
+A profile (:class:`MachineProfile`) holds (1) hardware rates — matmul FLOP/s, device memory-copy
+bandwidth, loopback TCP bandwidth and latency (what gloo uses between CPU workers), host
+memory — (2) timings of one real HF Llama decoder layer for a few (batch, sequence) sizes:
+forward, backward, and one decode step against a KV cache, and (3) optionally whole calls of the
+planned model. The measuring itself runs the training engine and the sampler, so it sits above
+them, in :mod:`rlflow.workers.profiling` (``rlflow profile``); this module only prices.
 
 The cost model turns the layer timings into a fixed overhead per layer pass (what the
 smallest decode step takes above its roofline: framework dispatch) and *effective* FLOP/s as a
@@ -15,12 +17,13 @@ rate plus the overhead (:class:`ProfiledRates`): measured efficiency, scaled by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
-import threading
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,17 +33,6 @@ from rlflow.planner.passes import BACKWARD_FLOPS_FACTOR, Rates, layer_work
 
 PROFILE_VERSION = 1
 
-# Layer shapes and sizes profiled per device kind: (batch, seq) for forward/backward,
-# (batch, context) for decode steps. CPU sizes keep the whole profile well under 30 s.
-_CPU_LAYER = dict(num_layers=1, hidden_size=256, intermediate_size=688, num_heads=8, num_kv_heads=8, vocab_size=256)
-_CPU_PASSES = ((1, 64), (4, 128), (4, 256))
-_CPU_DECODE = ((1, 128), (8, 128), (32, 128))
-_CUDA_LAYER = dict(
-    num_layers=1, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32, vocab_size=32000
-)
-_CUDA_PASSES = ((1, 512), (4, 1024), (16, 1024), (32, 2048))
-_CUDA_DECODE = ((1, 1024), (16, 1024), (64, 1024), (256, 1024))
-
 
 def default_profile_path() -> Path:
     """``~/.cache/rlflow/profile-<host>.json`` (``RLFLOW_CACHE`` overrides the directory)."""
@@ -48,465 +40,260 @@ def default_profile_path() -> Path:
     return root / f"profile-{socket.gethostname()}.json"
 
 
-# ----------------------------------------------------------------------------- hardware rates
+# ----------------------------------------------------------------------------- the record
 
 
-def _timed(fn, repeat: int, sync) -> float:
-    """Seconds per call of ``fn``: the mean over ``repeat`` calls, after one warm-up call."""
-    fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / repeat
+def _from_dict(cls, data: Any, where: str):
+    """``cls(**data)`` for a record read from JSON, with errors that name the field: ``where``
+    is its place in the file (``"hardware"``, ``"forward[2]"``)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    unknown = sorted(set(data) - set(fields))
+    if missing or unknown:
+        raise ValueError(f"{where}: missing fields {missing}, unknown fields {unknown}; expected {list(fields)}")
+    return cls(**data)
 
 
-def _loopback(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
-    """Bandwidth (bytes/s) and one-way latency (s) of a local TCP connection."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Rates of one machine, as ``measure_hardware`` measures them.
 
-    def echo() -> None:
-        conn, _ = server.accept()
-        with conn:
-            for _ in range(pings):
-                conn.sendall(conn.recv(1))
-            received = 0
-            while received < nbytes:
-                received += len(conn.recv(1 << 20))
-            conn.sendall(b"k")
-
-    thread = threading.Thread(target=echo, daemon=True)
-    thread.start()
-    with socket.create_connection(("127.0.0.1", port)) as client:
-        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        start = time.perf_counter()
-        for _ in range(pings):
-            client.sendall(b"p")
-            client.recv(1)
-        latency = (time.perf_counter() - start) / pings / 2
-        payload = bytes(1 << 20)
-        start = time.perf_counter()
-        for _ in range(nbytes >> 20):
-            client.sendall(payload)
-        client.recv(1)
-        bandwidth = nbytes / (time.perf_counter() - start)
-    thread.join()
-    server.close()
-    return bandwidth, latency
-
-
-def _gloo_process(rank: int, world: int, port: int, job, args: tuple, out) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # as rlflow runs CPU workers
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        out.put((rank, job(rank, *args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _in_gloo_processes(job, world: int, *args) -> list:
-    """``job(rank, *args)`` in ``world`` spawned single-threaded processes that form one gloo
-    group (the default process group); their results in rank order. ``job`` must be importable
-    (a module-level function) and its results small."""
-    import torch.multiprocessing as mp
-
-    from rlflow.rendezvous import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method="spawn")
-    results = dict(out.get() for _ in range(world))
-    return [results[rank] for rank in range(world)]
-
-
-def _all_reduce_seconds(rank: int, iters: int) -> float:
-    import torch
-    import torch.distributed as dist
-
-    x = torch.ones(16)
-    for _ in range(10):
-        dist.all_reduce(x)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(x)
-    return (time.perf_counter() - start) / iters
-
-
-def gloo_collective_latency(iters: int = 300) -> float:
-    """Seconds of one small gloo all-reduce between two single-threaded worker processes.
-
-    What a tensor-parallel CPU layer pays per collective, on top of moving its bytes: the
-    socket round trips, gloo's own protocol and the wake-up of the peer process, which a raw
-    TCP ping (``loopback_latency_s``) does not see (measured here at tens of times more).
+    Attributes:
+        matmul_flops: FLOP/s of a square matmul on one device (one thread on CPU).
+        memcpy_bandwidth: bytes/s of a device memory copy (read + write).
+        loopback_bandwidth, loopback_latency_s: bytes/s and one-way seconds of a local TCP
+            connection (what gloo uses between CPU workers).
+        host_memory_bytes: physical memory of the host.
+        collective_latency_s: seconds of one small gloo all-reduce between two worker
+            processes (CPU profiles); ``None``: not measured, collectives are priced at
+            ``loopback_latency_s``.
     """
-    return float(_in_gloo_processes(_all_reduce_seconds, 2, iters)[0])
+
+    matmul_flops: float
+    memcpy_bandwidth: float
+    loopback_bandwidth: float
+    loopback_latency_s: float
+    host_memory_bytes: float
+    collective_latency_s: float | None = None
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def measure_hardware(device: str = "cpu") -> dict[str, float]:
-    """Matmul FLOP/s, memory-copy bandwidth, loopback bandwidth/latency and host memory (about a second)."""
-    import torch
+@dataclass(frozen=True)
+class ProfiledLayer:
+    """The shape of the profiled decoder layer and the bytes per parameter it ran in."""
 
-    cuda = device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    n = 8192 if cuda else 384
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    matmul_s = _timed(lambda: a @ b, 10 if cuda else 3, sync)
-    src = torch.empty(256 << 20 if cuda else 32 << 20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_s = _timed(lambda: dst.copy_(src), 10 if cuda else 3, sync)
-    loop_bw, loop_lat = _loopback()
-    return {
-        "matmul_flops": 2.0 * n**3 / matmul_s,
-        "memcpy_bandwidth": 2.0 * src.numel() / copy_s,  # read + write
-        "loopback_bandwidth": loop_bw,
-        "loopback_latency_s": loop_lat,
-        "host_memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-    }
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    bytes_per_param: int = 4
 
-
-# ----------------------------------------------------------------------------- layer timings
-
-
-def _build_layer(spec: ModelSpec, device: str, dtype):
-    """The profiled decoder layer, its rotary embedding, and a one-layer causal LM of the same shape."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    config = LlamaConfig(
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        num_hidden_layers=1,
-        vocab_size=spec.vocab_size,
-    )
-    config._attn_implementation = "sdpa"
-    layer = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=dtype)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-    return config, layer, LlamaRotaryEmbedding(config).to(device), model
-
-
-def _call_model(spec: dict, dtype):
-    """An HF Llama causal LM of the planned model's shape (``spec``: :class:`ModelSpec` fields),
-    whose whole calls are timed (:func:`_time_call`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_attention_heads=spec["num_heads"],
-        num_key_value_heads=spec["num_kv_heads"],
-        head_dim=spec.get("head_dim") or spec["hidden_size"] // spec["num_heads"],
-        num_hidden_layers=spec["num_layers"],
-        vocab_size=spec["vocab_size"],
-        tie_word_embeddings=spec.get("tie_embeddings", False),
-        attention_bias=spec.get("qkv_bias", False),
-        mlp_bias=spec.get("mlp_bias", False),
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).to(dtype=dtype)
-
-
-def _left_padded(rows: int, length: int, vocab: int):
-    """Random ids and a mask whose every other row is left-padded by a quarter of ``length``,
-    as a batch of prompts of unequal lengths is."""
-    import torch
-
-    ids = torch.randint(vocab, (rows, length))
-    mask = torch.ones(rows, length, dtype=torch.long)
-    mask[::2, : length // 4] = 0
-    return ids, mask
-
-
-def _time_call(kind: str, rollout, engine, shape: dict) -> float:
-    """Seconds of one whole call of the planned model, run as rlflow's engines run it:
-    ``generate`` (the rollout sampler on ``rollout``: prefill, cache repeat, ``gen_len`` decode
-    steps — no stop tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs
-    and entropies of every token) or ``train`` (that forward, backward, gradient clip, AdamW
-    step), both through ``engine`` (a ``TrainEngine``)."""
-    import torch
-
-    from rlflow.engine.rollout.base import SamplingParams
-    from rlflow.engine.rollout.hf_sampler import sample_responses
-
-    vocab, no_sync = rollout.config.vocab_size, lambda: None
-    if kind == "generate":
-        ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab)
-        params = SamplingParams(n=shape["n"], max_new_tokens=shape["gen_len"], seed=0)
-
-        def generate():
-            generator = torch.Generator().manual_seed(0)
-            sample_responses(rollout, ids, mask, params, pad_token_id=0, generator=generator)
-
-        return _timed(generate, 2, no_sync)
-    ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
-    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
-
-    def loss(outputs, data):  # a mean over the micro-batch's tokens, as the engine expects
-        return -(outputs["log_probs"] * data["loss_mask"]).sum() / data["loss_mask"].sum(), {}
-
-    if kind == "forward":
-        return _timed(lambda: engine.forward(batch), 2, no_sync)
-    return _timed(lambda: engine.train_step(batch, loss, loss_mask_key="loss_mask"), 2, no_sync)
-
-
-_CALLS = ("generate", "forward", "train")
-
-
-def _call_shapes(calls: dict) -> dict[str, dict]:
-    return {"generate": calls["generate"], "forward": calls["train"], "train": calls["train"]}
-
-
-def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
-    """One worker-like process of :func:`concurrent_call_seconds`: its medians, per call."""
-    import copy
-
-    import torch
-    import torch.distributed as dist
-
-    from rlflow.engine.optim import OptimConfig
-    from rlflow.engine.train_engine import EngineConfig, TrainEngine
-    from rlflow.parallel.groups import build_call_groups
-    from rlflow.strategy import ParallelStrategy
-
-    world = dist.get_world_size()
-    torch.manual_seed(0)  # the same weights on every rank
-    rollout = _call_model(calls["model"], torch.float32).eval()
-    mesh = build_call_groups(range(world), ParallelStrategy(dp=world), "cpu").mesh
-    optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
-    engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
-    torch.manual_seed(rank)  # each rank its own rows
-    shapes = _call_shapes(calls)
-    dist.barrier()
-    timings = [[_time_call(k, rollout, engine, shapes[k]) for k in _CALLS] for _ in range(rounds)]
-    return np.median(timings, axis=0).tolist()
-
-
-def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
-    """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU in ``processes``
-    single-threaded worker processes at once, the slowest process's median: each its own
-    rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
-    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them.
-
-    A CPU device is one worker process: when a plan keeps every worker of a host busy, they
-    share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
-    of its cores; FSDP adds its hooks, copies and collectives around every unit. A
-    data-parallel call lasts as long as its slowest rank.
-    """
-    per_process = _in_gloo_processes(_call_seconds, processes, calls, rounds)
-    return {k: max(p[i] for p in per_process) for i, k in enumerate(_CALLS)}
-
-
-def _decode_step(config, model, batch: int, context: int, device: str):
-    """One decode step of the whole one-layer model at ``context`` cached tokens (the cache is
-    cropped back after it, so that repetitions see the same context)."""
-    import torch
-    from transformers.cache_utils import DynamicCache
-
-    ids = torch.randint(config.vocab_size, (batch, context), device=device)
-    mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
-    new, pos = ids[:, -1:], torch.full((batch, 1), context, device=device)
-
-    @torch.no_grad()
-    def step():
-        model(
-            input_ids=new,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
+    def spec(self) -> ModelSpec:
+        """A one-layer :class:`ModelSpec` of this shape."""
+        return ModelSpec(
+            num_layers=1,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            vocab_size=self.vocab_size,
         )
-        cache.crop(-1)
-
-    return step
 
 
-def _sample_step(config, batch: int, device: str):
-    """The rollout engine's per-token work on ``(batch, vocab)`` logits: sample from the softmax,
-    the log-softmax of the drawn tokens, and the stop-token check."""
-    import torch
+@dataclass(frozen=True)
+class LayerTiming:
+    """Median seconds of one profiled pass at ``batch`` rows of ``seq`` tokens (decode steps:
+    ``seq`` cached tokens; sampler steps: ``seq`` is 0)."""
 
-    logits = torch.randn(batch, config.vocab_size, device=device)
-    stop = torch.tensor([0], device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def step():
-        tokens = torch.multinomial(torch.softmax(logits / 1.0, dim=-1), 1, generator=generator).squeeze(1)
-        torch.log_softmax(logits.float() / 1.0, dim=-1).gather(-1, tokens.unsqueeze(-1))
-        torch.isin(tokens, stop)
-
-    return step
+    batch: int
+    seq: int
+    seconds: float
 
 
-def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> float:
-    import torch
-    from transformers.cache_utils import DynamicCache
+@dataclass(frozen=True)
+class RolloutTiming:
+    """A whole rollout of the planned model at one worker's shape: ``prompts`` prompts of
+    ``prompt_len`` tokens, ``n`` samples each, ``gen_len`` new tokens; the slowest of
+    ``processes`` worker processes running it at once, each on its own (``dp`` = 1)."""
 
-    config, layer, rope, model = parts
-    if kind == "model_decode":
-        return _timed(_decode_step(config, model, batch, seq, device), 5, sync)
-    if kind == "sample":
-        return _timed(_sample_step(config, batch, device), 10, sync)
-    h = config.hidden_size
-    x = torch.randn(batch, seq, h, device=device, dtype=dtype, requires_grad=kind == "backward")
-    pe = rope(x, torch.arange(seq, device=device)[None].expand(batch, -1))
-    if kind == "forward":
-        with torch.no_grad():
-            return _timed(lambda: layer(x, position_embeddings=pe), 3, sync)
-    if kind == "backward":
-
-        def step():
-            layer(x, position_embeddings=pe).sum().backward()
-
-        # Forward + backward, minus a forward: the backward alone.
-        with torch.no_grad():
-            fwd = _timed(lambda: layer(x, position_embeddings=pe), 2, sync)
-        return max(_timed(step, 2, sync) - fwd, 1e-9)
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        layer(x, position_embeddings=pe, past_key_values=cache, use_cache=True)
-        new = torch.randn(batch, 1, h, device=device, dtype=dtype)
-        pe1 = rope(new, torch.full((batch, 1), seq, device=device))
-
-        def decode():
-            layer(new, position_embeddings=pe1, past_key_values=cache, use_cache=True)
-            cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
-
-        return _timed(decode, 5, sync)
+    prompts: int
+    prompt_len: int
+    n: int
+    gen_len: int
+    seconds: float
+    processes: int
+    dp: int
 
 
-def run_profile(
-    path: str | Path | None = None,
-    device: str | None = None,
-    progress: bool = True,
-    passes: tuple[tuple[int, int], ...] | None = None,
-    decodes: tuple[tuple[int, int], ...] | None = None,
-    layer: dict[str, int] | None = None,
-    rounds: int = 3,
-    calls: dict | None = None,
-    call_processes: int = 1,
-) -> dict:
-    """Measure this machine and write the profile JSON.
+@dataclass(frozen=True)
+class BatchTiming:
+    """A whole forward or training step of the planned model over ``rows`` rows of ``seq``
+    tokens per process, on FSDP over ``dp`` of the ``processes`` worker processes."""
 
-    Args:
-        path: where to write; ``None``: :func:`default_profile_path`.
-        device: ``"cpu"`` or ``"cuda"``; ``None``: CUDA when available.
-        progress: show a tqdm bar.
-        passes: ``(batch, seq)`` sizes of the forward/backward timings (default per device kind).
-        decodes: ``(batch, context)`` sizes of the decode-step timings; the whole one-layer
-            model's decode step and the sampler's per-token work are timed at the same sizes.
-        layer: ``hidden_size``, ``intermediate_size``, ``num_heads``, ``num_kv_heads`` and
-            optionally ``vocab_size`` of the layer to profile (default per device kind);
-            profiling the shape of the model to be planned removes the error of scaling the
-            measured rates across model sizes.
-        rounds: every size is timed once per round, rounds one after another; the profile
-            keeps the median.
-        calls: whole calls of the planned model to time on CPU workers, which calibrate the
-            cost model's estimates of its calls (:class:`ProfiledRates`): ``model``
-            (:class:`ModelSpec` fields of the actor), ``generate`` (``prompts``, ``prompt_len``,
-            ``n`` samples per prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed
-            as a forward), the shapes one worker runs; see
-            ``rlflow.trainer.placement.profile_shapes``.
-        call_processes: the worker processes that time those calls at once
-            (:func:`concurrent_call_seconds`; the workers of one host).
+    rows: int
+    seq: int
+    seconds: float
+    processes: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class CallTimings:
+    """Whole calls of the planned ``model`` that calibrate the estimates of its call types."""
+
+    model: ModelSpec
+    generate: RolloutTiming
+    forward: BatchTiming
+    train: BatchTiming
+
+    def to_dict(self) -> dict[str, dict]:
+        return {
+            "model": dataclasses.asdict(self.model),
+            **{k: dataclasses.asdict(getattr(self, k)) for k in ("generate", "forward", "train")},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "calls") -> CallTimings:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
+        missing = [k for k in ("model", "generate", "forward", "train") if k not in data]
+        if missing:
+            raise ValueError(f"{where}: missing fields {missing}")
+        return cls(
+            model=_from_dict(ModelSpec, data["model"], f"{where}.model"),
+            generate=_from_dict(RolloutTiming, data["generate"], f"{where}.generate"),
+            forward=_from_dict(BatchTiming, data["forward"], f"{where}.forward"),
+            train=_from_dict(BatchTiming, data["train"], f"{where}.train"),
+        )
+
+
+_TIMINGS = ("forward", "backward", "decode", "model_decode", "sample")
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """A measured machine, as ``rlflow profile`` writes it (see the module docstring).
+
+    Attributes:
+        host, device, dtype: where the profile ran (``device``: ``"cpu"`` or the GPU's name)
+            and the dtype of the layer timings.
+        hardware: the machine's rates.
+        layer: the profiled layer's shape.
+        forward, backward: the layer's forward and backward alone, per ``(batch, seq)``.
+        decode: one decode step of the layer at ``seq`` cached tokens.
+        model_decode: the same step of a whole one-layer model (embedding, norm, head around
+            the layer); empty in profiles without it (its overhead is then priced at 0).
+        sample: the sampler's per-token work on ``(batch, vocab)`` logits; empty: priced at 0.
+        calls: whole calls of the planned model (CPU profiles taken for a run), or ``None``.
+        elapsed_s: seconds the measurement took.
+
+    >>> hw = HardwareProfile(1e10, 5e9, 1e9, 1e-5, 8e9)
+    >>> layer = ProfiledLayer(64, 128, 4, 4, vocab_size=32)
+    >>> p = MachineProfile("host", "cpu", "float32", hw, layer, (LayerTiming(1, 8, 1e-3),), (), ())
+    >>> MachineProfile.from_json(p.to_json()) == p
+    True
+    """
+
+    host: str
+    device: str
+    dtype: str
+    hardware: HardwareProfile
+    layer: ProfiledLayer
+    forward: tuple[LayerTiming, ...]
+    backward: tuple[LayerTiming, ...]
+    decode: tuple[LayerTiming, ...]
+    model_decode: tuple[LayerTiming, ...] = ()
+    sample: tuple[LayerTiming, ...] = ()
+    calls: CallTimings | None = None
+    elapsed_s: float = 0.0
+
+    def to_json(self) -> str:
+        """The profile file's text: one JSON object with a ``version`` key."""
+        data: dict[str, Any] = {
+            "version": PROFILE_VERSION,
+            "host": self.host,
+            "device": self.device,
+            "dtype": self.dtype,
+            "hardware": self.hardware.to_dict(),
+            "layer": dataclasses.asdict(self.layer),
+            **{k: [dataclasses.asdict(t) for t in getattr(self, k)] for k in _TIMINGS},
+            "elapsed_s": self.elapsed_s,
+        }
+        if self.calls is not None:
+            data["calls"] = self.calls.to_dict()
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> MachineProfile:
+        """Parse a profile file's text.
+
+        Raises:
+            ValueError: not JSON, another ``version`` than :data:`PROFILE_VERSION`, or a field
+                missing, unknown or of the wrong kind (the message names it).
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+        missing = [k for k in ("host", "device", "dtype", "hardware", "layer", "forward", "backward", "decode")
+                   if k not in data]  # fmt: skip
+        if missing:
+            raise ValueError(f"missing fields {missing}")
+        known = {"version", "calls", *(f.name for f in dataclasses.fields(cls))}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}")
+        timings = {}
+        for k in _TIMINGS:
+            rows = data.get(k, [])
+            if not isinstance(rows, list):
+                raise ValueError(f"{k}: expected a list of timings, got {type(rows).__name__}")
+            timings[k] = tuple(_from_dict(LayerTiming, row, f"{k}[{i}]") for i, row in enumerate(rows))
+        return cls(
+            host=data["host"],
+            device=data["device"],
+            dtype=data["dtype"],
+            hardware=_from_dict(HardwareProfile, data["hardware"], "hardware"),
+            layer=_from_dict(ProfiledLayer, data["layer"], "layer"),
+            calls=CallTimings.from_dict(data["calls"]) if data.get("calls") is not None else None,
+            elapsed_s=float(data.get("elapsed_s", 0.0)),
+            **timings,
+        )
+
+
+def save_profile(profile: MachineProfile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON to ``path`` (creating its directory); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return path
+
+
+def load_profile(path: str | Path) -> MachineProfile:
+    """Read a profile written by ``rlflow profile``.
 
     Raises:
-        ValueError: ``calls`` with a CUDA device (GPU clusters are priced from the presets).
-
-    Returns:
-        The profile dict (also written to ``path``; ``profile["path"]`` says where).
+        FileNotFoundError: no file at ``path`` (the message says how to make one).
+        ValueError: the file is not a profile of this version; the message names the file and
+            the field.
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spec = ModelSpec(**{**(_CUDA_LAYER if cuda else _CPU_LAYER), **(layer or {})}, name="profile-layer")
-    passes = passes or (_CUDA_PASSES if cuda else _CPU_PASSES)
-    decodes = decodes or (_CUDA_DECODE if cuda else _CPU_DECODE)
-    if calls and cuda:
-        raise ValueError("run_profile(calls=...) times whole calls in CPU worker processes; use device='cpu'")
-    jobs = (
-        [("forward", b, s) for b, s in passes]
-        + [("backward", b, s) for b, s in passes]
-        + [("decode", b, c) for b, c in decodes]
-        + [("model_decode", b, c) for b, c in decodes]
-        + [("sample", b, 0) for b, _ in decodes]
-    )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
-    start = time.perf_counter()
-    try:
-        bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=not progress)
-        hardware = measure_hardware(device)
-        if not cuda:  # CPU workers talk through gloo; NCCL's latencies come from the GPU presets
-            hardware["collective_latency_s"] = gloo_collective_latency()
-        bar.update()
-        parts = _build_layer(spec, device, dtype)
-        samples: dict[str, list] = {k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")}
-        measured_calls: dict[str, dict] = {}
-        if calls:
-            seconds = concurrent_call_seconds(calls, call_processes, rounds)
-            for k, shape in _call_shapes(calls).items():
-                # dp: the layout the call ran on (the rollouts: one per process)
-                dp = 1 if k == "generate" else call_processes
-                measured_calls[k] = {**shape, "seconds": seconds[k], "processes": call_processes, "dp": dp}
-        # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
-        # machine disturbs one round of every size rather than every round of one size.
-        timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
-        for (kind, batch, seq), seconds in zip(jobs, np.median(timings, axis=0)):
-            samples[kind].append({"batch": batch, "seq": seq, "seconds": float(seconds)})
-        bar.update(len(jobs))
-        bar.close()
-    finally:
-        torch.set_num_threads(threads)
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    profile = {
-        "version": PROFILE_VERSION,
-        "host": socket.gethostname(),
-        "device": name,
-        "dtype": str(dtype).removeprefix("torch."),
-        "hardware": hardware,
-        "layer": {
-            **{k: getattr(spec, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")},
-            "vocab_size": spec.vocab_size,
-            "bytes_per_param": 2 if cuda else 4,  # the dtype the layer ran in
-        },
-        **samples,
-        **({"calls": {"model": dict(calls["model"]), **measured_calls}} if calls else {}),
-        "elapsed_s": time.perf_counter() - start,
-    }
-    out = Path(path) if path is not None else default_profile_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(profile, indent=1))
-    return {**profile, "path": str(out)}
-
-
-def load_profile(path: str | Path) -> dict:
-    """Read a profile written by :func:`run_profile`, checking its version and fields."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no profile at {path}; create one with `rlflow profile --out {path}`")
-    profile = json.loads(path.read_text())
-    if profile.get("version") != PROFILE_VERSION:
-        raise ValueError(f"profile {path} has version {profile.get('version')!r}, expected {PROFILE_VERSION}")
-    missing = [k for k in ("hardware", "layer", "forward", "backward", "decode") if k not in profile]
-    if missing:
-        raise ValueError(f"profile {path} lacks {missing}")
-    return profile
+    try:
+        return MachineProfile.from_json(path.read_text())
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"profile {path}: {exc}; measure it again with `rlflow profile --out {path}`") from exc
 
 
 # ----------------------------------------------------------------------------- rates from a profile
@@ -526,29 +313,28 @@ class ProfiledRates(Rates):
     without these timings price them at 0.
     """
 
-    def __init__(self, profile: dict, cluster: ClusterSpec, calibrate: bool = True):
+    def __init__(self, profile: MachineProfile, cluster: ClusterSpec, calibrate: bool = True):
         super().__init__(cluster)
         self.call_scales: dict[str, float] = {}
-        layer = dict(profile["layer"])
-        nbytes = int(layer.pop("bytes_per_param", 4))
-        spec = ModelSpec(num_layers=1, **{"vocab_size": 1, **layer})
-        hw = profile["hardware"]
-        self.bandwidth = hw["memcpy_bandwidth"]
-        decode = [self._work(spec, s, nbytes, decode=True) for s in profile["decode"]]
-        roofline = [max(f / hw["matmul_flops"], (m + b) / self.bandwidth) for f, m, b, _, _ in decode]
+        nbytes = profile.layer.bytes_per_param
+        spec = profile.layer.spec()
+        hw = profile.hardware
+        self.bandwidth = hw.memcpy_bandwidth
+        decode = [self._work(spec, s, nbytes, decode=True) for s in profile.decode]
+        roofline = [max(f / hw.matmul_flops, (m + b) / self.bandwidth) for f, m, b, _, _ in decode]
         self.overhead_s = max(0.0, min((d[4] - r for d, r in zip(decode, roofline)), default=0.0))
-        self.pass_overhead_s = self._pass_overhead(spec, profile, hw, nbytes)
-        sample = sorted((s["batch"], s["seconds"]) for s in profile.get("sample", []))
+        self.pass_overhead_s = self._pass_overhead(spec, profile, nbytes)
+        sample = sorted((s.batch, s.seconds) for s in profile.sample)
         self._sample = (np.array([b for b, _ in sample], dtype=np.float64), np.array([t for _, t in sample]))
-        forward = [self._work(spec, s, nbytes, decode=False) for s in profile["forward"]] + decode
+        forward = [self._work(spec, s, nbytes, decode=False) for s in profile.forward] + decode
         self._fwd = self._table([w[3] for w in forward], [w[0] / self._net(w[4]) for w in forward])
-        backward = [self._work(spec, s, nbytes, decode=False) for s in profile["backward"]]
+        backward = [self._work(spec, s, nbytes, decode=False) for s in profile.backward]
         rates = [BACKWARD_FLOPS_FACTOR * w[0] / self._net(w[4]) for w in backward]
         self._bwd = self._table([w[3] for w in backward], rates)
-        if calibrate and profile.get("calls"):
-            self.call_scales = self._calibrate(profile["calls"], cluster)
+        if calibrate and profile.calls is not None:
+            self.call_scales = self._calibrate(profile.calls, cluster)
 
-    def _calibrate(self, calls: dict, cluster: ClusterSpec) -> dict[str, float]:
+    def _calibrate(self, calls: CallTimings, cluster: ClusterSpec) -> dict[str, float]:
         """Measured over estimated seconds of the profiled whole calls, per interface type.
 
         The layer timings miss what a whole call adds at the planned model's shape: the HF
@@ -564,47 +350,47 @@ class ProfiledRates(Rates):
         from rlflow.planner.mesh import DeviceMesh
         from rlflow.strategy import ParallelStrategy
 
-        model = ModelSpec(**calls["model"])
         mesh = DeviceMesh(1, 1, devices_per_node=cluster.devices_per_node)
         scales = {}
-        jobs = [("generate", "generate"), ("inference", "forward"), ("train_step", "train")]
-        for interface, name in jobs:
-            if name not in calls:
-                continue
-            shape = calls[name]
-            dp = shape["dp"]
-            if name == "generate":
-                workload = Workload(shape["prompts"], shape["prompt_len"], shape["gen_len"], shape["n"])
-            else:
-                workload = Workload(shape["rows"] * dp, shape["seq"], 0, n_ppo_minibatches=1,
-                                    gradient_checkpointing=False, max_tokens_per_mb=None)  # fmt: skip
-            mfc = MFCDef(f"profiled_{name}", "profiled", interface)
+        gen = calls.generate
+
+        def one_pass(t: BatchTiming) -> Workload:  # the rows of every process, in one mini-batch
+            return Workload(t.rows * t.dp, t.seq, 0, n_ppo_minibatches=1, gradient_checkpointing=False,
+                            max_tokens_per_mb=None)  # fmt: skip
+
+        jobs = [
+            ("generate", gen, Workload(gen.prompts, gen.prompt_len, gen.gen_len, gen.n)),
+            ("inference", calls.forward, one_pass(calls.forward)),
+            ("train_step", calls.train, one_pass(calls.train)),
+        ]
+        for interface, timing, workload in jobs:
+            dp = timing.dp
+            objective = "rl" if interface == "train_step" else None  # the actor's calls were timed
+            mfc = MFCDef(f"profiled_{interface}", "profiled", interface, objective=objective)
             on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=dp)
-            cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, self)
+            cost = call_cost(mfc, calls.model, ParallelStrategy(dp=dp), on, cluster, workload, self)
             # Collectives are priced on their own and not scaled: calibrate the rest.
             comm = cost.breakdown.get("fsdp_exposed_s", 0.0) + cost.breakdown.get("sync_s", 0.0)
-            scale = (shape["seconds"] - comm) / max(cost.time_s - comm, 1e-12)
+            scale = (timing.seconds - comm) / max(cost.time_s - comm, 1e-12)
             scales[interface] = float(np.clip(scale, 0.25, 4.0))
         return scales
 
     def call_scale(self, interface_type: str) -> float:
         return self.call_scales.get(interface_type, 1.0)
 
-    def _pass_overhead(self, spec: ModelSpec, profile: dict, hw: dict, nbytes: int) -> float:
+    def _pass_overhead(self, spec: ModelSpec, profile: MachineProfile, nbytes: int) -> float:
         """Seconds a whole model's pass adds to its layers (embedding, rotary, masks, final norm,
         head launch): the one-layer model's decode step minus the bare layer's at the same size
         and minus the head's roofline; the median over sizes, at least 0."""
-        layer_s = {(s["batch"], s["seq"]): s["seconds"] for s in profile["decode"]}
+        layer_s = {(s.batch, s.seq): s.seconds for s in profile.decode}
         extra = []
-        for s in profile.get("model_decode", []):
-            if (s["batch"], s["seq"]) not in layer_s:
+        for s in profile.model_decode:
+            if (s.batch, s.seq) not in layer_s:
                 continue
-            head_flops = 2.0 * spec.hidden_size * spec.vocab_size * s["batch"]
-            head_bytes = (
-                spec.hidden_size * spec.vocab_size + s["batch"] * (spec.hidden_size + spec.vocab_size)
-            ) * nbytes
-            head = max(head_flops / hw["matmul_flops"], head_bytes / self.bandwidth)
-            extra.append(s["seconds"] - layer_s[(s["batch"], s["seq"])] - head)
+            head_flops = 2.0 * spec.hidden_size * spec.vocab_size * s.batch
+            head_bytes = (spec.hidden_size * spec.vocab_size + s.batch * (spec.hidden_size + spec.vocab_size)) * nbytes
+            head = max(head_flops / profile.hardware.matmul_flops, head_bytes / self.bandwidth)
+            extra.append(s.seconds - layer_s[(s.batch, s.seq)] - head)
         return max(0.0, float(np.median(extra))) if extra else 0.0
 
     def sample_step_s(self, rows):
@@ -621,12 +407,14 @@ class ProfiledRates(Rates):
         return max(seconds - self.overhead_s, 0.1 * seconds)
 
     @staticmethod
-    def _work(spec: ModelSpec, sample: dict, nbytes: int, decode: bool) -> tuple[float, float, float, int, float]:
+    def _work(
+        spec: ModelSpec, sample: LayerTiming, nbytes: int, decode: bool
+    ) -> tuple[float, float, float, int, float]:
         """``(flops, matmul_bytes, stream_bytes, tokens, seconds)`` of one profiled pass."""
-        batch, seq = sample["batch"], sample["seq"]
+        batch, seq = sample.batch, sample.seq
         new, pairs = (1, seq + 1) if decode else (seq, seq * (seq + 1) / 2)
         flops, matmul, stream = layer_work(spec, 1, batch, new, pairs, nbytes, seq if decode else 0)
-        return float(flops), float(matmul), float(stream), batch * new, float(sample["seconds"])
+        return float(flops), float(matmul), float(stream), batch * new, float(sample.seconds)
 
     @staticmethod
     def _table(tokens, rates) -> tuple[np.ndarray, np.ndarray]:
@@ -647,5 +435,8 @@ class ProfiledRates(Rates):
         return self.overhead_s + np.maximum(np.asarray(flops) / rate, nbytes / self.bandwidth)
 
     @classmethod
-    def from_profile(cls, profile: dict | str | Path, cluster: ClusterSpec, calibrate: bool = True) -> ProfiledRates:
-        return cls(profile if isinstance(profile, dict) else load_profile(profile), cluster, calibrate)
+    def from_profile(
+        cls, profile: MachineProfile | str | Path, cluster: ClusterSpec, calibrate: bool = True
+    ) -> ProfiledRates:
+        """Rates of ``profile``, or of the profile file at that path (:func:`load_profile`)."""
+        return cls(profile if isinstance(profile, MachineProfile) else load_profile(profile), cluster, calibrate)

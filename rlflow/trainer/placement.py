@@ -28,6 +28,7 @@ from rlflow.planner.cluster import ClusterSpec, cluster_preset
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
+from rlflow.planner.profile import MachineProfile
 from rlflow.planner.search import search
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
@@ -68,8 +69,9 @@ def model_specs(model_paths: Mapping[str, str | None], value_heads: set[str]) ->
     }
 
 
-def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: dict | None) -> ClusterSpec:
-    """The cluster the planner prices: measured CPU workers, or GPUs of the preset type."""
+def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile | None) -> ClusterSpec:
+    """The cluster the planner prices: CPU workers priced from ``profile`` (else this host's
+    profile, else its hardware measured now), or GPUs of the preset type."""
     p = cfg.placement
     if use_gpu:
         cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
@@ -78,7 +80,7 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: dict | None) -> 
         if cfg.rollout.engine == "hf":
             return cluster.with_precision(rollout_bytes=4)
         return replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
-    return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile)
+    return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile_or_measure(profile))
 
 
 def planning_workload(cfg: RLFlowConfig) -> Workload:
@@ -120,7 +122,7 @@ def plan_placement(
     specs: Mapping[str, ModelSpec],
     *,
     use_gpu: bool,
-    profile: dict | None = None,
+    profile: MachineProfile | None = None,
     progress: bool = True,
 ) -> Placement:
     """Plans every MFC of ``graph`` according to ``cfg.placement.mode``.
@@ -288,12 +290,12 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     return shapes
 
 
-def load_profile_for(cfg: RLFlowConfig, use_gpu: bool, run_dir: Path, spec: ModelSpec | None = None) -> dict | None:
+def load_profile_for(
+    cfg: RLFlowConfig, use_gpu: bool, run_dir: Path, spec: ModelSpec | None = None
+) -> MachineProfile | None:
     """A measured profile of this machine at the run's shapes when ``placement.profile`` asks for
     one (CPU only: GPU clusters are priced from the presets), with whole calls of ``spec`` (the
     actor) when given."""
     if use_gpu or not cfg.placement.profile:
         return None
-    from rlflow.planner.profile import run_profile
-
     return run_profile(path=run_dir / "profile.json", progress=True, **profile_shapes(cfg, spec))

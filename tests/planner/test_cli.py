@@ -6,6 +6,7 @@ import pytest
 
 from rlflow.cli import main
 from rlflow.planner.plan import ExecutionPlan
+from rlflow.planner.profile import HardwareProfile, MachineProfile, ProfiledLayer
 
 PLAN = (
     "plan --algo ppo --actor llama2-7b --nodes 1 --devices-per-node 4 --batch 64 --prompt-len 128 --gen-len 128".split()
@@ -76,9 +77,11 @@ def test_profile_passes_its_arguments_and_reports(tmp_path, monkeypatch, capsys)
 
     def fake_run_profile(path, device):  # the measurement itself is tested with the profiler
         seen.update(path=path, device=device)
-        return {"device": "cpu", "elapsed_s": 1.5, "path": path, "hardware": {"matmul_flops": 1.0e11}}
+        hardware = HardwareProfile(1.0e11, 5e9, 1e9, 1e-5, 8e9)
+        layer = ProfiledLayer(64, 128, 4, 4, vocab_size=32)
+        return MachineProfile("host", "cpu", "float32", hardware, layer, (), (), (), elapsed_s=1.5)
 
-    monkeypatch.setattr("rlflow.planner.profile.run_profile", fake_run_profile)
+    monkeypatch.setattr("rlflow.workers.profiling.run_profile", fake_run_profile)
     assert main(["profile", "--out", str(tmp_path / "p.json"), "--device", "cpu"]) == 0
-    assert seen == {"path": str(tmp_path / "p.json"), "device": "cpu"}
+    assert seen == {"path": tmp_path / "p.json", "device": "cpu"}
     assert "matmul_flops: 1e+11" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlflow.planner.cluster import ClusterSpec, GiB, cluster_preset
+from rlflow.planner.profile import HardwareProfile
 
 HW = {
     "matmul_flops": 2e10,
@@ -28,11 +29,11 @@ def test_gpu_presets_carry_the_vendor_figures():
 
 
 def test_cpu_preset_is_priced_from_a_measured_profile():
-    c = cluster_preset("cpu", num_nodes=1, devices_per_node=4, profile={"hardware": HW})
+    c = cluster_preset("cpu", num_nodes=1, devices_per_node=4, profile=HardwareProfile(**HW))
     assert c.peak_flops == 2e10 and c.flops == 2e10  # measured already: no efficiency factor
     assert c.device_memory_bytes == 4 * GiB and c.intra_host_bandwidth == 5e8 and c.collective_latency_s == 4e-5
     assert c.with_shape(2).num_devices == 8
-    measured = cluster_preset("cpu", devices_per_node=2, profile={"hardware": {**HW, "collective_latency_s": 2e-3}})
+    measured = cluster_preset("cpu", devices_per_node=2, profile=HardwareProfile(**HW, collective_latency_s=2e-3))
     assert measured.collective_latency_s == 2e-3 and measured.intra_host_latency_s == 4e-5
 
 

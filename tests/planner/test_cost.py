@@ -12,6 +12,7 @@ from rlflow.planner.cost import Workload, call_cost, collective_s, estimate_call
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
 from rlflow.planner.passes import Rates, head_s
+from rlflow.planner.profile import HardwareProfile
 from rlflow.strategy import ParallelStrategy
 
 S = ParallelStrategy
@@ -82,7 +83,9 @@ def test_fsdp_on_cpu_workers_runs_one_exposed_collective_per_unit():
     35-75 ms in gloo all-gathers and all-reduces (torch.profiler); priced as one collective for
     the whole stage hidden under compute, it was 0.75 ms, and is 31 ms now."""
     cpu = dataclasses.replace(
-        cluster_preset("cpu", 1, 2, profile={"hardware": CPU_HW}), intra_host_bandwidth=1e30, collective_latency_s=2e-3
+        cluster_preset("cpu", 1, 2, profile=HardwareProfile(**CPU_HW)),
+        intra_host_bandwidth=1e30,
+        collective_latency_s=2e-3,
     )
     assert cpu.comm_overlaps_compute is False and A100.comm_overlaps_compute is True
     per_collective = cpu.collective_latency_s + cpu.intra_host_latency_s  # a ring of two: one step
@@ -175,7 +178,7 @@ def test_ppo_epochs_repeat_the_rl_train_step_only():
 
 
 def test_cpu_workers_are_priced_in_fp32():
-    cpu = cluster_preset("cpu", 1, 2, profile={"hardware": CPU_HW})
+    cpu = cluster_preset("cpu", 1, 2, profile=HardwareProfile(**CPU_HW))
     m = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=100)
     w = Workload(batch_size=8, prompt_len=8, gen_len=4)
     c = call_cost(TRAIN, m, S(dp=2), DeviceMesh(1, 2, devices_per_node=2), cpu, w)

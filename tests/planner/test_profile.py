@@ -1,186 +1,139 @@
-"""``rlflow profile``: a quick measurement on this machine, its JSON, and rates read from it."""
+"""Profiles as the planner reads them: the typed record, its JSON file, and the rates priced from
+it. Measuring a profile is tested in tests/workers/test_profiling.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
-import numpy as np
 import pytest
 
-from rlflow.dataflow import MFCDef, algorithm_mfcs
 from rlflow.planner.cluster import cluster_preset
-from rlflow.planner.cost import Workload, call_cost
-from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import layer_work
-from rlflow.planner.profile import ProfiledRates, default_profile_path, load_profile, run_profile
-from rlflow.strategy import ParallelStrategy
+from rlflow.planner.profile import (
+    BatchTiming,
+    CallTimings,
+    HardwareProfile,
+    LayerTiming,
+    MachineProfile,
+    ProfiledLayer,
+    ProfiledRates,
+    RolloutTiming,
+    default_profile_path,
+    load_profile,
+    save_profile,
+)
+
+HW = HardwareProfile(2e10, 1e10, 5e8, 4e-5, 16e9, collective_latency_s=2e-3)
+LAYER = ProfiledLayer(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+CALLS = CallTimings(
+    model=ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40),
+    generate=RolloutTiming(prompts=4, prompt_len=6, n=2, gen_len=3, seconds=0.5, processes=2, dp=1),
+    forward=BatchTiming(rows=8, seq=9, seconds=0.1, processes=2, dp=2),
+    train=BatchTiming(rows=8, seq=9, seconds=0.3, processes=2, dp=2),
+)
 
 
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    path = tmp_path_factory.mktemp("profile") / "p.json"
-    layer = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=4, vocab_size=64)
-    return run_profile(
-        path, device="cpu", progress=False, passes=((1, 16), (2, 64)), decodes=((1, 32), (4, 32)), layer=layer, rounds=1
-    )
+def _profile(**changes) -> MachineProfile:
+    timings = (LayerTiming(1, 16, 1e-3), LayerTiming(4, 64, 5e-3))
+    fields = dict(host="h", device="cpu", dtype="float32", hardware=HW, layer=LAYER, forward=timings,
+                  backward=timings, decode=timings, model_decode=timings[:1], sample=(LayerTiming(1, 0, 1e-4),),
+                  calls=CALLS, elapsed_s=3.0)  # fmt: skip
+    return MachineProfile(**{**fields, **changes})
 
 
-def test_profile_measures_this_machine_and_round_trips(profile):
-    hw = profile["hardware"]
-    for key in ("matmul_flops", "memcpy_bandwidth", "loopback_bandwidth", "host_memory_bytes"):
-        assert hw[key] > 0, key
-    assert 0 < hw["loopback_latency_s"] < 0.1
-    assert [s["seq"] for s in profile["forward"]] == [16, 64] and all(s["seconds"] > 0 for s in profile["backward"])
-    # the layer shape asked for, a whole one-layer model's decode step and the sampler at every decode size
-    assert profile["layer"]["hidden_size"] == 128 and profile["layer"]["vocab_size"] == 64
-    assert [s["batch"] for s in profile["model_decode"]] == [s["batch"] for s in profile["sample"]] == [1, 4]
-    assert all(s["seconds"] > 0 for s in profile["model_decode"] + profile["sample"])
-    loaded = load_profile(profile["path"])
-    assert loaded["decode"] == profile["decode"] and loaded["device"] == "cpu" and loaded["dtype"] == "float32"
+@pytest.mark.parametrize("calls", [CALLS, None])
+def test_a_profile_round_trips_through_its_file(tmp_path, calls):
+    profile = _profile(calls=calls)
+    path = save_profile(profile, tmp_path / "sub" / "p.json")
+    assert load_profile(path) == profile
+    data = json.loads(path.read_text())  # the file keeps the keys every profile file had
+    assert data["version"] == 1 and data["hardware"]["collective_latency_s"] == 2e-3
+    assert data["forward"][1] == {"batch": 4, "seq": 64, "seconds": 5e-3} and ("calls" in data) == (calls is not None)
+    no_gloo = _profile(hardware=HardwareProfile(2e10, 1e10, 5e8, 4e-5, 16e9))  # a GPU profile: not measured
+    assert "collective_latency_s" not in json.loads(no_gloo.to_json())["hardware"]
+    assert cluster_preset("cpu", profile=no_gloo).collective_latency_s == 4e-5  # priced at the socket hop
 
 
-def test_a_cpu_profile_prices_collectives_at_a_measured_gloo_all_reduce(profile):
-    """A gloo all-reduce between two worker processes costs far more than a raw TCP ping (about
-    1.9 ms against 15 us on the 2-core sandbox): priced at the ping, tensor-parallel generation
-    looked cheaper than data-parallel and the search picked a plan that ran 1.65x slower."""
-    hw = profile["hardware"]
-    assert hw["collective_latency_s"] > hw["loopback_latency_s"]
-    cpu = cluster_preset("cpu", devices_per_node=2, profile=profile)
-    assert cpu.collective_latency_s == hw["collective_latency_s"]
-    assert cpu.intra_host_latency_s == hw["loopback_latency_s"]  # per ring step: the socket hop
-
-
-def test_profiled_rates_price_calls(profile):
-    cluster = cluster_preset("cpu", 1, 2, profile=profile)
-    rates = ProfiledRates.from_profile(profile["path"], cluster)
-    # interpolation stays inside the measured range
-    fwd = rates.flops_rate(np.array([0.5, 1.0, 128.0, 1e6]))  # profiled passes span 1 to 128 tokens
-    assert fwd[0] == fwd[1] and fwd[2] == fwd[3] and np.all(fwd > 0)
-    m = ModelSpec(
-        num_layers=2,
-        hidden_size=128,
-        intermediate_size=256,
-        num_heads=4,
-        num_kv_heads=4,
-        vocab_size=256,
-    )
-    # Enough rows that halving them outweighs the gloo collectives data parallelism adds: FSDP's
-    # per-layer gathers and reduce-scatters share the workers' cores, so at 16 rows per rank and
-    # mini-batch (64 prompts, 4 mini-batches) training on two workers is priced slower than on one.
-    w = Workload(batch_size=256, prompt_len=16, gen_len=8)
-    for mfc in algorithm_mfcs("ppo")[::2]:
-        one = call_cost(mfc, m, ParallelStrategy(), DeviceMesh(1, 1, devices_per_node=2), cluster, w, rates).time_s
-        two = call_cost(mfc, m, ParallelStrategy(dp=2), DeviceMesh(1, 2, devices_per_node=2), cluster, w, rates).time_s
-        assert 0 < two < one < 60
-
-
-def test_the_sampler_step_is_priced_at_the_rows_it_draws_for(profile):
-    """The sampler's per-token work grows with the rows (2.0 ms for 256 rows against 0.08 ms for
-    one on the sandbox); a median over the profiled sizes priced every generation at ~0.25 ms."""
-    rates = ProfiledRates.from_profile(profile, cluster_preset("cpu", 1, 2, profile=profile))
-    (b1, t1), (b4, t4) = [(s["batch"], s["seconds"]) for s in profile["sample"]]
-    assert (b1, b4) == (1, 4)
-    got = rates.sample_step_s(np.array([1, 2.5, 4, 8]))
-    np.testing.assert_allclose(got, [t1, (t1 + t4) / 2, t4, 2 * t4])  # beyond the largest: in proportion
-
-
-CALLS = {
-    "model": dict(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=40,
-        tie_embeddings=True,
-    ),
-    "generate": dict(prompts=4, prompt_len=6, n=2, gen_len=3),
-    "train": dict(rows=8, seq=9),
-}
-
-
-@pytest.mark.parametrize("processes", [1, 2])
-def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, processes):
-    """The layer timings miss what a whole call adds (the sampler's bookkeeping, the HF model
-    around its layers, the loss, the optimizer) and, on a CPU host, what workers running at once
-    cost each other. Profiled whole calls scale the estimates of their call types, so that a call
-    at the profiled shape is estimated at its measurement; ``processes`` times them in that many
-    worker processes at once, the forward and training step through a TrainEngine on FSDP over
-    them."""
-    layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
-    prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
-                       decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=CALLS, call_processes=processes)  # fmt: skip
-    assert load_profile(prof["path"])["calls"] == prof["calls"]
-    for name in ("generate", "forward", "train"):
-        assert prof["calls"][name]["seconds"] > 0 and prof["calls"][name]["processes"] == processes
-    cluster = cluster_preset("cpu", 1, 2, profile=prof)
-    rates = ProfiledRates.from_profile(prof, cluster)
-    plain = ProfiledRates.from_profile(prof, cluster, calibrate=False)
-    assert set(rates.call_scales) == {"generate", "inference", "train_step"} and plain.call_scales == {}
-    model = ModelSpec(**CALLS["model"])
-    mesh = DeviceMesh(1, 1, devices_per_node=2)
-    gen_mfc, train_mfc = MFCDef("g", "m", "generate"), MFCDef("t", "m", "train_step")
-    gen = Workload(batch_size=4, prompt_len=6, gen_len=3, n_samples_per_prompt=2)
-    train = Workload(batch_size=8, prompt_len=9, gen_len=0, n_ppo_minibatches=1, gradient_checkpointing=False,
-                     max_tokens_per_mb=None)  # fmt: skip
-    for mfc, workload, name in ((gen_mfc, gen, "generate"), (train_mfc, train, "train")):
-        # Timed with more processes, the training step ran on FSDP over them: priced so.
-        dp = prof["calls"][name]["dp"]
-        assert dp == (1 if name == "generate" else processes)
-        workload = dataclasses.replace(workload, batch_size=workload.batch_size * dp)
-        on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=2)
-        calibrated = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, rates)
-        scale = rates.call_scale(mfc.interface_type)
-        if 0.25 < scale < 4:  # not at a bound: the calibrated estimate is the measurement
-            assert calibrated.time_s == pytest.approx(prof["calls"][name]["seconds"], rel=1e-6)
-        # the compute is scaled, the collectives are not
-        plain_cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, plain)
-        comm = plain_cost.breakdown.get("fsdp_exposed_s", 0.0) + plain_cost.breakdown.get("sync_s", 0.0)
-        ratio = (prof["calls"][name]["seconds"] - comm) / (plain_cost.time_s - comm)
-        assert scale == pytest.approx(np.clip(ratio, 0.25, 4.0), rel=1e-9)  # whether bounded or not
-        assert (comm > 0) == (dp > 1)
-        assert calibrated.time_s == pytest.approx(comm + scale * (plain_cost.time_s - comm), rel=1e-6)
-
-
-def test_whole_calls_are_timed_on_cpu_workers_only(tmp_path):
-    with pytest.raises(ValueError, match="CPU worker processes"):
-        run_profile(tmp_path / "p.json", device="cuda", progress=False, calls=CALLS)
+def test_a_profile_file_written_before_the_record_still_loads(tmp_path):
+    """The JSON a dict-based ``run_profile`` wrote: no ``model_decode``/``sample`` timings, a
+    ``calls.model`` of some ModelSpec fields only."""
+    old = {"version": 1, "host": "h", "device": "cpu", "dtype": "float32",
+           "hardware": {"matmul_flops": 2e10, "memcpy_bandwidth": 1e10, "loopback_bandwidth": 5e8,
+                        "loopback_latency_s": 4e-5, "host_memory_bytes": 16e9},
+           "layer": {"hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 4,
+                     "vocab_size": 32, "bytes_per_param": 4},
+           "forward": [{"batch": 1, "seq": 16, "seconds": 1e-3}], "backward": [{"batch": 1, "seq": 16, "seconds": 2e-3}],
+           "decode": [{"batch": 1, "seq": 16, "seconds": 5e-4}], "elapsed_s": 2.0,
+           "calls": {"model": {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+                               "num_kv_heads": 2, "vocab_size": 40, "head_dim": None, "tie_embeddings": True},
+                     **{k: v for k, v in CALLS.to_dict().items() if k != "model"}}}  # fmt: skip
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    profile = load_profile(tmp_path / "old.json")
+    assert profile.model_decode == () and profile.sample == () and profile.hardware.collective_latency_s is None
+    assert profile.calls.model.tie_embeddings and profile.calls.train.seconds == 0.3
+    assert ProfiledRates(profile, cluster_preset("cpu", profile=profile)).call_scales.keys() == {
+        "generate", "inference", "train_step"}  # fmt: skip
 
 
 def test_profile_files_are_checked(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="rlflow profile"):
         load_profile(tmp_path / "missing.json")
-    (tmp_path / "old.json").write_text(json.dumps({"version": 0}))
-    with pytest.raises(ValueError, match="version 0"):
-        load_profile(tmp_path / "old.json")
+    cases = {
+        "old.json": ({"version": 0}, "version 0, expected 1"),
+        "nojson.json": ("{", "not JSON"),
+        "lacks.json": ({"version": 1, "host": "h"}, r"missing fields \['device', 'dtype', 'hardware'"),
+        "hw.json": (
+            {**json.loads(_profile().to_json()), "hardware": {"matmul_flops": 1.0}},
+            r"hardware: missing fields",
+        ),
+        "row.json": (
+            {**json.loads(_profile().to_json()), "decode": [{"batch": 1}]},
+            r"decode\[0\]: missing fields \['seq'",
+        ),
+        "extra.json": ({**json.loads(_profile().to_json()), "gpu_name": "x"}, r"unknown fields \['gpu_name'\]"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(ValueError, match=f"profile {tmp_path / name}: {message}"):
+            load_profile(tmp_path / name)
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
     assert default_profile_path().parent == tmp_path
+    with pytest.raises(ValueError, match="cpu preset is priced from a measured profile"):
+        cluster_preset("cpu")  # no profile given and none of this host: the planner does not measure
 
 
 def test_profiled_rates_split_a_fixed_overhead_from_the_rate():
     """Synthetic timings: every pass takes its roofline on the measured hardware plus 2 ms, except
     the smallest decode step, plus 1 ms: the overhead is 1 ms and rates are fitted to the rest."""
     layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4)
-    hw = {"matmul_flops": 1e10, "memcpy_bandwidth": 5e9, "loopback_bandwidth": 1e9, "loopback_latency_s": 1e-5,
-          "host_memory_bytes": 8e9}  # fmt: skip
+    hw = HardwareProfile(
+        matmul_flops=1e10, memcpy_bandwidth=5e9, loopback_bandwidth=1e9, loopback_latency_s=1e-5, host_memory_bytes=8e9
+    )
     spec = ModelSpec(num_layers=1, vocab_size=1, **layer)
 
     def roofline(batch, seq, decode):
         new, pairs = (1, seq + 1) if decode else (seq, seq * (seq + 1) / 2)
         f, m, b = layer_work(spec, 1, batch, new, pairs, 4, seq if decode else 0)
-        return f, max(f / hw["matmul_flops"], (m + b) / hw["memcpy_bandwidth"])
+        return f, max(f / hw.matmul_flops, (m + b) / hw.memcpy_bandwidth)
 
-    decode = [{"batch": 1, "seq": 16, "seconds": roofline(1, 16, True)[1] + 1e-3}]
-    decode += [{"batch": 8, "seq": 16, "seconds": roofline(8, 16, True)[1] + 2e-3}]
-    forward = [{"batch": b, "seq": s, "seconds": roofline(b, s, False)[1] + 2e-3} for b, s in ((1, 32), (4, 64))]
-    profile = {"hardware": hw, "layer": {**layer, "bytes_per_param": 4}, "forward": forward, "decode": decode,
-               "backward": forward}  # fmt: skip
+    decode = (LayerTiming(1, 16, roofline(1, 16, True)[1] + 1e-3), LayerTiming(8, 16, roofline(8, 16, True)[1] + 2e-3))
+    forward = tuple(LayerTiming(b, s, roofline(b, s, False)[1] + 2e-3) for b, s in ((1, 32), (4, 64)))
+    profile = MachineProfile(
+        "host",
+        "cpu",
+        "float32",
+        hw,
+        ProfiledLayer(**layer, vocab_size=1),
+        forward=forward,
+        backward=forward,
+        decode=decode,
+    )
     rates = ProfiledRates(profile, cluster_preset("cpu", profile=profile))
     assert rates.overhead_s == pytest.approx(1e-3)
     flops, seconds = roofline(4, 64, False)
     assert rates.flops_rate(4 * 64) == pytest.approx(flops / (seconds + 1e-3))
     # a profiled pass is priced back at its measured time
     f, m, b = layer_work(spec, 1, 4, 64, 64 * 65 / 2, 4)
-    assert rates.compute_s(f, m, b, 4 * 64) == pytest.approx(forward[1]["seconds"])
+    assert rates.compute_s(f, m, b, 4 * 64) == pytest.approx(forward[1].seconds)
+    assert rates.pass_overhead_s == 0.0 and rates.sample_step_s(4) == 0.0  # not profiled: priced at 0

@@ -1,0 +1,517 @@
+"""``rlflow profile``: measure this machine so the cost model can price plans for it.
+
+Measures what :class:`rlflow.planner.profile.MachineProfile` records: hardware rates, timings of
+one real HF Llama decoder layer for a few (batch, sequence) sizes — forward, backward, and one
+decode step against a KV cache — and, for a run, whole calls of the planned model as workers run
+them (the rollout sampler, and a ``TrainEngine`` on FSDP over spawned gloo processes). On CPU
+the layer is small and runs in fp32 on one thread (as each CPU worker does); with CUDA it is a
+LLaMA-2-7B layer in bf16.
+
+It lives here, above the engines it runs, and not in the planner: the planner only reads a
+profile and prices with it (:class:`rlflow.planner.profile.ProfiledRates`). The workers layer is
+where a call runs the way a worker runs it, and its package imports nothing on its own, so the
+spawned gloo processes import only the engine, not the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.profile import (
+    BatchTiming,
+    CallTimings,
+    HardwareProfile,
+    LayerTiming,
+    MachineProfile,
+    ProfiledLayer,
+    RolloutTiming,
+    default_profile_path,
+    load_profile,
+    save_profile,
+)
+
+# Layer shapes and sizes profiled per device kind: (batch, seq) for forward/backward,
+# (batch, context) for decode steps. CPU sizes keep the whole profile well under 30 s.
+_CPU_LAYER = dict(num_layers=1, hidden_size=256, intermediate_size=688, num_heads=8, num_kv_heads=8, vocab_size=256)
+_CPU_PASSES = ((1, 64), (4, 128), (4, 256))
+_CPU_DECODE = ((1, 128), (8, 128), (32, 128))
+_CUDA_LAYER = dict(
+    num_layers=1, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32, vocab_size=32000
+)
+_CUDA_PASSES = ((1, 512), (4, 1024), (16, 1024), (32, 2048))
+_CUDA_DECODE = ((1, 1024), (16, 1024), (64, 1024), (256, 1024))
+
+
+# ----------------------------------------------------------------------------- hardware rates
+
+
+def _timed(fn, repeat: int, sync) -> float:
+    """Seconds per call of ``fn``: the mean over ``repeat`` calls, after one warm-up call."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeat
+
+
+def _loopback(nbytes: int = 32 << 20, pings: int = 200) -> tuple[float, float]:
+    """Bandwidth (bytes/s) and one-way latency (s) of a local TCP connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(pings):
+                conn.sendall(conn.recv(1))
+            received = 0
+            while received < nbytes:
+                received += len(conn.recv(1 << 20))
+            conn.sendall(b"k")
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.perf_counter()
+        for _ in range(pings):
+            client.sendall(b"p")
+            client.recv(1)
+        latency = (time.perf_counter() - start) / pings / 2
+        payload = bytes(1 << 20)
+        start = time.perf_counter()
+        for _ in range(nbytes >> 20):
+            client.sendall(payload)
+        client.recv(1)
+        bandwidth = nbytes / (time.perf_counter() - start)
+    thread.join()
+    server.close()
+    return bandwidth, latency
+
+
+def _gloo_process(rank: int, world: int, port: int, job, args: tuple, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as rlflow runs CPU workers
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out.put((rank, job(rank, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_gloo_processes(job, world: int, *args) -> list:
+    """``job(rank, *args)`` in ``world`` spawned single-threaded processes that form one gloo
+    group (the default process group); their results in rank order. ``job`` must be importable
+    (a module-level function) and its results small."""
+    import torch.multiprocessing as mp
+
+    from rlflow.rendezvous import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method="spawn")
+    results = dict(out.get() for _ in range(world))
+    return [results[rank] for rank in range(world)]
+
+
+def _all_reduce_seconds(rank: int, iters: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(16)
+    for _ in range(10):
+        dist.all_reduce(x)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    return (time.perf_counter() - start) / iters
+
+
+def gloo_collective_latency(iters: int = 300) -> float:
+    """Seconds of one small gloo all-reduce between two single-threaded worker processes.
+
+    What a tensor-parallel CPU layer pays per collective, on top of moving its bytes: the
+    socket round trips, gloo's own protocol and the wake-up of the peer process, which a raw
+    TCP ping (``loopback_latency_s``) does not see (measured here at tens of times more).
+    """
+    return float(_in_gloo_processes(_all_reduce_seconds, 2, iters)[0])
+
+
+def measure_hardware(device: str = "cpu") -> HardwareProfile:
+    """Matmul FLOP/s, memory-copy bandwidth, loopback bandwidth/latency and host memory (about a second)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    n = 8192 if cuda else 384
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    matmul_s = _timed(lambda: a @ b, 10 if cuda else 3, sync)
+    src = torch.empty(256 << 20 if cuda else 32 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), 10 if cuda else 3, sync)
+    loop_bw, loop_lat = _loopback()
+    return HardwareProfile(
+        matmul_flops=2.0 * n**3 / matmul_s,
+        memcpy_bandwidth=2.0 * src.numel() / copy_s,  # read + write
+        loopback_bandwidth=loop_bw,
+        loopback_latency_s=loop_lat,
+        host_memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+    )
+
+
+# ----------------------------------------------------------------------------- layer timings
+
+
+def _build_layer(spec: ModelSpec, device: str, dtype):
+    """The profiled decoder layer, its rotary embedding, and a one-layer causal LM of the same shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        num_hidden_layers=1,
+        vocab_size=spec.vocab_size,
+    )
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=dtype)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return config, layer, LlamaRotaryEmbedding(config).to(device), model
+
+
+def _call_model(spec: dict, dtype):
+    """An HF Llama causal LM of the planned model's shape (``spec``: :class:`ModelSpec` fields),
+    whose whole calls are timed (:func:`_time_call`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        head_dim=spec.get("head_dim") or spec["hidden_size"] // spec["num_heads"],
+        num_hidden_layers=spec["num_layers"],
+        vocab_size=spec["vocab_size"],
+        tie_word_embeddings=spec.get("tie_embeddings", False),
+        attention_bias=spec.get("qkv_bias", False),
+        mlp_bias=spec.get("mlp_bias", False),
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).to(dtype=dtype)
+
+
+def _left_padded(rows: int, length: int, vocab: int):
+    """Random ids and a mask whose every other row is left-padded by a quarter of ``length``,
+    as a batch of prompts of unequal lengths is."""
+    import torch
+
+    ids = torch.randint(vocab, (rows, length))
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[::2, : length // 4] = 0
+    return ids, mask
+
+
+def _time_call(kind: str, rollout, engine, shape: dict) -> float:
+    """Seconds of one whole call of the planned model, run as rlflow's engines run it:
+    ``generate`` (the rollout sampler on ``rollout``: prefill, cache repeat, ``gen_len`` decode
+    steps — no stop tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs
+    and entropies of every token) or ``train`` (that forward, backward, gradient clip, AdamW
+    step), both through ``engine`` (a ``TrainEngine``)."""
+    import torch
+
+    from rlflow.engine.rollout.base import SamplingParams
+    from rlflow.engine.rollout.hf_sampler import sample_responses
+
+    vocab, no_sync = rollout.config.vocab_size, lambda: None
+    if kind == "generate":
+        ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab)
+        params = SamplingParams(n=shape["n"], max_new_tokens=shape["gen_len"], seed=0)
+
+        def generate():
+            generator = torch.Generator().manual_seed(0)
+            sample_responses(rollout, ids, mask, params, pad_token_id=0, generator=generator)
+
+        return _timed(generate, 2, no_sync)
+    ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
+
+    def loss(outputs, data):  # a mean over the micro-batch's tokens, as the engine expects
+        return -(outputs["log_probs"] * data["loss_mask"]).sum() / data["loss_mask"].sum(), {}
+
+    if kind == "forward":
+        return _timed(lambda: engine.forward(batch), 2, no_sync)
+    return _timed(lambda: engine.train_step(batch, loss, loss_mask_key="loss_mask"), 2, no_sync)
+
+
+_CALLS = ("generate", "forward", "train")
+
+
+def _call_shapes(calls: dict) -> dict[str, dict]:
+    return {"generate": calls["generate"], "forward": calls["train"], "train": calls["train"]}
+
+
+def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
+    """One worker-like process of :func:`concurrent_call_seconds`: its medians, per call."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from rlflow.engine.optim import OptimConfig
+    from rlflow.engine.train_engine import EngineConfig, TrainEngine
+    from rlflow.parallel.groups import build_call_groups
+    from rlflow.strategy import ParallelStrategy
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)  # the same weights on every rank
+    rollout = _call_model(calls["model"], torch.float32).eval()
+    mesh = build_call_groups(range(world), ParallelStrategy(dp=world), "cpu").mesh
+    optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
+    engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
+    torch.manual_seed(rank)  # each rank its own rows
+    shapes = _call_shapes(calls)
+    dist.barrier()
+    timings = [[_time_call(k, rollout, engine, shapes[k]) for k in _CALLS] for _ in range(rounds)]
+    return np.median(timings, axis=0).tolist()
+
+
+def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
+    """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU in ``processes``
+    single-threaded worker processes at once, the slowest process's median: each its own
+    rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
+    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them.
+
+    A CPU device is one worker process: when a plan keeps every worker of a host busy, they
+    share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
+    of its cores; FSDP adds its hooks, copies and collectives around every unit. A
+    data-parallel call lasts as long as its slowest rank.
+    """
+    per_process = _in_gloo_processes(_call_seconds, processes, calls, rounds)
+    return {k: max(p[i] for p in per_process) for i, k in enumerate(_CALLS)}
+
+
+def _decode_step(config, model, batch: int, context: int, device: str):
+    """One decode step of the whole one-layer model at ``context`` cached tokens (the cache is
+    cropped back after it, so that repetitions see the same context)."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    ids = torch.randint(config.vocab_size, (batch, context), device=device)
+    mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+    new, pos = ids[:, -1:], torch.full((batch, 1), context, device=device)
+
+    @torch.no_grad()
+    def step():
+        model(
+            input_ids=new,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.crop(-1)
+
+    return step
+
+
+def _sample_step(config, batch: int, device: str):
+    """The rollout engine's per-token work on ``(batch, vocab)`` logits: sample from the softmax,
+    the log-softmax of the drawn tokens, and the stop-token check."""
+    import torch
+
+    logits = torch.randn(batch, config.vocab_size, device=device)
+    stop = torch.tensor([0], device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def step():
+        tokens = torch.multinomial(torch.softmax(logits / 1.0, dim=-1), 1, generator=generator).squeeze(1)
+        torch.log_softmax(logits.float() / 1.0, dim=-1).gather(-1, tokens.unsqueeze(-1))
+        torch.isin(tokens, stop)
+
+    return step
+
+
+def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> float:
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    config, layer, rope, model = parts
+    if kind == "model_decode":
+        return _timed(_decode_step(config, model, batch, seq, device), 5, sync)
+    if kind == "sample":
+        return _timed(_sample_step(config, batch, device), 10, sync)
+    h = config.hidden_size
+    x = torch.randn(batch, seq, h, device=device, dtype=dtype, requires_grad=kind == "backward")
+    pe = rope(x, torch.arange(seq, device=device)[None].expand(batch, -1))
+    if kind == "forward":
+        with torch.no_grad():
+            return _timed(lambda: layer(x, position_embeddings=pe), 3, sync)
+    if kind == "backward":
+
+        def step():
+            layer(x, position_embeddings=pe).sum().backward()
+
+        # Forward + backward, minus a forward: the backward alone.
+        with torch.no_grad():
+            fwd = _timed(lambda: layer(x, position_embeddings=pe), 2, sync)
+        return max(_timed(step, 2, sync) - fwd, 1e-9)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        layer(x, position_embeddings=pe, past_key_values=cache, use_cache=True)
+        new = torch.randn(batch, 1, h, device=device, dtype=dtype)
+        pe1 = rope(new, torch.full((batch, 1), seq, device=device))
+
+        def decode():
+            layer(new, position_embeddings=pe1, past_key_values=cache, use_cache=True)
+            cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
+
+        return _timed(decode, 5, sync)
+
+
+def run_profile(
+    path: str | Path | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    passes: tuple[tuple[int, int], ...] | None = None,
+    decodes: tuple[tuple[int, int], ...] | None = None,
+    layer: dict[str, int] | None = None,
+    rounds: int = 3,
+    calls: dict | None = None,
+    call_processes: int = 1,
+) -> MachineProfile:
+    """Measure this machine and write the profile JSON.
+
+    Args:
+        path: where to write; ``None``: :func:`default_profile_path`.
+        device: ``"cpu"`` or ``"cuda"``; ``None``: CUDA when available.
+        progress: show a tqdm bar.
+        passes: ``(batch, seq)`` sizes of the forward/backward timings (default per device kind).
+        decodes: ``(batch, context)`` sizes of the decode-step timings; the whole one-layer
+            model's decode step and the sampler's per-token work are timed at the same sizes.
+        layer: ``hidden_size``, ``intermediate_size``, ``num_heads``, ``num_kv_heads`` and
+            optionally ``vocab_size`` of the layer to profile (default per device kind);
+            profiling the shape of the model to be planned removes the error of scaling the
+            measured rates across model sizes.
+        rounds: every size is timed once per round, rounds one after another; the profile
+            keeps the median.
+        calls: whole calls of the planned model to time on CPU workers, which calibrate the
+            cost model's estimates of its calls (:class:`ProfiledRates`): ``model``
+            (:class:`ModelSpec` fields of the actor), ``generate`` (``prompts``, ``prompt_len``,
+            ``n`` samples per prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed
+            as a forward), the shapes one worker runs; see
+            ``rlflow.trainer.placement.profile_shapes``.
+        call_processes: the worker processes that time those calls at once
+            (:func:`concurrent_call_seconds`; the workers of one host).
+
+    Raises:
+        ValueError: ``calls`` with a CUDA device (GPU clusters are priced from the presets).
+
+    Returns:
+        The profile (also written to ``path``).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spec = ModelSpec(**{**(_CUDA_LAYER if cuda else _CPU_LAYER), **(layer or {})}, name="profile-layer")
+    passes = passes or (_CUDA_PASSES if cuda else _CPU_PASSES)
+    decodes = decodes or (_CUDA_DECODE if cuda else _CPU_DECODE)
+    if calls and cuda:
+        raise ValueError("run_profile(calls=...) times whole calls in CPU worker processes; use device='cpu'")
+    jobs = (
+        [("forward", b, s) for b, s in passes]
+        + [("backward", b, s) for b, s in passes]
+        + [("decode", b, c) for b, c in decodes]
+        + [("model_decode", b, c) for b, c in decodes]
+        + [("sample", b, 0) for b, _ in decodes]
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
+    start = time.perf_counter()
+    try:
+        bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=not progress)
+        hardware = measure_hardware(device)
+        if not cuda:  # CPU workers talk through gloo; NCCL's latencies come from the GPU presets
+            hardware = replace(hardware, collective_latency_s=gloo_collective_latency())
+        bar.update()
+        parts = _build_layer(spec, device, dtype)
+        samples: dict[str, list[LayerTiming]] = {
+            k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")
+        }
+        measured_calls = _timed_calls(calls, call_processes, rounds) if calls else None
+        # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
+        # machine disturbs one round of every size rather than every round of one size.
+        timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
+        for (kind, batch, seq), seconds in zip(jobs, np.median(timings, axis=0)):
+            samples[kind].append(LayerTiming(batch, seq, float(seconds)))
+        bar.update(len(jobs))
+        bar.close()
+    finally:
+        torch.set_num_threads(threads)
+    profile = MachineProfile(
+        host=socket.gethostname(),
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        hardware=hardware,
+        layer=ProfiledLayer(
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            vocab_size=spec.vocab_size,
+            bytes_per_param=2 if cuda else 4,  # the dtype the layer ran in
+        ),
+        **{k: tuple(v) for k, v in samples.items()},
+        calls=measured_calls,
+        elapsed_s=time.perf_counter() - start,
+    )
+    save_profile(profile, path if path is not None else default_profile_path())
+    return profile
+
+
+def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
+    """The whole calls ``calls`` describes (see :func:`run_profile`), timed in ``processes``
+    worker processes at once; each record says the layout it ran on (``dp``: the rollouts run
+    one per process, the forward and training step on FSDP over all of them)."""
+    seconds = concurrent_call_seconds(calls, processes, rounds)
+    shapes = _call_shapes(calls)
+    return CallTimings(
+        model=ModelSpec(**calls["model"]),
+        generate=RolloutTiming(**shapes["generate"], seconds=seconds["generate"], processes=processes, dp=1),
+        forward=BatchTiming(**shapes["forward"], seconds=seconds["forward"], processes=processes, dp=processes),
+        train=BatchTiming(**shapes["train"], seconds=seconds["train"], processes=processes, dp=processes),
+    )
+
+
+def profile_or_measure(profile: MachineProfile | str | Path | None = None) -> MachineProfile | HardwareProfile:
+    """What prices a CPU cluster (``cluster_preset("cpu", profile=...)``): ``profile`` (a path is
+    loaded) when given, else this host's profile at :func:`~rlflow.planner.profile.default_profile_path`
+    when there is one, else the hardware measured now (about a second)."""
+    if profile is not None:
+        return profile if isinstance(profile, MachineProfile) else load_profile(profile)
+    if default_profile_path().exists():
+        return load_profile(default_profile_path())
+    return measure_hardware()
