@@ -289,7 +289,7 @@ def worker_setup(
         tokenizer_path=str(Path(tokenizer_path).resolve()),
         seed=cfg.seed,
         rollout_engine=cfg.rollout.engine,
-        vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        rollout_memory_fraction=cfg.rollout.gpu_memory_utilization,
     )
 
 

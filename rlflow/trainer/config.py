@@ -44,6 +44,7 @@ from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
 from rlflow.engine.optim import OptimConfig
+from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
@@ -225,7 +226,10 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """How responses are sampled."""
 
-    engine: str = _f("hf", "rollout engine (vllm needs a GPU and the vllm package)", choices=("hf", "vllm"))
+    engine: str = _f(
+        "hf", "rollout engine (registry in rlflow.engine.rollout; vllm needs a GPU and the vllm package)",
+        choices=list_rollout_engines,
+    )
     temperature: float = _f(1.0, "sampling temperature", gt=0.0)
     top_p: float = _f(1.0, "nucleus sampling mass; 1: off", gt=0.0, le=1.0)
     top_k: int = _f(0, "keep the k most likely tokens; 0: off", ge=0)
@@ -537,8 +541,12 @@ class RLFlowConfig(_Section):
             raise ConfigError(
                 "rollout.max_new_tokens", f"{self.rollout.max_new_tokens} > data.max_response_len={limit}"
             )
-        if self.rollout.engine == "vllm" and self.placement.use_gpu is False:
-            raise ConfigError("rollout.engine", "'vllm' needs GPUs but placement.use_gpu is false; use 'hf'")
+        engine = get_rollout_engine(self.rollout.engine)
+        if self.placement.use_gpu is False and not engine.supports_device("cpu"):
+            on_cpu = [n for n in list_rollout_engines() if get_rollout_engine(n).supports_device("cpu")]
+            raise ConfigError(
+                "rollout.engine", f"{self.rollout.engine!r} needs GPUs but placement.use_gpu is false; use one of {on_cpu}"
+            )
 
 
 # --- Loading ---

@@ -21,7 +21,7 @@ import networkx as nx
 from transformers import AutoConfig
 
 from rlflow.dataflow import mfcs_of
-from rlflow.engine.rollout import ROLLOUT_CAPABILITIES
+from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
 from rlflow.planner.cluster import ClusterSpec, cluster_preset
@@ -34,6 +34,7 @@ from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
+from rlflow.workers.residency import PARAM_DTYPE
 from rlflow.workers.setup import PAIR_ALGORITHMS
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
@@ -75,11 +76,14 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
     p = cfg.placement
     if use_gpu:
         cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
-        # The built-in sampler generates with the fp32 copy it is given; vLLM runs bf16 and takes
-        # its share of the memory for weights and KV cache while it generates.
-        if cfg.rollout.engine == "hf":
-            return cluster.with_precision(rollout_bytes=4)
-        return replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
+        # The engine generates in its own dtype (vLLM: bf16) or in that of the copy it is given
+        # (the HF sampler: fp32); one that holds a share of the memory while it generates (vLLM:
+        # weights and KV cache) is charged that share.
+        engine = get_rollout_engine(cfg.rollout.engine)
+        cluster = cluster.with_precision(rollout_bytes=(engine.weight_dtype or PARAM_DTYPE).itemsize)
+        if engine.holds_memory_fraction:
+            cluster = replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
+        return cluster
     return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile_or_measure(profile))
 
 
@@ -101,9 +105,10 @@ def planning_workload(cfg: RLFlowConfig) -> Workload:
 
 
 def runtime_capabilities(cfg: RLFlowConfig) -> RuntimeCapabilities:
-    """What the configured rollout engine runs: no pipelined generation; with vLLM, a generation
-    on every worker of the pool (its external launcher builds groups over the whole world)."""
-    rollout = ROLLOUT_CAPABILITIES[cfg.rollout.engine]
+    """What the configured rollout engine declares it runs (its ``capabilities``): its parallel
+    axes, and a generation on every worker of the pool when it ``spans_world`` (vLLM's external
+    launcher builds groups over the whole world)."""
+    rollout = get_rollout_engine(cfg.rollout.engine).capabilities
     world = cfg.placement.num_nodes * cfg.placement.devices_per_node
     return RuntimeCapabilities(
         pipeline_generate=rollout.pp,
@@ -161,7 +166,8 @@ def _choose(
     progress: bool,
 ) -> ExecutionPlan:
     if mode == "auto":
-        ties = tied_generate_options(problem, generate) if cfg.rollout.engine == "vllm" else [{}]
+        shared = get_rollout_engine(cfg.rollout.engine).capabilities.shared_layout
+        ties = tied_generate_options(problem, generate) if shared else [{}]
         seconds = max(cfg.placement.search_seconds, 0.1) / len(ties)
         best = None
         for keep in ties:  # one search per shared generation layout, the best kept
@@ -190,8 +196,8 @@ def _choose(
 
 
 def tied_generate_options(problem: PlanProblem, generate: list[str]) -> list[dict[int, list[int]]]:
-    """The generate calls of one model on one layout, as the vLLM rollout engine needs (one vLLM
-    instance per process): one restriction per layout those calls have in common, each cutting
+    """The generate calls of one model on one layout, as a rollout engine with a ``shared_layout``
+    needs (vLLM: one instance per process): one restriction per layout those calls have in common, each cutting
     every such call to that layout; ``[{}]`` (nothing cut) when no model has two generate calls.
 
     Raises:
@@ -207,7 +213,10 @@ def tied_generate_options(problem: PlanProblem, generate: list[str]) -> list[dic
         common = [key for key in layouts[0] if all(key in lay for lay in layouts[1:])]
         if not common:
             names = [problem.mfc_names[i] for i in calls]
-            raise ValueError(f"rollout.engine=vllm: generate calls {names} share no layout the planner may choose")
+            raise ValueError(
+                f"the rollout engine shares one layout among a model's generate calls, but {names} share no "
+                "layout the planner may choose"
+            )
         restrictions = [
             {**r, **{i: [lay[key]] for i, lay in zip(calls, layouts)}} for r in restrictions for key in common
         ]

@@ -9,13 +9,14 @@ reshards, offload, EMA); this module builds the engines around the modules it ma
   whose pipeline stage is the home module. A frozen model used on several layouts is
   registered ``offload_home`` and rests in host memory between calls;
 * a call off home runs on a **copy** the manager builds with this module's factory: a
-  ``TrainEngine`` stage for a forward (FSDP layout), or for a rollout either a tensor-parallel
-  HF model (replicated over dp) wrapped in an :class:`~rlflow.engine.rollout.HFRolloutEngine`,
-  or — ``WorkerSetup.rollout_engine == "vllm"`` — a
-  :class:`~rlflow.engine.rollout.VLLMRolloutEngine` whose parameter views (vLLM's own
-  tensor-parallel layout, ``build_layout(..., style="vllm")``) the manager writes the home
-  weights into. The vLLM engine is built once and kept; it sleeps (KV cache freed, weights on
-  the host) between its calls so that colocated training gets the GPU memory back;
+  ``TrainEngine`` stage for a forward (FSDP layout), or for a rollout the engine registered as
+  ``WorkerSetup.rollout_engine``, built by its ``build()``; the manager writes the home weights
+  into its ``weight_target()`` (a tensor-parallel HF model for the built-in sampler, views into
+  vLLM's own fused parameters for vLLM) on the layout of its ``layout_style``. What happens
+  between calls follows the engine's declarations (:class:`~rlflow.engine.rollout.RolloutEngine`),
+  never its name: a ``per_call`` engine is freed after its call unless copies are kept; a
+  ``per_process`` one is kept, and one that ``can_sleep`` sleeps between its calls so that
+  colocated training gets the device memory back;
 * ``ParamReallocHook(source, eta)`` runs :meth:`ReallocManager.ema_update` on the target;
   :meth:`Residency.copy_weights` (``init: copy`` models when RL starts) runs
   :meth:`ReallocManager.copy_weights`.
@@ -34,19 +35,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.engine.loading import build_meta_model, init_buffers, sharded_model
 from rlflow.engine.models import build_value_model, init_value_model_from_lm, load_causal_lm
 from rlflow.engine.optim import build_lr_scheduler, build_optimizer
-from rlflow.engine.rollout.hf_sampler import HFRolloutEngine
-from rlflow.engine.rollout.vllm_engine import VLLMRolloutEngine
+from rlflow.engine.rollout import PER_PROCESS, RolloutBuild, RolloutEngine, get_rollout_engine
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
 from rlflow.parallel.groups import CallGroups, build_call_groups
 from rlflow.parallel.layout import Layout, build_layout
 from rlflow.parallel.realloc import ReallocManager
-from rlflow.parallel.tensor_parallel import apply_tp
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 __all__ = ["HostedModel", "Residency"]
@@ -55,12 +54,6 @@ __all__ = ["HostedModel", "Residency"]
 PARAM_DTYPE = torch.float32
 # keep_copies keeps every copy: the manager's keep budget is then unbounded.
 _KEEP_ALL_BYTES = 2**62
-# The vLLM rollout engine: bf16 like the training engine's compute on CUDA; its share of the GPU
-# (weights + KV cache) is WorkerSetup.vllm_gpu_memory_utilization, the rest stays with training.
-VLLM_ENGINE_KWARGS = {"dtype": "bfloat16", "enable_sleep_mode": True}
-# Level 1 keeps the weights in host memory: a call whose copy is still current (keep_copies)
-# needs no push. (Level 2 would discard them, and vLLM's buffers with them on older versions.)
-VLLM_SLEEP_LEVEL = 1
 
 
 @dataclass
@@ -95,18 +88,6 @@ def load_hf_model(model: ModelSetup) -> torch.nn.Module:
     if any(arch.endswith("ForCausalLM") for arch in (config.architectures or [])):
         return init_value_model_from_lm(model.path, dtype=PARAM_DTYPE)
     return build_value_model(model.path, dtype=PARAM_DTYPE)
-
-
-def _empty_hf_model(config: PretrainedConfig, head: str) -> torch.nn.Module:
-    """A model of ``config`` whose weights are about to be overwritten (skips the random init when possible)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers: pay for the random init
-        from contextlib import nullcontext as no_init_weights
-    with no_init_weights():
-        if head == "value":
-            return build_value_model(config, dtype=PARAM_DTYPE)
-        return AutoModelForCausalLM.from_config(config, dtype=PARAM_DTYPE).eval()
 
 
 def _reshard_fsdp(module: torch.nn.Module) -> None:
@@ -192,40 +173,45 @@ class Residency:
             **split,
         )
 
-    def _build_copy(self, hosted: HostedModel, layout: Layout) -> torch.nn.Module | VLLMRolloutEngine:
-        """The manager's factory: this rank's empty module of ``layout`` (engine kept for the call),
-        or the vLLM engine itself, whose ``param_tensors()`` the manager writes into."""
+    def _build_copy(self, hosted: HostedModel, layout: Layout) -> Any:
+        """The manager's factory: this rank's empty module of a forward ``layout`` (engine kept for
+        the call), or the weight target of the rollout engine of a generate ``layout``."""
         call = CallLayout(layout.ranks, layout.strategy)
         groups = self.call_groups(call)
-        if not layout.fsdp and self.setup.rollout_engine == "vllm":
-            return self._vllm_engine(hosted, layout, groups)
-        if layout.fsdp:  # a forward copy: the engine's stage, built on meta so only this rank's shards exist
-            model = build_meta_model(hosted.config, hosted.head, dtype=PARAM_DTYPE)
-            # The manager writes the weights next; only the rotary buffers need computing here.
-            engine = TrainEngine(model, groups.mesh, self._engine_config(hosted.setup, call), load_weights=init_buffers)
-        else:  # a rollout copy: the whole HF model, tensor-parallel like the rollout engine splits it
-            model = _empty_hf_model(hosted.config, hosted.head).to(self.device)
-            if layout.strategy.tp > 1:
-                apply_tp(model, groups.submesh("tp"))
-            engine = HFRolloutEngine(model, groups.mesh, pad_token_id=hosted.config.pad_token_id)
+        if not layout.fsdp:
+            return self._rollout_engine(hosted, layout, groups).weight_target()
+        # A forward copy: the engine's stage, built on meta so only this rank's shards exist.
+        model = build_meta_model(hosted.config, hosted.head, dtype=PARAM_DTYPE)
+        # The manager writes the weights next; only the rotary buffers need computing here.
+        engine = TrainEngine(model, groups.mesh, self._engine_config(hosted.setup, call), load_weights=init_buffers)
         self._copies[(hosted.setup.name, layout)] = engine
-        return engine.stage if layout.fsdp else engine.module
+        return engine.stage
 
-    def _vllm_engine(self, hosted: HostedModel, layout: Layout, groups: CallGroups) -> VLLMRolloutEngine:
-        """This process's vLLM engine of ``layout``: built once from the config (dummy weights, its
-        groups over the whole world), then kept; the manager pushes the home weights into it."""
+    def _rollout_engine(self, hosted: HostedModel, layout: Layout, groups: CallGroups) -> RolloutEngine:
+        """The rollout engine of ``layout`` on this rank: a ``per_process`` engine already built is
+        reused, otherwise one is built (empty; the manager writes the home weights next)."""
         key = (hosted.setup.name, layout)
         engine = self._copies.get(key)
-        if engine is None:
-            engine = VLLMRolloutEngine(
-                hosted.config,
-                groups.mesh,
-                pad_token_id=hosted.config.pad_token_id,
-                seed=self.setup.seed,
-                gpu_memory_utilization=self.setup.vllm_gpu_memory_utilization,
-                **VLLM_ENGINE_KWARGS,
+        if engine is not None:
+            return engine
+        cls = self.rollout_engine_cls
+        if not cls.available() or not cls.supports_device(self.device.type):
+            raise RuntimeError(
+                f"rollout engine {self.setup.rollout_engine!r} ({cls.__qualname__}) cannot run on rank {self.rank}: "
+                f"available={cls.available()}, supports device {self.device.type!r}="
+                f"{cls.supports_device(self.device.type)}"
             )
-            self._copies[key] = engine
+        spec = RolloutBuild(
+            config=hosted.config,
+            device_mesh=groups.mesh,
+            device=self.device,
+            dtype=PARAM_DTYPE,
+            pad_token_id=hosted.config.pad_token_id,
+            seed=self.setup.seed,
+            memory_fraction=self.setup.rollout_memory_fraction,
+        )
+        engine = cls.build(spec)
+        self._copies[key] = engine
         return engine
 
     # ------------------------------------------------------------------ lookup
@@ -233,8 +219,14 @@ class Residency:
         """This rank's groups of ``layout`` (``None`` when the rank is not in it)."""
         return self._groups[layout]
 
+    @property
+    def rollout_engine_cls(self) -> type[RolloutEngine]:
+        """The class registered as ``WorkerSetup.rollout_engine``; its declarations decide what happens here."""
+        return get_rollout_engine(self.setup.rollout_engine)
+
     def layout(self, hosted: HostedModel, call: CallLayout, fsdp: bool, style: str = "hf") -> Layout:
-        """The parameter layout of ``hosted`` on ``call`` (cached); ``style="vllm"`` for a vLLM rollout."""
+        """The parameter layout of ``hosted`` on ``call`` (cached); ``style``: the rollout engine's
+        ``layout_style`` on a generate call."""
         key = (hosted.setup.name, call, fsdp, style)
         if key not in self._layouts:
             self._layouts[key] = build_layout(
@@ -245,7 +237,7 @@ class Residency:
     def _call_layout(self, mfc: MFCDef) -> Layout:
         hosted = self.models[mfc.model_name]
         generate = mfc.interface_type == "generate"
-        style = "vllm" if generate and self.setup.rollout_engine == "vllm" else "hf"
+        style = self.rollout_engine_cls.layout_style if generate else "hf"
         return self.layout(hosted, self.setup.layouts[mfc.name], fsdp=not generate, style=style)
 
     def engine_for(self, mfc: MFCDef) -> Any:
@@ -275,8 +267,9 @@ class Residency:
         hosted = self.models[mfc.model_name]
         layout = self.setup.layouts[mfc.name]
         if self.rank in set(hosted.home.ranks) | set(layout.ranks):
-            if self._uses_vllm(mfc) and self.device.type == "cuda":
-                # vLLM wakes into its own memory pool: hand the blocks PyTorch caches back first.
+            if self._wakes_engine(mfc) and self.device.type == "cuda":
+                # A sleeping engine wakes into memory PyTorch may be caching (vLLM: its own pool):
+                # hand the cached blocks back first.
                 gc.collect()
                 torch.cuda.empty_cache()
             self.manager.pre_call(mfc.model_name, self._call_layout(mfc))
@@ -293,10 +286,10 @@ class Residency:
             _reshard_fsdp(hosted.engine.stage)
         layout = self._call_layout(mfc)
         self.manager.post_call(mfc.model_name, layout)
-        engine = self._copies.get((mfc.model_name, layout))
-        if isinstance(engine, VLLMRolloutEngine):
-            # Kept (building vLLM costs far more than waking it); the manager re-pushes when stale.
-            engine.sleep(level=VLLM_SLEEP_LEVEL)
+        if self._keeps_engine(mfc):
+            # Kept; the manager re-pushes when stale. A sleeper keeps its weights on the host.
+            if self.rollout_engine_cls.can_sleep:
+                self._copies[(mfc.model_name, layout)].sleep()
         elif not self.setup.keep_copies and self._copies.pop((mfc.model_name, layout), None) is not None:
             if self.device.type == "cuda":
                 # HF modules hold reference cycles: collect them so the cache can hand memory back.
@@ -304,8 +297,13 @@ class Residency:
                 gc.collect()
                 torch.cuda.empty_cache()
 
-    def _uses_vllm(self, mfc: MFCDef) -> bool:
-        return mfc.interface_type == "generate" and self.setup.rollout_engine == "vllm"
+    def _keeps_engine(self, mfc: MFCDef) -> bool:
+        """The call's rollout engine is built once per process and kept between calls."""
+        return mfc.interface_type == "generate" and self.rollout_engine_cls.persistence == PER_PROCESS
+
+    def _wakes_engine(self, mfc: MFCDef) -> bool:
+        """The call may wake a kept engine that slept since its last call."""
+        return self._keeps_engine(mfc) and self.rollout_engine_cls.can_sleep
 
     def _blend(self, mfc: MFCDef, hooks) -> None:
         """``ParamReallocHook``: the target (this call's model) moves toward the source by ``eta``, at home."""

@@ -12,10 +12,12 @@ Placement rules the worker follows (see :mod:`rlflow.workers.model_worker`):
 * a frozen model's home is the layout of its first MFC; when all its calls share that layout
   it stays resident there, otherwise it rests offloaded to host memory between calls;
 * a call on another layout than home — and every ``generate`` call, whose rollout engine
-  needs a plain HF model (``rollout_engine="hf"``) or vLLM's own layout (``"vllm"``) — runs on a
-  copy resharded from home (:meth:`WorkerSetup.hook_ranks` says which ranks take part);
-* with ``rollout_engine="vllm"`` every ``generate`` call uses one layout spanning every worker
-  (pp = 1): one vLLM instance per process, whose groups vLLM builds over the whole world.
+  needs its weights in its own ``layout_style`` — runs on a copy resharded from home
+  (:meth:`WorkerSetup.hook_ranks` says which ranks take part);
+* ``generate`` layouts follow the rollout engine's declared capabilities
+  (:class:`~rlflow.engine.rollout.RolloutCapabilities`): its parallel axes; every worker when
+  it ``spans_world`` (vLLM builds its groups over the whole world); one layout for every
+  ``generate`` call when it has a ``shared_layout`` (one instance per process).
 
 >>> from rlflow.strategy import ParallelStrategy, RankCoords
 >>> CallLayout((0, 1), ParallelStrategy(dp=2)).local_coords(1)
@@ -32,13 +34,12 @@ from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.engine.optim import OptimConfig
-from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout import SamplingParams, get_rollout_engine, list_rollout_engines
 from rlflow.strategy import ParallelStrategy
 
-__all__ = ["MODEL_ROLES", "ROLLOUT_ENGINES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
+__all__ = ["MODEL_ROLES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
 
 MODEL_ROLES = ("actor", "critic", "ref", "reward")
-ROLLOUT_ENGINES = ("hf", "vllm")  # the engines a worker builds rollout copies for
 PAIR_ALGORITHMS = ("dpo", "rm")  # rows 2i (chosen) and 2i+1 (rejected) form one example
 DPO_LOSSES = ("sigmoid", "ipo")
 
@@ -201,11 +202,11 @@ class WorkerSetup:
         seed: base seed of model initialisation and sampling.
         keep_copies: keep a trainable model's copies for other layouts between calls
             (re-synchronised only when the home weights changed) instead of freeing them.
-        rollout_engine: ``"hf"`` (built-in sampler on a tensor-parallel HF copy) or ``"vllm"``
-            (a vLLM engine per process, kept between calls and asleep in between, its weights
-            pushed into vLLM's own layout).
-        vllm_gpu_memory_utilization: the share of each GPU's memory a vLLM engine takes while
-            it generates (weights + KV cache).
+        rollout_engine: a registered rollout engine (:func:`~rlflow.engine.rollout.list_rollout_engines`):
+            ``"hf"`` (built-in sampler on a tensor-parallel HF copy), ``"vllm"``, or one a user
+            registered; its declarations decide how workers build, keep and feed it.
+        rollout_memory_fraction: the share of each device's memory a rollout engine that
+            ``holds_memory_fraction`` (vLLM's ``gpu_memory_utilization``) takes while it generates.
     """
 
     models: Mapping[str, ModelSetup]
@@ -218,7 +219,7 @@ class WorkerSetup:
     seed: int = 0
     keep_copies: bool = False
     rollout_engine: str = "hf"
-    vllm_gpu_memory_utilization: float = 0.5
+    rollout_memory_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", dict(self.models))
@@ -251,8 +252,6 @@ class WorkerSetup:
         for source in mfc.hook_sources:
             if source not in self.models or not self.models[source].trainable:
                 raise ValueError(f"MFC {name!r}: hook source {source!r} must be a trainable model in models")
-        if mfc.interface_type == "generate" and self.layouts[name].strategy.pp != 1:
-            raise ValueError(f"MFC {name!r}: generation does not support pp={self.layouts[name].strategy.pp}")
 
     def _check_placement(self, name: str, mfc: MFCDef) -> None:
         model = self.models[mfc.model_name]
@@ -268,21 +267,26 @@ class WorkerSetup:
                 )
 
     def _check_rollout_engine(self) -> None:
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise ValueError(f"rollout_engine={self.rollout_engine!r}; expected one of {ROLLOUT_ENGINES}")
-        if self.rollout_engine != "vllm":
-            return
+        """Generate layouts against the declared capabilities of the rollout engine."""
+        if self.rollout_engine not in list_rollout_engines():
+            raise ValueError(f"rollout_engine={self.rollout_engine!r}; expected one of {list_rollout_engines()}")
+        caps = get_rollout_engine(self.rollout_engine).capabilities
         world = tuple(sorted({r for layout in self.layouts.values() for r in layout.ranks}))
         generate = {n: self.layouts[n] for n, m in self.mfcs.items() if m.interface_type == "generate"}
         for name, layout in generate.items():
-            if tuple(sorted(layout.ranks)) != world:
+            why = caps.unsupported(layout.strategy)
+            if why is not None:
+                raise ValueError(f"MFC {name!r}: the {self.rollout_engine!r} rollout engine cannot generate with {why}")
+            if caps.spans_world and tuple(sorted(layout.ranks)) != world:
                 raise ValueError(
-                    f"MFC {name!r}: the vllm rollout engine generates on every worker {world}, got ranks {layout.ranks}"
+                    f"MFC {name!r}: the {self.rollout_engine!r} rollout engine generates on every worker {world}, "
+                    f"got ranks {layout.ranks}"
                 )
-        if len(set(generate.values())) > 1:
-            strategies = {n: str(c.strategy) for n, c in generate.items()}
+        if caps.shared_layout and len(set(generate.values())) > 1:
+            strategies = {n: f"{c.strategy} on {c.ranks}" for n, c in generate.items()}
             raise ValueError(
-                f"the vllm rollout engine runs one vLLM instance per process; generate MFCs differ: {strategies}"
+                f"the {self.rollout_engine!r} rollout engine runs one instance per process, so every generate MFC "
+                f"needs one layout; they differ: {strategies}"
             )
 
     # ------------------------------------------------------------------ placement rules

@@ -1,11 +1,19 @@
-"""Tiny HF models and a reference greedy decoder shared by the rollout tests."""
+"""Tiny HF models, a reference greedy decoder and a one-rank GRPO worker shared by the rollout tests."""
 
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from rlflow.algos.params import AlgorithmParams
+from rlflow.dataflow import algorithm_mfcs
+from rlflow.engine.optim import OptimConfig
 from rlflow.engine.packing import position_ids_from_mask
+from rlflow.engine.rollout import SamplingParams
+from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
+from rlflow.workers.model_worker import ModelWorker
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 VOCAB = 100
 PAD = 0
@@ -71,4 +79,28 @@ def naive_greedy(model, input_ids, attention_mask, max_new_tokens: int, stop_tok
             break
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return out
+
+
+def grpo_worker(path: str, rollout_engine: str) -> ModelWorker:
+    """A built one-rank GRPO worker (actor only, rewards given) on the model saved at ``path``."""
+    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
+    del mfcs["reward_inf"]  # rewards are given
+    actor = ModelSetup("actor", "actor", path, trainable=True, optim=OptimConfig(lr=5e-2))
+    one = CallLayout((0,), ParallelStrategy())
+    setup = WorkerSetup(
+        {"actor": actor}, mfcs, {n: one for n in mfcs}, AlgorithmParams(name="grpo", adv_estimator="grpo", n_samples=2),
+        SamplingParams(n=2, max_new_tokens=6, seed=0), SamplingParams(greedy=True, max_new_tokens=6), path,
+        rollout_engine=rollout_engine,
+    )  # fmt: skip
+    worker = ModelWorker(setup)
+    worker.build()
+    return worker
+
+
+def call(worker: ModelWorker, name: str, *inputs: DataProto, step: int = 0) -> DataProto:
+    """``name`` with its pre- and post-call hooks, as the driver runs it for ``step``."""
+    worker.pre_call(name, step)
+    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs, step=step)
+    worker.post_call(name, step)
     return out

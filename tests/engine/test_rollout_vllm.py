@@ -1,11 +1,11 @@
 """The vLLM rollout engine: as the workers drive it (CPU, a stand-in), and real vLLM (GPU).
 
-CPU: a stand-in with vLLM's parameter layout at tp=1 (fused q|k|v and gate|up, a vocabulary
-padded to 64 rows) replaces ``VLLMRolloutEngine`` inside the workers; its ``generate`` un-fuses
-the pushed tensors into an HF model and runs the built-in sampler. A worker with
-``rollout_engine="vllm"`` must then sample exactly what a worker with ``"hf"`` samples, before and
-after a training step, build the engine once, push through the reshard executor and sleep it
-between calls.
+CPU: a stand-in with vLLM's declarations (it subclasses ``VLLMRolloutEngine``) and vLLM's
+parameter layout at tp=1 (fused q|k|v and gate|up, a vocabulary padded to 64 rows) is registered
+as another engine; its ``generate`` un-fuses the pushed tensors into an HF model and runs the
+built-in sampler. A worker running it must then sample exactly what a worker with ``"hf"``
+samples, before and after a training step, build the engine once, push through the reshard
+executor and sleep it between calls — all from the declarations, the workers never see its name.
 
 GPU (needs vllm): pushing weights through the executor gives the parameters vLLM's own
 ``load_weights`` gives; greedy generation equals the built-in sampler's; a GRPO run on one GPU.
@@ -13,47 +13,62 @@ GPU (needs vllm): pushing weights through the executor gives the parameters vLLM
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from rollout_helpers import left_padded_prompts, tiny_model
+from rollout_helpers import call, grpo_worker, left_padded_prompts, tiny_model
 from transformers import AutoModelForCausalLM
 
-from rlflow.data.tiny_models import build_tiny_model
-from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
+from rlflow.algos.params import AlgorithmParams
+from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow import algorithm_mfcs
 from rlflow.engine.optim import OptimConfig
-from rlflow.engine.rollout import HFRolloutEngine, SamplingParams, build_rollout_engine
-from rlflow.parallel.groups import clear_group_cache
+from rlflow.engine.rollout import (
+    HFRolloutEngine,
+    RolloutBuild,
+    SamplingParams,
+    VLLMRolloutEngine,
+    get_rollout_engine,
+    register_rollout_engine,
+)
+from rlflow.engine.rollout import base as rollout_base
 from rlflow.parallel.vllm_layout import vllm_param_views
 from rlflow.protocol import DataProto
-from rlflow.rendezvous import free_port
 from rlflow.strategy import ParallelStrategy
-from rlflow.workers import residency
-from rlflow.workers.model_worker import ModelWorker
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 REPO = Path(__file__).resolve().parents[2]
 # Decided before any fixture runs, so that a CPU machine does not start Ray for a skipped test.
 needs_vllm_gpu = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vllm and a CUDA device"
+    not VLLMRolloutEngine.available() or not torch.cuda.is_available(), reason="needs vllm and a CUDA device"
 )
 
 
 # ---- CPU: the workers drive a vLLM-shaped stand-in ----
 
 
-class StandInVLLM:
-    """``VLLMRolloutEngine``'s interface to the workers, with vLLM's tp=1 parameters on the CPU."""
+class StandInVLLM(VLLMRolloutEngine):
+    """``VLLMRolloutEngine``'s declarations and interface to the workers, with vLLM's tp=1
+    parameters on the CPU (no vLLM)."""
 
     built: list[StandInVLLM] = []
 
-    def __init__(self, config, device_mesh, *, pad_token_id=None, seed=0, **llm_kwargs) -> None:
-        self.config, self.pad_token_id, self.events = config, pad_token_id, []
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_device(cls, device_type: str) -> bool:
+        return device_type == "cpu"
+
+    @classmethod
+    def build(cls, spec: RolloutBuild) -> StandInVLLM:
+        return cls(spec.config, pad_token_id=spec.pad_token_id)
+
+    def __init__(self, config, *, pad_token_id=None) -> None:
+        self._config, self.pad_token_id, self.events = config, pad_token_id, []
         hf = AutoModelForCausalLM.from_config(config).state_dict()
         d, heads, kv = (
             config.hidden_size // config.num_attention_heads,
@@ -83,6 +98,9 @@ class StandInVLLM:
     def sleep(self, level: int = 1) -> None:
         self.events.append(f"sleep{level}")
 
+    def wake_up(self, tags=None) -> None:
+        self.events.append("wake")
+
     def unfused_state(self) -> dict[str, torch.Tensor]:
         """The HF state dict the fused tensors hold (vLLM's layout read back, independently)."""
         c, out = self.config, {}
@@ -108,69 +126,34 @@ class StandInVLLM:
 
 
 @pytest.fixture
-def one_rank_world(tmp_path):
-    """A one-process gloo world, a tiny Llama (tied embeddings) and the char tokenizer on disk."""
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-        tie_word_embeddings=True, seed=0,
-    )  # fmt: skip
-    with torch.no_grad():  # decisive logits: sampling differences would show
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    yield str(tmp_path)
-    clear_group_cache()
-    dist.destroy_process_group()
-
-
-def grpo_worker(path: str, rollout_engine: str) -> ModelWorker:
-    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
-    del mfcs["reward_inf"]  # rewards are given
-    actor = ModelSetup("actor", "actor", path, trainable=True, optim=OptimConfig(lr=5e-2))
-    one = CallLayout((0,), ParallelStrategy())
-    setup = WorkerSetup(
-        {"actor": actor}, mfcs, {n: one for n in mfcs}, AlgoSetup("grpo", adv_estimator="grpo", n_samples=2),
-        SamplingParams(n=2, max_new_tokens=6, seed=0), SamplingParams(greedy=True, max_new_tokens=6), path,
-        rollout_engine=rollout_engine,
-    )  # fmt: skip
-    worker = ModelWorker(setup)
-    worker.build()
-    return worker
-
-
-def call(worker: ModelWorker, name: str, *inputs: DataProto) -> DataProto:
-    worker.pre_call(name)
-    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs)
-    worker.post_call(name)
-    return out
-
-
-def test_workers_push_into_vllms_layout_and_sample_like_the_hf_copy(one_rank_world, monkeypatch):
-    monkeypatch.setattr(residency, "VLLMRolloutEngine", StandInVLLM)
+def stand_in(monkeypatch):
+    """The stand-in registered as ``"vllm_stand_in"`` for one test (the registry is restored after)."""
+    monkeypatch.setattr(rollout_base, "_ENGINES", dict(rollout_base._ENGINES))
+    register_rollout_engine("vllm_stand_in")(StandInVLLM)
     StandInVLLM.built.clear()
+    return "vllm_stand_in"
+
+
+def test_workers_push_into_vllms_layout_and_sample_like_the_hf_copy(one_rank_world, stand_in):
     tokenizer = load_tokenizer(one_rank_world, padding_side="left")
     enc = tokenizer(["12+3=", "4+5=", "99-1="], padding=True, return_tensors="pt")
     prompts = DataProto.from_dict({"prompts": enc.input_ids, "prompt_mask": enc.attention_mask})
     runs = {}
-    for engine in ("hf", "vllm"):
+    for engine in ("hf", stand_in):
         worker = grpo_worker(one_rank_world, engine)
         first = call(worker, "actor_gen", prompts)
         rewards = DataProto.from_dict({"rewards": torch.arange(len(first), dtype=torch.float32)})
         call(worker, "actor_train", first, rewards)
         runs[engine] = (first, call(worker, "actor_gen", prompts), worker)
     for i in range(2):  # before and after the optimizer step
-        hf, vllm = runs["hf"][i].batch, runs["vllm"][i].batch
+        hf, vllm = runs["hf"][i].batch, runs[stand_in][i].batch
         assert torch.equal(vllm["input_ids"], hf["input_ids"]) and torch.equal(
             vllm["response_mask"], hf["response_mask"]
         )
         torch.testing.assert_close(vllm["old_logp"], hf["old_logp"], rtol=0, atol=1e-6)
     (engine,) = StandInVLLM.built  # built once, pushed before each call, asleep after it
     assert engine.events == ["push", "updated", "sleep1", "push", "updated", "sleep1"]
-    home = runs["vllm"][2].residency.models["actor"].engine.state_dict_full()
+    home = runs[stand_in][2].residency.models["actor"].engine.state_dict_full()
     pushed = engine.unfused_state()
     assert all(torch.equal(pushed[name], value) for name, value in home.items())
     padding = engine.params["model.embed_tokens.weight"][len(tokenizer) :]  # 100 tokens in 128 rows
@@ -189,7 +172,7 @@ def test_vllm_generation_must_span_the_pool_in_one_layout():
         {"actor": actor},
         mfcs,
         layouts,
-        AlgoSetup("grpo", adv_estimator="grpo"),
+        AlgorithmParams(name="grpo", adv_estimator="grpo"),
         SamplingParams(),
         SamplingParams(),
         "",
@@ -225,7 +208,7 @@ def test_the_planner_offers_vllm_rollouts_on_every_worker_only():
 @pytest.fixture(scope="module")
 def engines():
     model = tiny_model(seed=0).cuda()
-    vllm_engine = build_rollout_engine("vllm", model, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    vllm_engine = get_rollout_engine("vllm")(model, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
     return model, HFRolloutEngine(model), vllm_engine
 
 

@@ -31,26 +31,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
 
 from rlflow.engine.packing import position_ids_from_mask
+from rlflow.parallel.layout import LAYOUT_STYLES
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 
+if TYPE_CHECKING:
+    from rlflow.parallel.executor import ParamViews
+
 __all__ = [
-    "ROLLOUT_CAPABILITIES",
+    "PERSISTENCE",
+    "PER_CALL",
+    "PER_PROCESS",
     "ROLLOUT_OUTPUT_KEYS",
+    "Prompts",
+    "RolloutBuild",
     "RolloutCapabilities",
     "RolloutEngine",
     "SamplingParams",
-    "Prompts",
+    "SleepsBetweenCalls",
     "assemble_rollout",
-    "build_rollout_engine",
+    "get_rollout_engine",
+    "list_rollout_engines",
     "register_rollout_engine",
-    "rollout_engine_names",
     "split_prompts",
 ]
 
@@ -111,17 +121,139 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop)
 
 
+# How long an engine lives (RolloutEngine.persistence).
+PER_CALL = "per_call"  # built for a call from the worker's current copy, freed after it unless copies are kept
+PER_PROCESS = "per_process"  # built once per process and (model, layout), kept between calls
+PERSISTENCE = (PER_CALL, PER_PROCESS)
+
+
+@dataclass(frozen=True)
+class RolloutCapabilities:
+    """Which parallel strategies an engine generates with; WorkerSetup and the planner read them.
+
+    Args:
+        dp: data parallel (ranks sample their own rows).
+        tp: tensor parallel.
+        pp: pipeline parallel.
+        spans_world: a generate call must use every worker of the pool (``dp*tp*pp`` equal to
+            the ``torch.distributed`` world), e.g. vLLM's external launcher builds its groups over
+            the whole world.
+        shared_layout: all generate calls share one layout (one engine instance per process), so
+            the planner ties the generate calls of a model to one layout.
+    """
+
+    dp: bool = True
+    tp: bool = True
+    pp: bool = False
+    spans_world: bool = False
+    shared_layout: bool = False
+
+    def unsupported(self, strategy: ParallelStrategy, world_size: int | None = None) -> str | None:
+        """Why ``strategy`` cannot generate with this engine (in a pool of ``world_size`` workers,
+        when given); ``None`` when it can.
+
+        >>> RolloutCapabilities().unsupported(ParallelStrategy(pp=2))
+        'pp=2 (no pipeline-parallel generation)'
+        """
+        for axis, size, allowed in (
+            ("dp", strategy.dp, self.dp),
+            ("tp", strategy.tp, self.tp),
+            ("pp", strategy.pp, self.pp),
+        ):
+            if size > 1 and not allowed:
+                kind = {"dp": "data", "tp": "tensor", "pp": "pipeline"}[axis]
+                return f"{axis}={size} (no {kind}-parallel generation)"
+        if self.spans_world and world_size is not None and strategy.world_size != world_size:
+            return f"{strategy} on {strategy.world_size} of {world_size} workers (generation spans every worker)"
+        return None
+
+    def supports(self, strategy: ParallelStrategy, world_size: int | None = None) -> bool:
+        """Whether ``strategy`` can generate with this engine (:meth:`unsupported` gives why not)."""
+        return self.unsupported(strategy, world_size) is None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutBuild:
+    """What a worker hands :meth:`RolloutEngine.build` for one model on one generate layout.
+
+    Args:
+        config: the model's HF config.
+        device_mesh: this call's torch mesh with dims ``("pp", "dp", "tp")``; None for one process.
+        device: this rank's device.
+        dtype: the dtype of the worker's weight copies (the reshard writes tensors of it).
+        pad_token_id: written after a row's stop token; None: the config's, else 0.
+        seed: the run's base seed.
+        memory_fraction: the share of each device's memory an engine that
+            :attr:`~RolloutEngine.holds_memory_fraction` takes while it generates.
+    """
+
+    config: PretrainedConfig
+    device_mesh: DeviceMesh | None
+    device: torch.device
+    dtype: torch.dtype
+    pad_token_id: int | None = None
+    seed: int = 0
+    memory_fraction: float = 0.5
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the rollout worker calls. Built once per (model, layout) on every rank of the call.
+    """What the workers, WorkerSetup, the config and the planner use of a rollout engine.
 
-    Every rank of the call's mesh runs :meth:`generate` on its dp shard of the prompts; tp
-    peers receive the same prompts and return the same responses.
+    **Declarations** (class level; :func:`register_rollout_engine` checks them). Every place that
+    treats engines differently reads these, never the engine's name or type:
+
+    * :attr:`layout_style` — the ``build_layout`` style of the weights it generates with:
+      ``"hf"``, a plain HF module resharded to the call's tensor-parallel layout; ``"vllm"``,
+      vLLM's own fused tensor-parallel parameters;
+    * :meth:`weight_target` — what the reshard executor writes: an ``nn.Module`` of that layout,
+      or a :class:`~rlflow.parallel.executor.ParamViews` (views into the engine's parameters);
+    * :attr:`persistence` — :data:`PER_CALL` (built for each call from the worker's current copy)
+      or :data:`PER_PROCESS` (built once per process, model and layout; kept);
+    * :attr:`can_sleep` — between calls it frees its memory with ``sleep()`` (the weights kept
+      on the host, so a current copy needs no push) and wakes itself in :meth:`generate` and
+      :meth:`weight_target`; such an engine also has ``wake_up()`` (:class:`SleepsBetweenCalls`);
+    * :attr:`capabilities` — the strategies it generates with (:class:`RolloutCapabilities`);
+    * :meth:`available` / :meth:`supports_device` — what it needs from the platform;
+    * :attr:`weight_dtype`, :attr:`holds_memory_fraction` — its memory, as the planner prices it.
+
+    **Calls.** Built by :meth:`build` on every rank of a generate call's mesh; every rank runs
+    :meth:`generate` on its dp shard of the prompts; tp peers receive the same prompts and return
+    the same responses.
     """
+
+    layout_style: ClassVar[str]
+    persistence: ClassVar[str]
+    can_sleep: ClassVar[bool]
+    capabilities: ClassVar[RolloutCapabilities]
+    weight_dtype: ClassVar[torch.dtype | None]
+    """The dtype it generates with; None: the dtype of the copy it is given (:attr:`RolloutBuild.dtype`)."""
+    holds_memory_fraction: ClassVar[bool]
+    """It takes :attr:`RolloutBuild.memory_fraction` of each device's memory while it generates
+    (weights + KV cache), whatever the batch needs."""
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this process can build the engine (e.g. its package is importable)."""
+        ...
+
+    @classmethod
+    def supports_device(cls, device_type: str) -> bool:
+        """Whether it generates on workers whose device type is ``device_type`` (``"cpu"``, ``"cuda"``)."""
+        ...
+
+    @classmethod
+    def build(cls, spec: RolloutBuild) -> RolloutEngine:
+        """The engine a worker builds for one model on one generate layout, before the weights arrive."""
+        ...
+
+    def weight_target(self) -> nn.Module | ParamViews:
+        """What the reshard executor writes the model's weights into (in :attr:`layout_style`)."""
+        ...
 
     @property
     def module(self) -> nn.Module:
-        """The model whose parameters the reshard executor writes (in this engine's layout)."""
+        """The model it generates with."""
         ...
 
     def generate(self, prompts: Prompts, params: SamplingParams) -> DataProto | dict[str, torch.Tensor]:
@@ -144,73 +276,94 @@ class RolloutEngine(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class RolloutCapabilities:
-    """Which parallel strategies an engine runs, for the planner's generate options.
+@runtime_checkable
+class SleepsBetweenCalls(Protocol):
+    """The methods of an engine that declares ``can_sleep``."""
 
-    Args:
-        dp: data parallel (every engine: ranks sample their own rows).
-        tp: tensor parallel.
-        pp: pipeline parallel.
-        requires_gpu: the engine cannot run on CPU workers.
-        spans_world: a generate call must use every worker of the pool (``dp*tp*pp`` equal to
-            the ``torch.distributed`` world): vLLM's external launcher builds its groups over the
-            whole world.
-    """
+    def sleep(self) -> None:
+        """Free the engine's device memory until it is used again; the weights are kept (on the host)."""
+        ...
 
-    dp: bool = True
-    tp: bool = True
-    pp: bool = False
-    requires_gpu: bool = False
-    spans_world: bool = False
-
-    def supports(self, strategy: ParallelStrategy, *, on_gpu: bool = True, world_size: int | None = None) -> bool:
-        """Whether ``strategy`` can generate with this engine (on GPUs or not; in a pool of
-        ``world_size`` workers, when given)."""
-        if self.requires_gpu and not on_gpu:
-            return False
-        if self.spans_world and world_size is not None and strategy.world_size != world_size:
-            return False
-        return (strategy.dp == 1 or self.dp) and (strategy.tp == 1 or self.tp) and (strategy.pp == 1 or self.pp)
+    def wake_up(self) -> None:
+        """Take back what :meth:`sleep` freed; a no-op on an awake engine."""
+        ...
 
 
-_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
-ROLLOUT_CAPABILITIES: dict[str, RolloutCapabilities] = {}
+_ENGINES: dict[str, type[RolloutEngine]] = {}
+_DECLARATIONS = (
+    "layout_style",
+    "persistence",
+    "can_sleep",
+    "capabilities",
+    "weight_dtype",
+    "holds_memory_fraction",
+    "available",
+    "supports_device",
+    "build",
+    "weight_target",
+    "generate",
+    "update_weights",
+)
 
 
-def register_rollout_engine(name: str, capabilities: RolloutCapabilities | None = None) -> Callable[[type], type]:
-    """Class decorator adding a rollout engine under ``name``.
+def _check_declarations(name: str, cls: type) -> None:
+    missing = [d for d in _DECLARATIONS if not hasattr(cls, d)]
+    if missing:
+        raise TypeError(f"rollout engine {name!r} ({cls.__qualname__}) does not declare {missing}")
+    if cls.layout_style not in LAYOUT_STYLES:
+        raise ValueError(f"rollout engine {name!r}: layout_style={cls.layout_style!r}; expected one of {LAYOUT_STYLES}")
+    if cls.persistence not in PERSISTENCE:
+        raise ValueError(f"rollout engine {name!r}: persistence={cls.persistence!r}; expected one of {PERSISTENCE}")
+    if not isinstance(cls.capabilities, RolloutCapabilities):
+        raise TypeError(f"rollout engine {name!r}: capabilities={cls.capabilities!r} is not a RolloutCapabilities")
+    if cls.weight_dtype is not None and not isinstance(cls.weight_dtype, torch.dtype):
+        raise TypeError(f"rollout engine {name!r}: weight_dtype={cls.weight_dtype!r}; expected a torch.dtype or None")
+    if cls.can_sleep and not issubclass(cls, SleepsBetweenCalls):
+        raise TypeError(f"rollout engine {name!r} declares can_sleep but lacks sleep() / wake_up()")
+
+
+def register_rollout_engine(name: str) -> Callable[[type], type]:
+    """Class decorator adding a rollout engine under ``name``, after checking its declarations.
 
     >>> @register_rollout_engine("my_engine")  # doctest: +SKIP
-    ... class MyEngine: ...
+    ... class MyEngine(HFRolloutEngine):
+    ...     persistence = PER_PROCESS
 
     Raises:
-        ValueError: ``name`` is already registered.
+        ValueError: ``name`` is already registered, or a declaration has a value outside its choices.
+        TypeError: a declaration (:class:`RolloutEngine`) is missing or of the wrong type.
     """
 
     def decorate(cls: type) -> type:
         if name in _ENGINES:
-            raise ValueError(f"rollout engine {name!r} is already registered (by {_ENGINES[name].__qualname__})")
+            raise ValueError(
+                f"rollout engine {name!r} is already registered (by {_ENGINES[name].__qualname__}); "
+                f"registered: {list_rollout_engines()}"
+            )
+        _check_declarations(name, cls)
         _ENGINES[name] = cls
-        ROLLOUT_CAPABILITIES[name] = capabilities or RolloutCapabilities()
         return cls
 
     return decorate
 
 
-def rollout_engine_names() -> list[str]:
-    return sorted(_ENGINES)
+def get_rollout_engine(name: str) -> type[RolloutEngine]:
+    """The engine class registered as ``name``.
 
-
-def build_rollout_engine(name: str, *args: Any, **kwargs: Any) -> RolloutEngine:
-    """Construct the engine registered as ``name`` with the given arguments.
+    >>> get_rollout_engine("hf").persistence
+    'per_call'
 
     Raises:
         KeyError: unknown ``name`` (the message lists the registered names).
     """
     if name not in _ENGINES:
-        raise KeyError(f"unknown rollout engine {name!r}; registered: {rollout_engine_names()}")
-    return _ENGINES[name](*args, **kwargs)
+        raise KeyError(f"unknown rollout engine {name!r}; registered: {list_rollout_engines()}")
+    return _ENGINES[name]
+
+
+def list_rollout_engines() -> list[str]:
+    """Names of the registered rollout engines, sorted."""
+    return sorted(_ENGINES)
 
 
 def split_prompts(prompts: Prompts) -> tuple[torch.Tensor, torch.Tensor, DataProto | None]:

@@ -23,17 +23,20 @@ number of collectives). Greedy decoding gives the same tokens under every (dp, t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import (
+    PER_CALL,
     Prompts,
+    RolloutBuild,
     RolloutCapabilities,
     SamplingParams,
     assemble_rollout,
@@ -249,9 +252,14 @@ def _local_part(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.T
     return tensor
 
 
-@register_rollout_engine("hf", RolloutCapabilities(dp=True, tp=True, pp=False, requires_gpu=False))
+@register_rollout_engine("hf")
 class HFRolloutEngine:
     """Rollout engine over an HF causal LM, on CPU or GPU, under dp × tp.
+
+    Declarations (:class:`~rlflow.engine.rollout.base.RolloutEngine`): the worker builds it per
+    call around a plain HF model of the call's tensor-parallel layout (``style="hf"``), which the
+    reshard executor writes; it generates in the dtype of that copy and holds only what the batch
+    needs. Subclasses may declare another persistence and add sleep/wake.
 
     Args:
         model: an HF causal LM (Llama/Qwen2 family for tp > 1) on this rank's device. It is
@@ -272,6 +280,13 @@ class HFRolloutEngine:
     ((4, 4), (4, 7))
     """
 
+    layout_style: ClassVar[str] = "hf"
+    persistence: ClassVar[str] = PER_CALL
+    can_sleep: ClassVar[bool] = False
+    capabilities: ClassVar[RolloutCapabilities] = RolloutCapabilities(dp=True, tp=True, pp=False)
+    weight_dtype: ClassVar[torch.dtype | None] = None
+    holds_memory_fraction: ClassVar[bool] = False
+
     def __init__(self, model: nn.Module, device_mesh: DeviceMesh | None = None, *, pad_token_id: int | None = None):
         self._dp_rank, self._tp_group, tp_mesh = _mesh_coords(device_mesh)
         if tp_mesh is not None and tp_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
@@ -282,6 +297,32 @@ class HFRolloutEngine:
             pad_token_id = getattr(model.config, "pad_token_id", None)
         self._pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self._model = model.eval()
+
+    @classmethod
+    def available(cls) -> bool:
+        """Always: it needs torch and transformers only."""
+        return True
+
+    @classmethod
+    def supports_device(cls, device_type: str) -> bool:
+        """Any device torch runs the model on."""
+        return True
+
+    @classmethod
+    def build(cls, spec: RolloutBuild) -> HFRolloutEngine:
+        """An HF causal LM of ``spec.config`` in ``spec.dtype`` on ``spec.device``, tensor-parallel
+        over the mesh's tp axis; its weights are about to be overwritten (the random init is skipped)."""
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # older transformers: pay for the random init
+            from contextlib import nullcontext as no_init_weights
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype)
+        return cls(model.to(spec.device), spec.device_mesh, pad_token_id=spec.pad_token_id)
+
+    def weight_target(self) -> nn.Module:
+        """The HF model: the reshard executor writes its (tensor-parallel) parameters."""
+        return self._model
 
     @property
     def module(self) -> nn.Module:

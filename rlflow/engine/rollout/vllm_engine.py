@@ -37,10 +37,11 @@ recompute ``old_logp`` with an actor inference call.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from rlflow.engine.rollout.base import (
+    PER_PROCESS,
     Prompts,
+    RolloutBuild,
     RolloutCapabilities,
     SamplingParams,
     assemble_rollout,
@@ -153,11 +156,20 @@ def _save_config(config: PretrainedConfig, module: nn.Module | None, path: str) 
 
 # vLLM's sleep_mode memory tags (LLM.wake_up(tags=...)).
 _SLEEP_TAGS = ("weights", "kv_cache")
+# Level 1 keeps the weights in host memory: a call whose copy is still current needs no push.
+# (Level 2 would discard them, and vLLM's buffers with them on older versions.)
+_BETWEEN_CALLS_SLEEP_LEVEL = 1
 
 
-@register_rollout_engine("vllm", RolloutCapabilities(dp=True, tp=True, pp=False, requires_gpu=True, spans_world=True))
+@register_rollout_engine("vllm")
 class VLLMRolloutEngine:
     """Rollout engine backed by ``vllm.LLM`` (module docstring for the parallel and weight contracts).
+
+    Declarations (:class:`~rlflow.engine.rollout.base.RolloutEngine`): built once per process and
+    kept (building vLLM costs far more than waking it), asleep between calls; its weights are
+    vLLM's fused tensor-parallel parameters (``style="vllm"``), written through
+    :meth:`param_tensors`; one instance per process, so generation spans the pool in one shared
+    layout, pp = 1; bf16, holding its ``gpu_memory_utilization`` share of the GPU while generating.
 
     Args:
         model: a local HF model directory (weights loaded by vLLM); an HF ``PretrainedConfig``
@@ -171,6 +183,15 @@ class VLLMRolloutEngine:
         enable_sleep_mode: lets :meth:`sleep` release the KV cache and weights between calls.
         **llm_kwargs: passed to ``vllm.LLM``.
     """
+
+    layout_style: ClassVar[str] = "vllm"
+    persistence: ClassVar[str] = PER_PROCESS
+    can_sleep: ClassVar[bool] = True
+    capabilities: ClassVar[RolloutCapabilities] = RolloutCapabilities(
+        dp=True, tp=True, pp=False, spans_world=True, shared_layout=True
+    )
+    weight_dtype: ClassVar[torch.dtype | None] = torch.bfloat16
+    holds_memory_fraction: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -219,6 +240,34 @@ class VLLMRolloutEngine:
             self._zero_vocab_padding()  # dummy weights there; vLLM's own loader leaves zeros
         if module is not None:
             self.update_weights(module.state_dict())
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether vLLM is installed (found without importing it)."""
+        return importlib.util.find_spec("vllm") is not None
+
+    @classmethod
+    def supports_device(cls, device_type: str) -> bool:
+        """CUDA only: each rank's vLLM runs on the process's current CUDA device (``LOCAL_RANK``)."""
+        return device_type == "cuda"
+
+    @classmethod
+    def build(cls, spec: RolloutBuild) -> VLLMRolloutEngine:
+        """vLLM from ``spec.config`` with dummy weights and sleep mode, taking ``spec.memory_fraction``
+        of the GPU; the worker pushes its weights through :meth:`param_tensors`."""
+        return cls(
+            spec.config,
+            spec.device_mesh,
+            pad_token_id=spec.pad_token_id,
+            seed=spec.seed,
+            dtype=str(cls.weight_dtype).removeprefix("torch."),
+            gpu_memory_utilization=spec.memory_fraction,
+            enable_sleep_mode=True,
+        )
+
+    def weight_target(self) -> VLLMRolloutEngine:
+        """The engine itself: the reshard executor writes into :meth:`param_tensors`."""
+        return self
 
     @property
     def module(self) -> nn.Module:
@@ -310,8 +359,9 @@ class VLLMRolloutEngine:
         self.weights_updated()
 
     # ------------------------------------------------------------------ sleep mode
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV cache; level 1 moves the weights to host memory, level 2 discards them.
+    def sleep(self, level: int = _BETWEEN_CALLS_SLEEP_LEVEL) -> None:
+        """Free the KV cache; level 1 (the default, between calls) moves the weights to host
+        memory, level 2 discards them.
 
         After level 2 the weights must be pushed again before generating. A no-op when asleep.
         """
