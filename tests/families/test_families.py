@@ -1,0 +1,181 @@
+"""Model families: the registry, and every family's record against a real tiny HF model of it."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification
+
+from rlflow.families import LayerFeatures, ModelFamily, family_of, get_family, list_families, register_family
+from rlflow.families import base as families_base
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+# Keyword sets every family's config takes; a family ignores the biases its HF model does not have.
+VARIANTS = {
+    "plain": {},
+    "tied": dict(tie_word_embeddings=True),
+    "biases": dict(attention_bias=True, mlp_bias=True),
+}
+
+
+def _config(family: ModelFamily, variant: str, **extra):
+    return family.build_config(**TINY, **VARIANTS[variant], **extra)
+
+
+def _hf_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _record_shapes(family: ModelFamily, config, head: str) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for _, item in family.item_param_shapes(config, head):
+        shapes.update(item)
+    return shapes
+
+
+# ---- registry ----
+
+
+def test_the_families_are_registered_under_their_model_types():
+    assert {"llama", "qwen2", "qwen3"} <= set(list_families())
+    for name in list_families():
+        family = get_family(name)
+        for model_type in family.model_types:
+            assert family_of({"model_type": model_type}) is family
+            assert family_of(family.build_config(**TINY)) is family
+
+
+def test_unknown_names_and_model_types_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown model family 'gpt2'; expected one of \[.*'llama'"):
+        get_family("gpt2")
+    with pytest.raises(
+        ValueError, match=r"model_type='gpt2' belongs to no registered model family; .*qwen3 \['qwen3'\]"
+    ):
+        family_of({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="model_type=None"):
+        family_of(type("Config", (), {})())
+
+
+def test_register_refuses_a_taken_name_or_model_type(monkeypatch):
+    monkeypatch.setattr(families_base, "_REGISTRY", dict(families_base._REGISTRY))
+    llama = get_family("llama")
+
+    def variant(name: str, model_types: tuple[str, ...]) -> ModelFamily:
+        return ModelFamily(
+            name=name,
+            model_types=model_types,
+            causal_lm_class=llama.causal_lm_class,
+            build_config=llama.build_config,
+            features=llama.features,
+        )
+
+    with pytest.raises(ValueError, match="model family 'llama' is already registered"):
+        register_family(variant("llama", ("llama_v2",)))
+    with pytest.raises(ValueError, match=r"model_type \['llama'\] of family 'llama2' already belongs to 'llama'"):
+        register_family(variant("llama2", ("llama2", "llama")))
+    added = register_family(variant("llama_fork", ("llama_fork",)))
+    assert get_family("llama_fork") is added and family_of({"model_type": "llama_fork"}) is added
+    assert "llama_fork" in list_families()
+
+
+def test_a_record_whose_tables_disagree_is_refused():
+    llama = get_family("llama")
+    common = dict(causal_lm_class=llama.causal_lm_class, build_config=llama.build_config, features=llama.features)
+    with pytest.raises(ValueError, match="'self_attn.kv_proj' is not a module of layer_tp"):
+        ModelFamily(name="x", model_types=("x",), kv_modules=("self_attn.kv_proj",), **common)
+    with pytest.raises(ValueError, match="kv module 'self_attn.o_proj' must be 'colwise'"):
+        ModelFamily(name="x", model_types=("x",), kv_modules=("self_attn.o_proj",), **common)
+    with pytest.raises(ValueError, match="has no model_types"):
+        ModelFamily(name="x", model_types=(), **common)
+
+
+def test_a_family_pickles_to_the_registered_record():
+    family = get_family("qwen3")
+    assert pickle.loads(pickle.dumps(family)) is family
+    assert copy.deepcopy(family) is family
+
+
+# ---- every family against its real HF model ----
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("name", list_families())
+def test_parameter_names_and_shapes_equal_the_hf_model(name, variant):
+    family = get_family(name)
+    config = _config(family, variant)
+    with torch.device("meta"):
+        model = family.causal_lm_class(config)
+    assert list(_record_shapes(family, config, "lm").items()) == list(_hf_shapes(model).items())
+    value_config = _config(family, variant, num_labels=1)
+    with torch.device("meta"):
+        critic = AutoModelForTokenClassification.from_config(value_config)
+    assert _record_shapes(family, value_config, "value") == _hf_shapes(critic)
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_dims_and_features_read_the_config_object_and_its_dict(name):
+    family = get_family(name)
+    config = _config(family, "biases")
+    dims = family.dims(config)
+    assert (dims.num_layers, dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim) == (2, 64, 4, 2, 16)
+    assert family.dims(config.to_dict()) == dims
+    assert family.features(config.to_dict()) == family.features(config)
+    with pytest.raises(ValueError, match=r"lacks \['num_hidden_layers'"):
+        family.dims({"model_type": family.model_types[0], "hidden_size": 64})
+
+
+@pytest.mark.parametrize("variant", ["plain", "biases"])
+@pytest.mark.parametrize("name", list_families())
+def test_tp_split_covers_every_parameter_and_names_real_modules(name, variant):
+    family = get_family(name)
+    config = _config(family, variant, num_labels=1)
+    with torch.device("meta"):
+        models = [family.causal_lm_class(config), AutoModelForTokenClassification.from_config(config)]
+    for model in models:
+        modules = dict(model.named_modules())
+        for pname, _ in model.named_parameters():
+            module = pname.rpartition(".")[0]
+            kind = family.tp_kind(module)
+            if family.is_kv_module(module):
+                assert kind == "colwise", pname
+        layer = f"{family.layers_module}.0"
+        assert all(f"{layer}.{inner}" in modules for inner in family.layer_tp), "layer_tp names a missing module"
+        for fused, parts in family.vllm_fused.items():
+            assert all(f"{layer}.{p}" in modules for p in parts), fused
+    with pytest.raises(
+        ValueError, match=f"family '{name}' has no tensor-parallel split for module 'model.layers.0.mlp'"
+    ):
+        family.tp_kind("model.layers.0.mlp")
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_layer_types_are_the_attention_hf_runs(name):
+    family = get_family(name)
+    config = _config(family, "plain")
+    model = family.causal_lm_class(config)
+    layer_types = family.layer_types(config)
+    assert len(layer_types) == config.num_hidden_layers
+    assert set(layer_types) <= {"full_attention", "sliding_attention"}
+    # HF's own per-layer choice: the sliding window each attention module would use.
+    for kind, layer in zip(layer_types, model.model.layers):
+        window = getattr(layer.self_attn, "sliding_window", None)
+        assert (window is not None) == (kind == "sliding_attention"), (name, kind, window)
+
+
+def test_features_follow_the_family():
+    config = dict(TINY, attention_bias=True, mlp_bias=True)
+    assert get_family("llama").features(dict(config, model_type="llama")) == LayerFeatures(True, True, True, False)
+    assert get_family("qwen2").features(dict(config, model_type="qwen2")) == LayerFeatures(qkv_bias=True)
+    assert get_family("qwen3").features(config) == LayerFeatures(True, True, False, True)
+    assert get_family("qwen3").build_config(**TINY).head_dim == 16  # not HF's default of 128
