@@ -24,12 +24,11 @@ from rlflow.data.tasks import (
     solve_countdown,
     write_jsonl,
 )
-from rlflow.data.tiny_models import MODEL_FAMILIES, build_tiny_config, build_tiny_model, save_tiny_model_and_tokenizer
+from rlflow.data.tiny_models import build_tiny_config, build_tiny_model, save_tiny_model_and_tokenizer
 from rlflow.data.tokenizer import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, load_tokenizer
 
 __all__ = [
     "DEFAULT_ALPHABET",
-    "MODEL_FAMILIES",
     "SPECIAL_TOKENS",
     "SPLITS",
     "ArithmeticTask",

@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 causal LMs built from configs, for tests and CPU recipes.
+"""Tiny causal LMs of every registered model family (:mod:`rlflow.families`), for tests and CPU recipes.
 
 The models are real ``transformers`` classes with random weights, so every engine path
 (HF loading, FSDP2, tensor parallel, pipelining, generation) runs on them unchanged.
@@ -10,24 +10,12 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlflow.data.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+from rlflow.families import get_family
 
-__all__ = ["MODEL_FAMILIES", "build_tiny_config", "build_tiny_model", "save_tiny_model_and_tokenizer"]
-
-MODEL_FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-}
+__all__ = ["build_tiny_config", "build_tiny_model", "save_tiny_model_and_tokenizer"]
 
 
 def build_tiny_config(
@@ -46,14 +34,12 @@ def build_tiny_config(
     attn_implementation: str = "sdpa",
 ) -> PretrainedConfig:
     """The HF config of a tiny model; see :func:`build_tiny_model` for the arguments."""
-    if family not in MODEL_FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(MODEL_FAMILIES)}")
+    build_config = get_family(family).build_config
     if hidden_size % num_heads != 0:
         raise ValueError(f"num_heads={num_heads} does not divide hidden_size={hidden_size}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
-    config_cls, _ = MODEL_FAMILIES[family]
-    config = config_cls(
+    config = build_config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -87,10 +73,10 @@ def build_tiny_model(
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
-    """A randomly initialised ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``.
+    """A randomly initialised causal LM of a registered model family (``LlamaForCausalLM`` …).
 
     Args:
-        family: ``"llama"`` or ``"qwen2"`` (Qwen2 adds q/k/v biases).
+        family: a name of :func:`rlflow.families.list_families` (``"llama"``, ``"qwen2"`` …).
         vocab_size: embedding rows; ``len(tokenizer)`` for the char tokenizer.
         hidden_size: model width.
         num_layers: decoder layers.
@@ -118,10 +104,9 @@ def build_tiny_model(
         tie_word_embeddings, max_position_embeddings, pad_token_id, bos_token_id, eos_token_id,
         attn_implementation,
     )  # fmt: skip
-    _, model_cls = MODEL_FAMILIES[family]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config)
+        model = get_family(family).causal_lm_class(config)
     return model.to(dtype)
 
 
@@ -139,7 +124,7 @@ def save_tiny_model_and_tokenizer(
 
     Args:
         path: output directory (created).
-        family: ``"llama"`` or ``"qwen2"``.
+        family: a registered model family's name.
         alphabet: characters of the char tokenizer built when ``tokenizer`` is None.
         tokenizer: use this tokenizer instead; its special-token ids go into the config.
         **model_kwargs: passed to :func:`build_tiny_model` (``vocab_size`` is taken from

@@ -5,10 +5,11 @@ A decoder is the item sequence ``embed, layer.0 … layer.{L-1}, norm, head`` an
 balanced by parameter count — the same function the reshard planner reads, so a stage here
 holds exactly the parameters the layout says it holds.
 
-:class:`DecoderStage` is one stage as a plain ``nn.Module`` that keeps HF module paths
-(``model.embed_tokens``, ``model.layers.<i>``, ``model.norm``, ``lm_head`` / ``score``; the
-layers sit in a ``ModuleDict`` keyed by their global index), so state-dict keys, the TP plan
-and the layouts all use HF names. With ``pp == 1`` the single stage is the whole model, and
+:class:`DecoderStage` is one stage as a plain ``nn.Module`` that keeps the HF module paths of
+the model's family (:mod:`rlflow.families`: ``model.embed_tokens``, ``model.layers.<i>``,
+``model.norm``, ``lm_head`` / ``score`` for the Llama-style families; the layers sit in a
+``ModuleDict`` keyed by their global index), so state-dict keys, the TP plan and the layouts
+all use HF names. With ``pp == 1`` the single stage is the whole model, and
 the engine runs that same module without a schedule: one forward path for every strategy.
 
 Every stage computes its own rotary embeddings and attention mask from ``position_ids`` and
@@ -37,21 +38,44 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rlflow.engine.attention import check_varlen_implementation, varlen_kwargs
+from rlflow.families import family_of
 from rlflow.parallel.layout import pipeline_stages
 
 __all__ = ["DecoderStage", "build_schedule", "build_stage", "head_kind", "tied_embedding_group", "token_log_probs"]
 
 
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` at dotted ``path`` under ``root``, creating plain parent modules."""
+    *parents, leaf = path.split(".")
+    for name in parents:
+        if not hasattr(root, name):
+            root.add_module(name, nn.Module())
+        root = getattr(root, name)
+    root.add_module(leaf, module)
+
+
 def head_kind(model: nn.Module) -> str:
     """``"lm"`` for a ``*ForCausalLM`` model, ``"value"`` for a scalar-head ``*ForTokenClassification``."""
-    if hasattr(model, "lm_head"):
+    family = family_of(model.config)
+    if _submodule(model, family.lm_head_module) is not None:
         return "lm"
-    score = getattr(model, "score", None)
+    score = _submodule(model, family.value_head_module)
     if isinstance(score, nn.Linear):
         if score.out_features != 1:
-            raise ValueError(f"a value head must have one output, got score.out_features={score.out_features}")
+            raise ValueError(
+                f"a value head must have one output, got {family.value_head_module}.out_features={score.out_features}"
+            )
         return "value"
-    raise ValueError(f"{type(model).__name__} has neither `lm_head` nor a scalar `score` head")
+    raise ValueError(
+        f"{type(model).__name__} has neither `{family.lm_head_module}` nor a scalar `{family.value_head_module}` head"
+    )
 
 
 def token_log_probs(
@@ -85,7 +109,7 @@ def token_log_probs(
 
 
 class DecoderStage(nn.Module):
-    """One pipeline stage of an HF Llama-family decoder (see the module docstring).
+    """One pipeline stage of an HF decoder of a registered family (see the module docstring).
 
     Forward contract (``B`` rows, ``T`` tokens, ``H`` hidden size):
 
@@ -104,40 +128,46 @@ class DecoderStage(nn.Module):
     def __init__(self, hf_model: nn.Module, items: Sequence[str]) -> None:
         super().__init__()
         self.config = hf_model.config
+        self.family = family_of(self.config)
         self.items = list(items)
         self.kind = head_kind(hf_model)
         self.is_first = "embed" in self.items
         self.is_last = "head" in self.items
         self.return_logits = True
         self.compute_entropy = True
-        src = hf_model.model
-        self.model = nn.Module()
+        self.layer_types = self.family.layer_types(self.config)
+        family = self.family
         if self.is_first:
-            self.model.embed_tokens = src.embed_tokens
+            _attach(self, family.embed_module, hf_model.get_submodule(family.embed_module))
+        layers = hf_model.get_submodule(family.layers_module)
         indices = [int(item.split(".")[1]) for item in self.items if item.startswith("layer.")]
-        self.model.layers = nn.ModuleDict({str(i): src.layers[i] for i in indices})
+        _attach(self, family.layers_module, nn.ModuleDict({str(i): layers[i] for i in indices}))
         if "norm" in self.items:
-            self.model.norm = src.norm
-        self.model.rotary_emb = src.rotary_emb
+            _attach(self, family.norm_module, hf_model.get_submodule(family.norm_module))
+        _attach(self, family.rotary_module, hf_model.get_submodule(family.rotary_module))
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False)) and self.kind == "lm"
         if self.is_last and self.kind == "lm":
-            self.lm_head = hf_model.lm_head
+            head = hf_model.get_submodule(family.lm_head_module)
+            _attach(self, family.lm_head_module, head)
             if self.tied and not self.is_first:
                 # The last stage's own copy of the tied embedding (kept equal by the engine).
-                self.lm_head.weight = nn.Parameter(hf_model.lm_head.weight.detach().clone())
+                head.weight = nn.Parameter(head.weight.detach().clone())
         elif self.is_last:
-            self.score = hf_model.score  # the classifier dropout is not applied: RL needs a deterministic head
+            # The classifier dropout is not applied: RL needs a deterministic head.
+            _attach(self, family.value_head_module, hf_model.get_submodule(family.value_head_module))
 
     def _masks(self, hidden: torch.Tensor, attention_mask, position_ids) -> dict[str, torch.Tensor | None]:
         kwargs = dict(
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            past_key_values=None,
+            cache=None,
             position_ids=position_ids,
         )
-        masks = {"full_attention": create_causal_mask(**kwargs)}
-        if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+        masks = {}
+        if "full_attention" in self.layer_types:
+            masks["full_attention"] = create_causal_mask(**kwargs)
+        if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
         return masks
 
@@ -159,32 +189,33 @@ class DecoderStage(nn.Module):
     ):
         if position_ids is None:
             raise ValueError("DecoderStage.forward needs position_ids (B, T)")
-        hidden = self.model.embed_tokens(x) if self.is_first else x
-        if len(self.model.layers):
-            position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        family = self.family
+        hidden = self.get_submodule(family.embed_module)(x) if self.is_first else x
+        layers = self.get_submodule(family.layers_module)
+        if len(layers):
+            position_embeddings = self.get_submodule(family.rotary_module)(hidden, position_ids)
             if cu_seqlens is None:
                 masks, extra = self._masks(hidden, attention_mask, position_ids), {}
             else:  # the varlen kernel keeps each sequence to itself: no mask
                 masks, extra = {}, self._packed_kwargs(attention_mask, cu_seqlens, max_seqlen)
-            layer_types = getattr(self.config, "layer_types", None)
-            for key, layer in self.model.layers.items():
-                layer_type = layer_types[int(key)] if layer_types else "full_attention"
+            for key, layer in layers.items():
                 hidden = layer(
                     hidden,
-                    attention_mask=masks.get(layer_type),
+                    attention_mask=masks.get(self.layer_types[int(key)]),
                     position_embeddings=position_embeddings,
                     position_ids=position_ids,
                     **extra,
                 )
         if not self.is_last:
             return hidden
-        hidden = self.model.norm(hidden) if hasattr(self.model, "norm") else hidden
+        if "norm" in self.items:
+            hidden = self.get_submodule(family.norm_module)(hidden)
         if self.kind == "value":
             # (B, T, 1) -> (B, T) fp32 as a new tensor: `squeeze` would return a view of the
             # head's output, and FSDP2 hooks backward on the module's outputs, which an in-place
             # op on a view would silently bypass (it warns "returned a view tensor").
-            return self.score(hidden).sum(dim=-1, dtype=torch.float32)
-        logits = self.lm_head(hidden)
+            return self.get_submodule(family.value_head_module)(hidden).sum(dim=-1, dtype=torch.float32)
+        logits = self.get_submodule(family.lm_head_module)(hidden)
         if labels is None:
             return logits
         log_probs, entropy = token_log_probs(logits, labels, position_ids, with_entropy=self.compute_entropy)

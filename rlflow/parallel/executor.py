@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlflow.parallel.layout import EMBED_NAME, HEAD_NAME, Box, Layout
+from rlflow.families import ModelFamily, family_of
+from rlflow.parallel.layout import Box, Layout
 from rlflow.parallel.reshard import Piece, ReshardPlan
 
 # Wrapper prefixes that torch inserts into parameter names (activation checkpointing, compile).
@@ -58,11 +59,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def canonical_name(name: str, tied: bool) -> str:
-    """HF name of a module parameter as layouts spell it (wrapper prefixes dropped, tied head → embedding)."""
+def canonical_name(name: str, tied_family: ModelFamily | None) -> str:
+    """HF name of a module parameter as layouts spell it (wrapper prefixes dropped, tied head → embedding).
+
+    ``tied_family`` is the model's family when its LM head is the tied embedding, else None.
+    """
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
-    return EMBED_NAME if tied and name == HEAD_NAME else name
+    return tied_family.embed_name if tied_family is not None and name == tied_family.lm_head_name else name
 
 
 @runtime_checkable
@@ -106,13 +110,15 @@ def module_param_tensors(module: nn.Module | ParamViews, tied: bool | None = Non
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+    config = getattr(module, "config", None)
+    family = family_of(config) if config is not None else None
     if tied is None:
-        config = getattr(module, "config", None)
-        tied = bool(getattr(config, "tie_word_embeddings", False)) and hasattr(module, "lm_head")
+        has_head = family is not None and hasattr(module, family.lm_head_module.split(".")[0])
+        tied = bool(getattr(config, "tie_word_embeddings", False)) and has_head
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, param in module.named_parameters(remove_duplicate=False):
         local = _local(param.data)
-        tensors = out[canonical_name(name, tied)]
+        tensors = out[canonical_name(name, family if tied else None)]
         if not any(local is t or (local.data_ptr() == t.data_ptr() and local.shape == t.shape) for t in tensors):
             tensors.append(local)
     return dict(out)

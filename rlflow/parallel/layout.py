@@ -7,10 +7,11 @@ A model under a strategy ``(dp, tp, pp)`` is split three ways, applied in this o
    parameter count (:func:`assign_pipeline_stages`). The engine's pipeline split and the
    reshard planner both use :func:`pipeline_stages`, so they always agree.
 2. **Tensor parallelism** inside a stage, exactly as ``rlflow.parallel.tensor_parallel.apply_tp``
-   splits the HF module: q/k/v/gate/up and the LM head are column-parallel (dim 0 of the
-   weight and of its bias), o/down row-parallel (dim 1 of the weight; their bias
-   replicated), the embedding vocabulary-parallel (dim 0), norms replicated. Shards follow
-   ``torch.chunk`` sizes. k/v are replicated when ``num_key_value_heads`` does not divide
+   splits the HF module, both reading the split of the model's family
+   (:meth:`rlflow.families.ModelFamily.tp_kind`): column-parallel modules split dim 0 of the
+   weight and of its bias, row-parallel ones dim 1 of the weight (their bias replicated), the
+   embedding is vocabulary-parallel (dim 0), norms replicated. Shards follow ``torch.chunk``
+   sizes. The family's kv modules are replicated when ``num_key_value_heads`` does not divide
    by tp (the layout describes it even where an engine refuses it).
 3. **FSDP2** (training layouts only) shards the tp-local tensor along dim 0 over the dp
    ranks with ``torch.chunk`` sizes; ranks past the last chunk hold an empty shard.
@@ -19,11 +20,13 @@ A vLLM rollout splits some parameters otherwise (a padded vocabulary, kv heads r
 tp ranks): ``build_layout(..., style="vllm")`` describes the slices of the HF parameters a vLLM
 rank holds, so that a reshard moves exactly those (:mod:`rlflow.parallel.vllm_layout`).
 
-Value models (critics, reward models: ``*ForTokenClassification``) pass ``head="value"``:
-their head item is ``score`` (``num_labels`` outputs), replicated under tp.
+Parameter names and shapes, and the module paths of the items, are those of the model's family
+(:mod:`rlflow.families`). Value models (critics, reward models: ``*ForTokenClassification``)
+pass ``head="value"``: their head item is the value head (``num_labels`` outputs), replicated
+under tp.
 
-Tied embeddings: the model has one tensor, named ``model.embed_tokens.weight`` here
-(HF's ``lm_head.weight`` is the same tensor). The ``head`` item counts it again, because
+Tied embeddings: the model has one tensor, named by the embedding here (HF's LM-head weight is
+the same tensor). The ``head`` item counts it again, because
 under pipeline parallelism the first stage (embedding) and the last stage (LM head) both
 hold a copy of it; with ``pp == 1`` the copies are one tensor. Keeping the two copies
 equal (summing their gradients) is the training engine's job.
@@ -36,111 +39,40 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from rlflow.families import family_of
 from rlflow.strategy import ParallelStrategy, RankCoords
 
 # A box is a rectangular slice of a full parameter: one half-open [start, stop) per tensor dim.
 Box = tuple[tuple[int, int], ...]
-
-# Model families whose HF module tree is the Llama one: model.embed_tokens,
-# model.layers[i].{self_attn,mlp,input_layernorm,post_attention_layernorm}, model.norm, lm_head.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
-EMBED_NAME = "model.embed_tokens.weight"
-HEAD_NAME = "lm_head.weight"
-NORM_NAME = "model.norm.weight"
-HEAD_KINDS = ("lm", "value")
-
-
-def _check_model_type(config: Any) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-
-
-def _head_dim(config: Any) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return head_dim or config.hidden_size // config.num_attention_heads
-
-
-def _attention_biases(config: Any) -> tuple[bool, bool]:
-    """``(qkv_bias, o_bias)`` of the family: Qwen2 has q/k/v biases only; Llama follows ``attention_bias``."""
-    if config.model_type == "qwen2":
-        return True, False
-    bias = bool(getattr(config, "attention_bias", False))
-    return bias, bias
 
 
 def layer_param_shapes(config: Any, layer: int) -> dict[str, tuple[int, ...]]:
     """Names (full HF names) and shapes of the parameters of decoder layer ``layer``.
 
     Args:
-        config: an HF decoder config whose ``model_type`` is in ``SUPPORTED_MODEL_TYPES``.
+        config: an HF decoder config of a registered family (:func:`rlflow.families.family_of`).
         layer: layer index in ``[0, num_hidden_layers)``.
 
     Returns:
         ``{name: shape}`` in module registration order.
     """
-    _check_model_type(config)
-    h, d = config.hidden_size, _head_dim(config)
-    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
-    inter = config.intermediate_size
-    qkv_bias, o_bias = _attention_biases(config)
-    mlp_bias = bool(getattr(config, "mlp_bias", False))
-    p = f"model.layers.{layer}."
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def linear(name: str, out_f: int, in_f: int, bias: bool) -> None:
-        shapes[f"{p}{name}.weight"] = (out_f, in_f)
-        if bias:
-            shapes[f"{p}{name}.bias"] = (out_f,)
-
-    linear("self_attn.q_proj", q_out, h, qkv_bias)
-    linear("self_attn.k_proj", kv_out, h, qkv_bias)
-    linear("self_attn.v_proj", kv_out, h, qkv_bias)
-    linear("self_attn.o_proj", h, q_out, o_bias)
-    if config.model_type == "qwen3":
-        shapes[f"{p}self_attn.q_norm.weight"] = (d,)
-        shapes[f"{p}self_attn.k_norm.weight"] = (d,)
-    linear("mlp.gate_proj", inter, h, mlp_bias)
-    linear("mlp.up_proj", inter, h, mlp_bias)
-    linear("mlp.down_proj", h, inter, mlp_bias)
-    shapes[f"{p}input_layernorm.weight"] = (h,)
-    shapes[f"{p}post_attention_layernorm.weight"] = (h,)
-    return shapes
-
-
-def _head_shapes(config: Any, head: str) -> dict[str, tuple[int, ...]]:
-    if head == "lm":
-        name = EMBED_NAME if getattr(config, "tie_word_embeddings", False) else HEAD_NAME
-        return {name: (config.vocab_size, config.hidden_size)}
-    if head == "value":  # *ForTokenClassification: score = Linear(hidden, num_labels)
-        shapes = {"score.weight": (config.num_labels, config.hidden_size)}
-        if getattr(config, "token_classification_bias", True):
-            shapes["score.bias"] = (config.num_labels,)
-        return shapes
-    raise ValueError(f"head={head!r}; expected one of {HEAD_KINDS}")
+    return family_of(config).layer_param_shapes(config, layer)
 
 
 def item_param_shapes(config: Any, head: str = "lm") -> list[tuple[str, dict[str, tuple[int, ...]]]]:
     """The pipeline items of a decoder and the parameters each holds.
 
     Args:
-        config: HF decoder config.
+        config: HF decoder config of a registered family.
         head: ``"lm"`` for ``*ForCausalLM`` (``lm_head``), ``"value"`` for a critic/reward
             ``*ForTokenClassification`` (``score``, ``config.num_labels`` outputs).
 
     Returns:
         ``[(item, {param_name: shape})]`` for ``embed``, ``layer.0`` … ``layer.{L-1}``,
-        ``norm``, ``head``. With tied embeddings the ``head`` item holds
-        ``model.embed_tokens.weight`` (the tied tensor) instead of ``lm_head.weight``.
+        ``norm``, ``head``. With tied embeddings the ``head`` item holds the embedding weight
+        (the tied tensor) instead of the LM head's.
     """
-    _check_model_type(config)
-    embed_shape = (config.vocab_size, config.hidden_size)
-    items: list[tuple[str, dict[str, tuple[int, ...]]]] = [("embed", {EMBED_NAME: embed_shape})]
-    items += [(f"layer.{i}", layer_param_shapes(config, i)) for i in range(config.num_hidden_layers)]
-    items.append(("norm", {NORM_NAME: (config.hidden_size,)}))
-    items.append(("head", _head_shapes(config, head)))
-    return items
+    return family_of(config).item_param_shapes(config, head)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -154,7 +86,7 @@ def pipeline_items(config: Any, head: str = "lm") -> list[tuple[str, int]]:
     """Pipeline items of an HF decoder config with their parameter counts.
 
     Args:
-        config: an HF decoder config (Llama, Qwen2, Qwen3, Mistral); no weights needed.
+        config: an HF decoder config of a registered family; no weights needed.
         head: ``"lm"`` (causal LM) or ``"value"`` (scalar ``score`` head of a critic/reward model).
 
     Returns:
@@ -272,20 +204,16 @@ class ParamSpec:
         return _numel(self.shape)
 
 
-_COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
-
-
 def _tp_dim(config: Any, name: str, tp: int) -> int | None:
-    """The tensor dim ``apply_tp`` shards ``name`` along, or ``None`` when it is replicated."""
-    if name in (EMBED_NAME, HEAD_NAME):
-        return 0  # vocabulary-parallel embedding, column-parallel LM head
-    module, _, kind = name.rpartition(".")
-    if module.endswith(("self_attn.k_proj", "self_attn.v_proj")) and config.num_key_value_heads % tp != 0:
+    """The tensor dim ``apply_tp`` shards parameter ``name`` along, or ``None`` when it is replicated."""
+    family = family_of(config)
+    module, _, leaf = name.rpartition(".")
+    kind = family.tp_kind(module)
+    if family.is_kv_module(module) and family.dims(config).num_kv_heads % tp != 0:
         return None  # kv heads cannot be split evenly: every tp rank keeps all of them
-    if module.endswith(_COLUMN_PARALLEL):
-        return 0  # weight and bias of a column-parallel linear split on the output features
-    if module.endswith(_ROW_PARALLEL) and kind == "weight":
+    if kind in ("vocab", "colwise"):
+        return 0  # vocabulary rows; output features of a column-parallel linear (weight and bias)
+    if kind == "rowwise" and leaf == "weight":
         return 1  # a row-parallel bias is added after the reduction and stays replicated
     return None
 
@@ -294,15 +222,16 @@ def model_param_specs(config: Any, tp: int = 1, head: str = "lm") -> tuple[Param
     """Every parameter of the decoder ``config`` with its tensor-parallel split under ``tp``.
 
     Args:
-        config: HF decoder config (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
+        config: HF decoder config of a registered family.
         tp: tensor-parallel degree; must divide ``num_attention_heads``.
         head: ``"lm"`` or ``"value"`` (the value head ``score`` is replicated).
 
     Returns:
         Parameters in model order; a tied embedding appears once, with items ``("embed", "head")``.
     """
-    if tp < 1 or config.num_attention_heads % tp != 0:
-        raise ValueError(f"tp={tp} does not divide num_attention_heads={config.num_attention_heads}")
+    num_heads = family_of(config).dims(config).num_heads
+    if tp < 1 or num_heads % tp != 0:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads={num_heads}")
     specs: dict[str, ParamSpec] = {}
     for item, shapes in item_param_shapes(config, head):
         for name, shape in shapes.items():

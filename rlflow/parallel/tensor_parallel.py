@@ -1,6 +1,8 @@
-"""Tensor parallelism for HF Llama-family decoders: one split shared by the engines and the layouts.
+"""Tensor parallelism for HF decoders: one split shared by the engines and the layouts.
 
-The split is Megatron's, expressed with DTensor ``parallelize_module``:
+The split is Megatron's, expressed with DTensor ``parallelize_module``; which module is which
+kind is the model family's table (:meth:`rlflow.families.ModelFamily.tp_kind`), which the
+layouts read too. For the Llama-style families:
 
 ========================  ===============  ===============================================
 module                    kind             weight placement on the tp mesh
@@ -28,47 +30,87 @@ large vocabularies.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from rlflow.families import ModelFamily, TPKind, family_of
+
 __all__ = ["TPKind", "apply_tp", "check_tp_degree", "local_heads", "tp_plan_for"]
-
-TPKind = Literal["vocab", "colwise", "rowwise", "replicate"]
-
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-_LAYER_REPLICATED = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 
 
 def check_tp_degree(config: Any, tp: int) -> None:
     """Raise ``ValueError`` unless ``tp`` evenly splits the attention heads of ``config``.
 
     Args:
-        config: an HF decoder config with ``num_attention_heads`` and ``num_key_value_heads``.
+        config: an HF decoder config of a registered family.
         tp: tensor-parallel degree, >= 1.
     """
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    dims = family_of(config).dims(config)
+    num_heads, num_kv_heads = dims.num_heads, dims.num_kv_heads
     if num_heads % tp != 0:
         raise ValueError(f"tp={tp} does not divide num_attention_heads={num_heads}")
     if num_kv_heads % tp != 0:
         raise ValueError(f"tp={tp} does not divide num_key_value_heads={num_kv_heads}")
 
 
-def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(path, layer)`` of every decoder layer under ``<prefix>.layers`` (ModuleList or ModuleDict)."""
-    out = []
-    for name, module in model.named_modules():
-        if name.endswith(".layers") or name == "layers":
-            children = module.items() if isinstance(module, nn.ModuleDict) else enumerate(module)
-            out += [(f"{name}.{key}", layer) for key, layer in children]
-    return out
+def tp_plan_for(model: nn.Module) -> dict[str, TPKind]:
+    """How :func:`apply_tp` splits each module of ``model``, by module path.
+
+    Works on an HF ``*ForCausalLM`` / ``*ForTokenClassification`` model of a registered family
+    and on a pipeline stage (which keeps HF module paths; absent modules are left out). Every
+    module that holds parameters gets a kind, read from the family.
+
+    Args:
+        model: the module tree to describe; ``model.config`` names its family.
+
+    Returns:
+        ``{module_path: kind}`` with kind one of ``"vocab"`` (weight ``Shard(0)``),
+        ``"colwise"`` (weight and bias ``Shard(0)``), ``"rowwise"`` (weight ``Shard(1)``,
+        bias replicated), ``"replicate"`` (full copy on every tp rank).
+
+    Raises:
+        ValueError: a module holds parameters that the family does not split.
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                   num_attention_heads=4, num_key_value_heads=2)
+    >>> plan = tp_plan_for(LlamaForCausalLM(cfg))
+    >>> plan["model.embed_tokens"], plan["model.layers.0.self_attn.k_proj"], plan["lm_head"]
+    ('vocab', 'colwise', 'colwise')
+    """
+    family = _family(model)
+    return {
+        name: family.tp_kind(name)
+        for name, module in model.named_modules()
+        if next(module.parameters(recurse=False), None) is not None
+    }
+
+
+def _family(model: nn.Module) -> ModelFamily:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no HF `config`; tensor parallelism reads its family and heads")
+    return family_of(config)
+
+
+def _style(family: ModelFamily, path: str, kind: TPKind):
+    if kind == "vocab":
+        # nn.Embedding under RowwiseParallel is sharded on dim 0 (vocabulary); each rank
+        # embeds the ids it owns and the partial sums are all-reduced to a full activation.
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if path == family.lm_head_module:
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":
+        return RowwiseParallel()
+    raise AssertionError(f"no parallel style for kind={kind!r} at {path}")
 
 
 def _present(model: nn.Module, path: str) -> bool:
@@ -79,74 +121,11 @@ def _present(model: nn.Module, path: str) -> bool:
     return True
 
 
-def tp_plan_for(model: nn.Module) -> dict[str, TPKind]:
-    """How :func:`apply_tp` splits each module of ``model``, by module path.
-
-    Works on an HF ``*ForCausalLM`` / ``*ForTokenClassification`` model and on a pipeline
-    stage (which keeps HF module paths; absent modules are left out).
-
-    Args:
-        model: the module tree to describe.
-
-    Returns:
-        ``{module_path: kind}`` with kind one of ``"vocab"`` (weight ``Shard(0)``),
-        ``"colwise"`` (weight and bias ``Shard(0)``), ``"rowwise"`` (weight ``Shard(1)``,
-        bias replicated), ``"replicate"`` (full copy on every tp rank).
-
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-    ...                   num_attention_heads=4, num_key_value_heads=2)
-    >>> plan = tp_plan_for(LlamaForCausalLM(cfg))
-    >>> plan["model.embed_tokens"], plan["model.layers.0.self_attn.k_proj"], plan["lm_head"]
-    ('vocab', 'colwise', 'colwise')
-    """
-    plan: dict[str, TPKind] = {}
-    for name, _ in model.named_modules():
-        if name.endswith("embed_tokens"):
-            plan[name] = "vocab"
-    for layer_path, layer in _decoder_layers(model):
-        for suffix in _COLWISE:
-            if _present(layer, suffix):
-                plan[f"{layer_path}.{suffix}"] = "colwise"
-        for suffix in _ROWWISE:
-            if _present(layer, suffix):
-                plan[f"{layer_path}.{suffix}"] = "rowwise"
-        for suffix in _LAYER_REPLICATED:
-            if _present(layer, suffix):
-                plan[f"{layer_path}.{suffix}"] = "replicate"
-    for name, _ in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "norm":
-            plan[name] = "replicate"
-    if _present(model, "lm_head"):
-        plan["lm_head"] = "colwise"
-    if _present(model, "score"):
-        plan["score"] = "replicate"
-    return plan
-
-
-def _style(path: str, kind: TPKind):
-    if kind == "vocab":
-        # nn.Embedding under RowwiseParallel is sharded on dim 0 (vocabulary); each rank
-        # embeds the ids it owns and the partial sums are all-reduced to a full activation.
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if kind == "colwise" and path.rsplit(".", 1)[-1] == "lm_head":
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
-    if kind == "colwise":
-        return ColwiseParallel()
-    if kind == "rowwise":
-        return RowwiseParallel()
-    raise AssertionError(f"no parallel style for kind={kind!r} at {path}")
-
-
-def _tied_head(model: nn.Module) -> tuple[str, str] | None:
-    """``(embedding path, head path)`` when the head weight is the embedding weight object."""
-    if not _present(model, "lm_head"):
-        return None
-    head = model.get_submodule("lm_head")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and module.weight is head.weight:
-            return name, "lm_head"
-    return None
+def _is_tied(model: nn.Module, family: ModelFamily) -> bool:
+    """Whether the model's LM head weight is its embedding weight object."""
+    if not (_present(model, family.lm_head_module) and _present(model, family.embed_module)):
+        return False
+    return model.get_submodule(family.lm_head_module).weight is model.get_submodule(family.embed_module).weight
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
@@ -159,8 +138,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     embedding's DTensor after the split.
 
     Args:
-        model: an HF Llama/Qwen2-family ``*ForCausalLM`` or ``*ForTokenClassification``
-            model, or a pipeline stage of one, with its parameters on the mesh's device.
+        model: an HF ``*ForCausalLM`` or ``*ForTokenClassification`` model of a registered
+            family, or a pipeline stage of one, with its parameters on the mesh's device.
         tp_mesh: 1-D device mesh of the tensor-parallel group.
 
     Returns:
@@ -171,28 +150,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be 1-D, got shape {tuple(tp_mesh.shape)}")
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"{type(model).__name__} has no HF `config`; apply_tp needs the head counts")
-    check_tp_degree(config, tp_mesh.size())
+    family = _family(model)
+    check_tp_degree(model.config, tp_mesh.size())
     if tp_mesh.size() == 1:
         return model
-    tied = _tied_head(model)
-    plan = {path: _style(path, kind) for path, kind in tp_plan_for(model).items() if kind != "replicate"}
+    tied = _is_tied(model, family)
+    plan = {path: _style(family, path, kind) for path, kind in tp_plan_for(model).items() if kind != "replicate"}
     parallelize_module(model, tp_mesh, plan)
-    if tied is not None:
-        embed_path, head_path = tied
-        model.get_submodule(head_path).weight = model.get_submodule(embed_path).weight
+    if tied:
+        model.get_submodule(family.lm_head_module).weight = model.get_submodule(family.embed_module).weight
     return model
 
 
 def local_heads(config: Any, tp: int) -> tuple[int, int]:
     """``(query heads, kv heads)`` each tp rank runs.
 
-    >>> from types import SimpleNamespace
-    >>> local_heads(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 2)
+    >>> from transformers import LlamaConfig
+    >>> local_heads(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), 2)
     (4, 1)
     """
     check_tp_degree(config, tp)
-    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_attention_heads // tp, num_kv // tp
+    dims = family_of(config).dims(config)
+    return dims.num_heads // tp, dims.num_kv_heads // tp

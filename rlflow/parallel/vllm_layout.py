@@ -1,7 +1,9 @@
 """vLLM's tensor-parallel layout: which slices of the HF parameters a vLLM rank holds, and where.
 
-vLLM fuses and splits a Llama-family decoder its own way (``vllm/model_executor/layers/linear.py``
-and ``vocab_parallel_embedding.py``; the models in ``vllm/model_executor/models/{llama,qwen2,qwen3}.py``):
+vLLM fuses and splits a decoder its own way (``vllm/model_executor/layers/linear.py`` and
+``vocab_parallel_embedding.py``; the models in ``vllm/model_executor/models/``). Which modules it
+fuses, and in what order, is the model family's ``vllm_fused`` table (:mod:`rlflow.families`);
+for the Llama-style families:
 
 =================================  =============================  ==========================================
 vLLM parameter (rank ``r`` of tp)  holds                          split
@@ -20,9 +22,9 @@ vLLM parameter (rank ``r`` of tp)  holds                          split
 norms, ``q_norm``/``k_norm``       full                           replicated
 =================================  =============================  ==========================================
 
-With tied embeddings vLLM keeps one tensor (``lm_head`` *is* ``model.embed_tokens``). Qwen2
-has q/k/v biases; Llama has q/k/v and o biases when ``attention_bias`` and MLP biases when
-``mlp_bias``; vLLM's Qwen3 has no o bias, so a Qwen3 with ``attention_bias`` is refused.
+With tied embeddings vLLM keeps one tensor (``lm_head`` *is* ``model.embed_tokens``). The
+biases are the family's (:class:`rlflow.families.LayerFeatures`); a family whose vLLM model has
+no o bias (``vllm_o_bias=False``: Qwen3) refuses a config with one.
 
 Two things follow from it, both keyed by HF parameter names like :mod:`rlflow.parallel.layout`:
 
@@ -47,15 +49,8 @@ from typing import Any
 
 import torch
 
-from rlflow.parallel.layout import (
-    EMBED_NAME,
-    HEAD_NAME,
-    ParamSpec,
-    _check_model_type,
-    _head_dim,
-    build_layout,
-    model_param_specs,
-)
+from rlflow.families import ModelFamily, family_of
+from rlflow.parallel.layout import ParamSpec, build_layout, model_param_specs
 from rlflow.strategy import ParallelStrategy
 
 __all__ = [
@@ -70,19 +65,6 @@ __all__ = [
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm/model_executor/layers/vocab_parallel_embedding.py).
 VOCAB_PADDING = 64
 
-# HF module -> (vLLM's fused module, index of the part); the parts are stacked along dim 0.
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_FUSED_PARTS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
 
 def check_vllm_tp(config: Any, tp: int) -> None:
     """Raise ``ValueError`` unless vLLM can split the decoder ``config`` over ``tp`` ranks.
@@ -90,19 +72,22 @@ def check_vllm_tp(config: Any, tp: int) -> None:
     vLLM needs tp to divide the query heads and the MLP width, and either to divide the kv
     heads or to be a multiple of them (each kv head then lives on ``tp / num_kv_heads`` ranks).
     """
-    _check_model_type(config)
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    family = family_of(config)
+    dims = family.dims(config)
+    heads, kv = dims.num_heads, dims.num_kv_heads
     if tp < 1 or heads % tp:
         raise ValueError(f"vLLM: tp={tp} does not divide num_attention_heads={heads}")
     if kv % tp and tp % kv:
         raise ValueError(
             f"vLLM: tp={tp} must divide num_key_value_heads={kv} or be a multiple of it (kv heads are replicated)"
         )
-    if config.intermediate_size % tp:
-        raise ValueError(f"vLLM: tp={tp} does not divide intermediate_size={config.intermediate_size}")
-    if config.model_type == "qwen3" and getattr(config, "attention_bias", False):
-        raise ValueError("vLLM's Qwen3 has no o_proj bias: a qwen3 config with attention_bias=True cannot be pushed")
+    if dims.intermediate_size % tp:
+        raise ValueError(f"vLLM: tp={tp} does not divide intermediate_size={dims.intermediate_size}")
+    if family.features(config).o_bias and not family.vllm_o_bias:
+        raise ValueError(
+            f"vLLM's {family.name} has no o_proj bias: a {family.name} config with an o_proj bias "
+            "(attention_bias=True) cannot be pushed"
+        )
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -145,7 +130,7 @@ def vllm_param_specs(config: Any, tp: int) -> tuple[ParamSpec, ...]:
     """The HF parameters of a causal LM, each with the slice vLLM's tp rank ``r`` holds.
 
     Args:
-        config: HF decoder config (``model_type`` in ``SUPPORTED_MODEL_TYPES``).
+        config: HF decoder config of a registered family.
         tp: vLLM's tensor-parallel size.
 
     Returns:
@@ -159,15 +144,16 @@ def vllm_param_specs(config: Any, tp: int) -> tuple[ParamSpec, ...]:
         ValueError: vLLM cannot split ``config`` over ``tp`` (:func:`check_vllm_tp`).
     """
     check_vllm_tp(config, tp)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv_bounds = _kv_bounds(kv_heads, _head_dim(config), tp)
-    vocab = tuple(vocab_shard_rows(config.vocab_size, tp, r) for r in range(tp))
+    family = family_of(config)
+    dims = family.dims(config)
+    kv_bounds = _kv_bounds(dims.num_kv_heads, dims.head_dim, tp)
+    vocab = tuple(vocab_shard_rows(dims.vocab_size, tp, r) for r in range(tp))
     specs = []
     for spec in model_param_specs(config, 1, "lm"):  # tp=1: every split parameter has its tp_dim
         module = spec.name.rpartition(".")[0]
-        if spec.name in (EMBED_NAME, HEAD_NAME):
+        if spec.name in (family.embed_name, family.lm_head_name):
             spec = replace(spec, tp_dim=0, tp_bounds=vocab)
-        elif module.endswith(("self_attn.k_proj", "self_attn.v_proj")) and kv_bounds is not None:
+        elif family.is_kv_module(module) and kv_bounds is not None:
             spec = replace(spec, tp_bounds=kv_bounds)
         specs.append(spec)
     return tuple(specs)
@@ -180,21 +166,27 @@ def _take(params: Mapping[str, torch.Tensor], name: str, used: set[str]) -> torc
     return params[name]
 
 
-def _layer_parts(name: str) -> tuple[str, str, str] | None:
-    """``("model.layers.3", "self_attn.q_proj", "weight")`` for a decoder-layer parameter, else None."""
-    parts = name.split(".")
-    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+def _fused_part(family: ModelFamily, name: str) -> tuple[str, str, str, int] | None:
+    """``(layer path, fused module, leaf, part index)`` of a layer parameter vLLM fuses, else None."""
+    module, _, leaf = name.rpartition(".")
+    parts = family.split_layer_path(module)
+    fused = None if parts is None else family.vllm_fused_part(parts[1])
+    if fused is None:
         return None
-    return ".".join(parts[:3]), ".".join(parts[3:-1]), parts[-1]
+    return parts[0], fused[0], leaf, fused[1]
 
 
 def _fused_view(
-    params: Mapping[str, torch.Tensor], name: str, boxes: Mapping[str, tuple], used: set[str]
+    family: ModelFamily,
+    params: Mapping[str, torch.Tensor],
+    name: str,
+    boxes: Mapping[str, tuple],
+    used: set[str],
 ) -> torch.Tensor:
-    """The rows of vLLM's fused q/k/v or gate/up tensor that hold HF parameter ``name`` (its dim 0 part)."""
-    layer, module, kind = _layer_parts(name)
-    fused, index = _FUSED[module]
-    rows = [boxes[f"{layer}.{p}.{kind}"][0][1] - boxes[f"{layer}.{p}.{kind}"][0][0] for p in _FUSED_PARTS[fused]]
+    """The rows of vLLM's fused tensor (q/k/v, gate/up) that hold HF parameter ``name`` (its dim 0 part)."""
+    layer, fused, kind, index = _fused_part(family, name)
+    part_names = [f"{layer}.{p}.{kind}" for p in family.vllm_fused[fused]]
+    rows = [boxes[p][0][1] - boxes[p][0][0] for p in part_names]
     tensor = _take(params, f"{layer}.{fused}.{kind}", used)
     if tensor.shape[0] != sum(rows):
         raise ValueError(
@@ -239,14 +231,15 @@ def vllm_param_views(
     """
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tp_rank={tp_rank} outside tp={tp}")
+    family = family_of(config)
+    embed_name, head_name = family.embed_name, family.lm_head_name
     boxes = build_layout(config, ParallelStrategy(tp=tp), range(tp), style="vllm").boxes(tp_rank)
     used: set[str] = set()
     out: dict[str, list[torch.Tensor]] = {}
     for name, box in boxes.items():
-        parts = _layer_parts(name)
-        if parts is not None and parts[1] in _FUSED:
-            view = _fused_view(params, name, boxes, used)
-        elif name == EMBED_NAME or name == HEAD_NAME:
+        if _fused_part(family, name) is not None:
+            view = _fused_view(family, params, name, boxes, used)
+        elif name in (embed_name, head_name):
             view = _vocab_rows(_take(params, name, used), name, config.vocab_size, tp, box)
         else:
             view = _take(params, name, used)
@@ -256,11 +249,11 @@ def vllm_param_views(
                 f"vLLM's tensor for {name} is {tuple(view.shape)} on tp rank {tp_rank}; expected {expected}"
             )
         out[name] = [view]
-    head = params.get(HEAD_NAME)
-    if EMBED_NAME in out and HEAD_NAME not in out and head is not None:  # tied: one tensor, or a copy to fill too
-        used.add(HEAD_NAME)
-        if head.data_ptr() != params[EMBED_NAME].data_ptr():
-            out[EMBED_NAME].append(_vocab_rows(head, HEAD_NAME, config.vocab_size, tp, boxes[EMBED_NAME]))
+    head = params.get(head_name)
+    if embed_name in out and head_name not in out and head is not None:  # tied: one tensor, or a copy to fill too
+        used.add(head_name)
+        if head.data_ptr() != params[embed_name].data_ptr():
+            out[embed_name].append(_vocab_rows(head, head_name, config.vocab_size, tp, boxes[embed_name]))
     unwritten = sorted(set(params) - used)
     if unwritten:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Shapes of decoder-only transformers (Llama family), as the cost and memory models see them.
+"""Shapes of decoder-only transformers, as the cost and memory models see them.
 
 A model is a sequence of *pipeline items* — ``embed``, ``layer.0`` … ``layer.{L-1}``,
 ``norm``, ``head`` — the same items, with the same parameter counts, as
@@ -11,26 +11,29 @@ under pipeline parallelism the last stage holds its own copy. Stages are cut fro
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
 
+from rlflow.families import config_value, family_of
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Dimensions of a Llama-style decoder (RMSNorm, rotary attention with GQA, SwiGLU MLP).
+
+    :meth:`from_hf_config` reads them through the config's model family (:mod:`rlflow.families`).
 
     Attributes:
         num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, vocab_size: as in
             the HF config.
         head_dim: per-head size; ``None`` means ``hidden_size // num_heads``.
         tie_embeddings: the LM head shares the embedding tensor.
-        qkv_bias / o_bias / mlp_bias: biases on q/k/v, o, and the MLP projections (Qwen2 has
-            q/k/v biases; Llama follows ``attention_bias`` / ``mlp_bias``).
-        qk_norm: per-head RMSNorm on q and k (Qwen3).
+        qkv_bias / o_bias / mlp_bias: biases on q/k/v, o, and the MLP projections.
+        qk_norm: per-head RMSNorm on q and k.
         value_head: the head is a scalar value/score head (critic, reward model) instead of
             the LM head.
         name: for reports.
@@ -170,39 +173,33 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, value_head: bool = False, name: str | None = None) -> ModelSpec:
-        """Read an HF decoder config (``LlamaConfig``, ``Qwen2Config``, …, or its dict).
+        """Read an HF decoder config of a registered model family (the config object or its dict).
 
         Args:
             config: a ``transformers`` config object or the dict of its ``config.json``.
             value_head: build the critic/reward variant with a scalar head.
             name: for reports; defaults to the config's ``_name_or_path`` or ``model_type``.
+
+        Raises:
+            ValueError: the config's ``model_type`` is of no registered family, or it lacks a dimension.
         """
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        model_type = get("model_type", "llama")
-        missing = [
-            k
-            for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-            if get(k) is None
-        ]
-        if missing:
-            raise ValueError(f"HF config of model_type={model_type!r} lacks {missing}")
-        attention_bias = bool(get("attention_bias", False))
+        family = family_of(config)
+        dims, features = family.dims(config), family.features(config)
         return cls(
-            num_layers=int(get("num_hidden_layers")),
-            hidden_size=int(get("hidden_size")),
-            intermediate_size=int(get("intermediate_size")),
-            num_heads=int(get("num_attention_heads")),
-            num_kv_heads=int(get("num_key_value_heads") or get("num_attention_heads")),
-            vocab_size=int(get("vocab_size")),
-            head_dim=get("head_dim") or None,
-            tie_embeddings=bool(get("tie_word_embeddings", False)),
-            # Qwen2 hard-codes q/k/v biases; Llama-family configs declare attention_bias for q/k/v/o.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            num_layers=dims.num_layers,
+            hidden_size=dims.hidden_size,
+            intermediate_size=dims.intermediate_size,
+            num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads,
+            vocab_size=dims.vocab_size,
+            head_dim=dims.head_dim,
+            tie_embeddings=dims.tie_embeddings,
+            qkv_bias=features.qkv_bias,
+            o_bias=features.o_bias,
+            mlp_bias=features.mlp_bias,
+            qk_norm=features.qk_norm,
             value_head=value_head,
-            name=name or get("_name_or_path") or model_type,
+            name=name or config_value(config, "_name_or_path") or config_value(config, "model_type"),
         )
 
 

@@ -1,10 +1,10 @@
-"""Tiny HF models: real Llama/Qwen2 classes, seeded, saved and loaded like hub models, trainable."""
+"""Tiny HF models: real classes of every family, seeded, saved and loaded like hub models, trainable."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 from rlflow.algos import sft_loss
 from rlflow.data import (
@@ -15,14 +15,26 @@ from rlflow.data import (
     build_tiny_model,
     save_tiny_model_and_tokenizer,
 )
+from rlflow.families import get_family, list_families
+
+FAMILY_CLASSES = [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM), ("qwen3", Qwen3ForCausalLM)]
 
 
-@pytest.mark.parametrize("family, cls", [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM)])
+def test_every_registered_family_has_a_tiny_model():
+    assert {name for name, _ in FAMILY_CLASSES} <= set(list_families())
+    for name in list_families():
+        model = build_tiny_model(name, vocab_size=64, hidden_size=64, num_layers=2, num_heads=4)
+        assert type(model) is get_family(name).causal_lm_class
+        assert get_family(name).dims(model.config).head_dim == 16  # hidden / heads, whatever the family's default
+
+
+@pytest.mark.parametrize("family, cls", FAMILY_CLASSES)
 def test_build_tiny_model_families(family, cls):
-    model = build_tiny_model(family, vocab_size=104, num_kv_heads=2, tie_word_embeddings=(family == "qwen2"))
+    tied = family != "llama"
+    model = build_tiny_model(family, vocab_size=104, num_kv_heads=2, tie_word_embeddings=tied)
     assert type(model) is cls
     assert model.config.num_key_value_heads == 2 and model.config.intermediate_size == 256
-    assert model.config.tie_word_embeddings == (family == "qwen2")
+    assert model.config.tie_word_embeddings == tied
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
     logits = model(torch.randint(0, 104, (2, 7))).logits
     assert logits.shape == (2, 7, 104)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from rlflow.families import family_of
 from rlflow.parallel.layout import (
     assign_pipeline_stages,
     build_layout,
@@ -35,7 +36,12 @@ def tiny_configs() -> list:
         LlamaConfig(**common, num_key_value_heads=2),
         LlamaConfig(**common, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
         Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
+        # q/k norms and q/k/v/o biases; head_dim 24 != hidden / heads
+        Qwen3Config(**common, num_key_value_heads=2, head_dim=24, attention_bias=True),
     ]
+
+
+TINY_IDS = ["llama_gqa", "llama_tied_bias", "qwen2_tied", "qwen3_bias"]
 
 
 # ---- pipeline stages ----
@@ -52,7 +58,7 @@ def test_llama2_7b_pp2_cuts_after_item_17():
     assert stages[1] == [f"layer.{i}" for i in range(16, 32)] + ["norm", "head"]
 
 
-@pytest.mark.parametrize("config", tiny_configs(), ids=["llama_gqa", "llama_tied_bias", "qwen2_tied"])
+@pytest.mark.parametrize("config", tiny_configs(), ids=TINY_IDS)
 def test_item_shapes_match_the_hf_module(config):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -111,7 +117,7 @@ def all_layouts(config, world):
                 yield build_layout(config, strategy, range(size), fsdp=fsdp)
 
 
-@pytest.mark.parametrize("config", tiny_configs(), ids=["llama_gqa", "llama_tied_bias", "qwen2_tied"])
+@pytest.mark.parametrize("config", tiny_configs(), ids=TINY_IDS)
 def test_every_element_is_held_and_shards_do_not_overlap(config):
     import numpy as np
 
@@ -125,7 +131,7 @@ def test_every_element_is_held_and_shards_do_not_overlap(config):
                 boxes = layout.boxes(r)
                 first_stage = min(s for s in range(layout.strategy.pp) if spec in layout.stage_params(s))
                 if spec.name in boxes and pp_rank == first_stage and (layout.fsdp or dp_rank == 0):
-                    replicated_tp = spec.tp_dim is None and layout.coords(r)[2] > 0
+                    replicated_tp = spec.tp_dim is None and layout.coords(r).tp > 0
                     if not replicated_tp:
                         count[tuple(slice(a, b) for a, b in boxes[spec.name])] += 1
             assert (count == 1).all(), (layout.strategy, layout.fsdp, spec.name)
@@ -179,7 +185,7 @@ def dtensor_body(rank, world_size):
 
     from rlflow.parallel.executor import canonical_name
 
-    for config in (tiny_llama_gqa(), tiny_configs()[2]):
+    for config in (tiny_llama_gqa(), tiny_configs()[2], tiny_configs()[3]):
         full = full_state(build_model(config, 0))
         for layout in [
             build_layout(config, ParallelStrategy(dp=2, tp=2), range(4), fsdp=True),
@@ -194,7 +200,8 @@ def dtensor_body(rank, world_size):
             if stage is None:
                 continue
             tied = config.tie_word_embeddings
-            held = {canonical_name(n, tied): p for n, p in stage.named_parameters(remove_duplicate=False)}
+            tied_family = family_of(config) if tied else None
+            held = {canonical_name(n, tied_family): p for n, p in stage.named_parameters(remove_duplicate=False)}
             slices = layout.slices(rank)
             assert set(held) == set(slices), (layout.strategy, set(held) ^ set(slices))
             for name, param in held.items():

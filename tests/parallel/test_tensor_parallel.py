@@ -13,6 +13,8 @@ from transformers import (
     LlamaForTokenClassification,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from rlflow.parallel.tensor_parallel import check_tp_degree, local_heads, tp_plan_for
@@ -34,6 +36,7 @@ def _models() -> dict[str, torch.nn.Module]:
     return {
         "llama_gqa": LlamaForCausalLM(LlamaConfig(**SMALL)),
         "qwen2_tied": Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **SMALL)),
+        "qwen3_bias": Qwen3ForCausalLM(Qwen3Config(head_dim=16, attention_bias=True, **SMALL)),  # q/k norms
         "critic": LlamaForTokenClassification(LlamaConfig(num_labels=1, **SMALL)),
     }
 
@@ -51,6 +54,18 @@ def test_plan_names_every_split_module() -> None:
         assert plan[p + "input_layernorm"] == plan[p + "post_attention_layernorm"] == "replicate"
     critic = tp_plan_for(_models()["critic"])
     assert critic["score"] == "replicate" and "lm_head" not in critic
+    qwen3 = tp_plan_for(_models()["qwen3_bias"])
+    assert qwen3["model.layers.1.self_attn.q_norm"] == qwen3["model.layers.1.self_attn.k_norm"] == "replicate"
+    for name, model in _models().items():  # every parameter is split or replicated on purpose
+        plan = tp_plan_for(model)
+        assert {n.rpartition(".")[0] for n, _ in model.named_parameters()} <= set(plan), name
+
+
+def test_plan_refuses_a_module_its_family_does_not_know() -> None:
+    model = _models()["llama_gqa"]
+    model.model.layers[0].mlp.extra = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="no tensor-parallel split for module 'model.layers.0.mlp.extra'"):
+        tp_plan_for(model)
 
 
 def test_tp_degree_must_divide_head_counts() -> None:

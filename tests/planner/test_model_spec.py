@@ -6,7 +6,14 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from rlflow.parallel.layout import assign_pipeline_stages, pipeline_items
 from rlflow.planner.model_spec import ModelSpec, balanced_stages, model_preset
@@ -46,8 +53,9 @@ TINY = dict(
         LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
         Qwen2Config(**TINY),
         Qwen3Config(**TINY, head_dim=32),
+        Qwen3Config(**TINY, head_dim=16, attention_bias=True, tie_word_embeddings=True),
     ],
-    ids=["llama", "llama-tied", "llama-bias", "qwen2", "qwen3"],
+    ids=["llama", "llama-tied", "llama-bias", "qwen2", "qwen3", "qwen3-bias-tied"],
 )
 def test_hf_configs_match_the_layout_items(config):
     spec = ModelSpec.from_hf_config(config)
@@ -55,14 +63,24 @@ def test_hf_configs_match_the_layout_items(config):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_parameter_count_equals_a_real_hf_model(tied):
-    for cls, cfg_cls in ((LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)):
-        config = cfg_cls(**TINY, tie_word_embeddings=tied)
-        with torch.device("meta"):
-            model = cls(config)
-        distinct = {id(p): p.numel() for p in model.parameters()}
-        assert ModelSpec.from_hf_config(config).num_params == sum(distinct.values())
-        assert ModelSpec.from_hf_config(config.to_dict()).num_params == sum(distinct.values())
+@pytest.mark.parametrize(
+    "cls, config_cls, extra",
+    [
+        (LlamaForCausalLM, LlamaConfig, dict(attention_bias=True, mlp_bias=True)),
+        (Qwen2ForCausalLM, Qwen2Config, {}),
+        (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=24, attention_bias=True)),
+    ],
+    ids=["llama-bias", "qwen2", "qwen3"],
+)
+def test_parameter_count_equals_a_real_hf_model(cls, config_cls, extra, tied):
+    config = config_cls(**TINY, **extra, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        model = cls(config)
+    distinct = {id(p): p.numel() for p in model.parameters()}
+    assert ModelSpec.from_hf_config(config).num_params == sum(distinct.values())
+    assert ModelSpec.from_hf_config(config.to_dict()).num_params == sum(distinct.values())
+    layer = {id(p): p.numel() for p in model.model.layers[0].parameters()}
+    assert ModelSpec.from_hf_config(config).layer_params == sum(layer.values())
 
 
 def test_llama2_7b_two_stages_split_after_item_17_of_34():
@@ -97,3 +115,5 @@ def test_bad_shapes_are_refused():
         balanced_stages([1, 1, 1, 1], 5)
     with pytest.raises(ValueError, match="lacks"):
         ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64})
+    with pytest.raises(ValueError, match="model_type='gpt2' belongs to no registered model family"):
+        ModelSpec.from_hf_config({"model_type": "gpt2", **TINY})

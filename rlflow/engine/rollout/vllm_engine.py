@@ -59,7 +59,7 @@ from rlflow.engine.rollout.base import (
     register_rollout_engine,
     split_prompts,
 )
-from rlflow.parallel.layout import EMBED_NAME, HEAD_NAME
+from rlflow.families import family_of
 from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
 from rlflow.rendezvous import free_port
@@ -293,7 +293,8 @@ class VLLMRolloutEngine:
     def _zero_vocab_padding(self) -> None:
         params = dict(self.module.named_parameters())
         start, stop = vocab_shard_rows(self._config.vocab_size, self._tp, self._tp_rank)
-        for name in (EMBED_NAME, HEAD_NAME):
+        family = family_of(self._config)
+        for name in (family.embed_name, family.lm_head_name):
             if name in params:
                 params[name][stop - start :].zero_()
 
