@@ -81,6 +81,9 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
 
 
+_ITEM_KEYS = ("index", "input_ids", "loss_mask")  # what a dataset adds to a record's fields
+
+
 class _JsonlDataset:
     """Shared plumbing: load records, tokenise them, count truncations, index items."""
 
@@ -123,13 +126,22 @@ class _JsonlDataset:
     def __len__(self) -> int:
         return len(self.items)
 
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The fields of the records (``_line`` and the tokenised fields left out), in first-seen order."""
+        return tuple(dict.fromkeys(k for item in self.items for k in item if k not in _ITEM_KEYS))
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.items[index]
 
 
 class PromptDataset(_JsonlDataset):
-    """Prompts for rollouts: lines ``{"prompt": str, ...}``; other fields (``ground_truth``,
-    ``answer``, ...) travel with the item for the reward.
+    """Prompts for rollouts: lines ``{"prompt": str | list[message], ...}``; every other field
+    (``ground_truth``, ``answer``, any column a reward function reads) travels with the item.
+
+    A conversational prompt (TRL's format: a list of ``{"role": ..., "content": ...}``
+    messages) is rendered with the tokenizer's chat template, ending with the generation
+    prompt; a tokenizer without a chat template refuses it.
 
     Args:
         source: a JSONL path, or records (dicts) already in memory.
@@ -138,22 +150,35 @@ class PromptDataset(_JsonlDataset):
         truncation: ``"error"``, ``"left"`` (drop the beginning after BOS, keep the end next
             to the answer) or ``"right"``.
 
-    Items: ``{"index": int, "input_ids": list[int], "prompt": str, **other fields}``.
+    Items: ``{"index": int, "input_ids": list[int], "prompt": str | list, **other fields}``.
     """
 
-    fields = {"prompt": str}
+    fields = {"prompt": (str, list)}
     truncation_modes = ("error", "left", "right")
 
     def __init__(self, source, tokenizer, max_prompt_length: int, truncation: str = "error") -> None:
         self.max_prompt_length = max_prompt_length
         super().__init__(source, tokenizer, truncation)
 
+    def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            return self._encode(prompt, add_special_tokens=True)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise DatasetFormatError(
+                f"{self._where(record)}: the prompt is a list of messages, but the tokenizer has no chat "
+                "template to render it; give plain-string prompts or a tokenizer with a chat template"
+            )
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return self._encode(text, add_special_tokens=False)  # the template writes its own special tokens
+
     def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        ids = self._encode(record["prompt"], add_special_tokens=True)
+        ids = self._prompt_ids(record)
         if len(ids) > self.max_prompt_length:
             if self.truncation == "error":
                 raise DatasetFormatError(
-                    f"{self._where(record)}: prompt has {len(ids)} tokens > max_prompt_length={self.max_prompt_length}"
+                    f"{self._where(record)}: prompt has {len(ids)} tokens > max_prompt_length={self.max_prompt_length} "
+                    "(raise the limit, or truncate from the left: data.truncation=left)"
                 )
             self.num_truncated += 1
             if self.truncation == "right":

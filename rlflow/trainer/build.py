@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -17,14 +16,14 @@ import ray
 from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
-from rlflow.dataflow import MFCDef, algorithm_graph
+from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
-from rlflow.trainer.config import GROUP_ESTIMATORS, ConfigError, ModelConfig, RLFlowConfig
+from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.model_worker import ModelWorker
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 VALUE_ROLES = ("critic", "reward")
 
@@ -151,17 +150,15 @@ def _copy_model(name: str, source: str, path: Path) -> str:
 
 
 def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
-    """The algorithm's dataflow graph with the config's mini-batches and reference use."""
-    kw = {}
-    name = cfg.algorithm.name
-    if name not in ("sft", "dpo", "rm"):
-        kw["n_ppo_minibatches"] = cfg.algorithm.n_minibatches
-        kw["rule_based_reward"] = rule_reward
-    if name in ("ppo", "grpo", "rloo", "remax"):
-        kw["use_ref"] = "ref" in cfg.required_models()  # a KL term reads it; without one it is not built
-    if name == "ppo_ema":
-        kw["ref_ema_eta"] = cfg.algorithm.ema_eta
-    return algorithm_graph(name, **kw)
+    """The algorithm's dataflow graph with the config's mini-batches, reward source and reference use."""
+    algo = cfg.algorithm
+    options = GraphOptions(
+        n_ppo_minibatches=algo.n_minibatches,
+        rule_based_reward=rule_reward,
+        use_ref="ref" in cfg.required_models(),  # a KL term reads it; without one it is not built
+        ref_ema_eta=algo.ema_eta,
+    )
+    return algo.record.graph(options)
 
 
 def extra_calls(
@@ -187,7 +184,7 @@ def extra_calls(
         score = MFCDef(EVAL_REWARD, SCORER, "inference", (*_GEN_KEYS[:3], "answers"), ("rewards",), runs_on_host=True)
         extra[EVAL_REWARD] = CallPlacement(score, everyone, type(src.strategy)(dp=len(everyone)))
     if cfg.warmup.steps > 0 and home is not None:
-        sft = MFCDef(WARMUP_SFT, "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), ())
+        sft = MFCDef(WARMUP_SFT, "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), objective="sft")
         extra[WARMUP_SFT] = CallPlacement(sft, home.ranks, home.strategy)
     return extra
 
@@ -246,13 +243,6 @@ def _optim(cfg: RLFlowConfig, m: ModelConfig) -> OptimConfig:
     )
 
 
-def algo_setup(cfg: RLFlowConfig) -> AlgoSetup:
-    """The worker-side algorithm settings: the config's algorithm section, estimator resolved."""
-    names = {f.name for f in dataclasses.fields(AlgoSetup)}
-    values = {k: v for k, v in dataclasses.asdict(cfg.algorithm).items() if k in names}
-    return AlgoSetup(**{**values, "adv_estimator": cfg.algorithm.resolved_adv_estimator})
-
-
 def sampling_params(cfg: RLFlowConfig, eos_token_id: int | None) -> tuple[SamplingParams, SamplingParams]:
     """Rollout and evaluation sampling settings (eval: greedy unless configured otherwise).
 
@@ -261,7 +251,7 @@ def sampling_params(cfg: RLFlowConfig, eos_token_id: int | None) -> tuple[Sampli
     r = cfg.rollout
     stop = () if eos_token_id is None else (eos_token_id,)
     common = {"max_new_tokens": r.max_new_tokens or cfg.data.max_response_len, "seed": cfg.seed, "stop_token_ids": stop}
-    n = cfg.algorithm.n_samples if cfg.algorithm.name not in ("sft", "dpo", "rm") else 1
+    n = cfg.algorithm.n_samples if cfg.algorithm.record.samples_responses else 1
     sample = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=n, **common)
     evaluate = (
         SamplingParams(greedy=True, **common)
@@ -283,7 +273,7 @@ def worker_setup(
         models=model_setups(cfg, paths, calls, reward_fn),
         mfcs={name: c.mfc for name, c in calls.items()},
         layouts={name: CallLayout(c.ranks, c.strategy) for name, c in calls.items()},
-        algo=algo_setup(cfg),
+        algo=cfg.algorithm.resolved(),
         sampling=sample,
         eval_sampling=evaluate,
         tokenizer_path=str(Path(tokenizer_path).resolve()),
@@ -294,12 +284,9 @@ def worker_setup(
 
 
 def row_group_size(cfg: RLFlowConfig) -> int:
-    """Rows that must share a dp rank: a prompt's samples for group-relative estimators, a
-    (chosen, rejected) pair for DPO and reward modelling."""
-    if cfg.algorithm.name in ("dpo", "rm"):
-        return 2
-    estimator = cfg.algorithm.resolved_adv_estimator
-    return cfg.algorithm.n_samples if estimator in GROUP_ESTIMATORS or cfg.algorithm.name == "remax" else 1
+    """Rows that must share a dp rank: a prompt's samples for group-relative estimators (and
+    ReMax), a (chosen, rejected) pair for DPO and reward modelling (:meth:`RLFlowConfig.row_group_size`)."""
+    return cfg.row_group_size()
 
 
 def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> dict[str, CallPlacement]:
@@ -307,21 +294,27 @@ def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> d
     return {name: replace(c, hook_ranks=setup.hook_ranks(name)) for name, c in calls.items()}
 
 
-def ensure_ray(cfg: RLFlowConfig) -> None:
-    """Joins the configured Ray cluster, or starts a local one sized for the workers."""
+def ensure_ray(cfg: RLFlowConfig) -> bool:
+    """Joins the configured Ray cluster, or starts a local one sized for the workers.
+
+    Returns:
+        Whether this call initialised Ray (its caller then shuts it down); False when Ray was
+        already initialised (a notebook's or a test session's own ``ray.init``).
+    """
     if ray.is_initialized():
-        return
+        return False
     p = cfg.placement
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if p.ray_address is not None:
         ray.init(address=p.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
-        return
+        return True
     workers = p.num_nodes * p.devices_per_node
     ray.init(
         num_cpus=max(os.cpu_count() or 1, int(workers * p.cpus_per_worker) + 1),
         include_dashboard=False,
         runtime_env={"env_vars": env},
     )
+    return True
 
 
 def uses_gpu(cfg: RLFlowConfig) -> bool:

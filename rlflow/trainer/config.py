@@ -39,23 +39,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from rlflow.algos.advantages import list_adv_estimators
-from rlflow.algos.kl import KL_ESTIMATORS
-from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
+from rlflow.algos.params import AlgorithmParams, estimator_reads
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
+from rlflow.dataflow.algorithms import Algorithm, get_algorithm
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
+from rlflow.families import list_families
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
 
 __all__ = [
-    "ALGORITHMS",
     "AlgorithmConfig",
     "CheckpointConfig",
     "ConfigError",
-    "DEFAULT_ADV_ESTIMATOR",
-    "GROUP_ESTIMATORS",
     "DataConfig",
     "LoggingConfig",
     "LoopConfig",
@@ -65,7 +62,6 @@ __all__ = [
     "MODEL_ROLES",
     "PlacementConfig",
     "RLFlowConfig",
-    "RL_ALGORITHMS",
     "RolloutConfig",
     "StrategyConfig",
     "WarmupConfig",
@@ -75,54 +71,30 @@ __all__ = [
     "to_yaml",
 ]
 
-ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "dpo", "sft", "rm", "ppo_ema")
-RL_ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "ppo_ema")  # sample responses and score them
 MODEL_ROLES = ("actor", "ref", "critic", "reward")
-DEFAULT_ADV_ESTIMATOR = {"grpo": "grpo", "ppo": "gae", "ppo_ema": "gae", "remax": "remax", "rloo": "rloo"}
-# Estimators that compare the responses of one prompt need at least two of them.
-GROUP_ESTIMATORS = ("grpo", "rloo")
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+DEFAULT_RESPONSE_LEN = 8  # response tokens when neither rollout.max_new_tokens nor data.max_response_len is set
 
 
 # --- Sections ---
 
 
-@dataclass(kw_only=True)
-class AlgorithmConfig(_Section):
-    """What is optimised: the algorithm, its advantage estimator and loss coefficients."""
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig(_Section, AlgorithmParams):
+    """What is optimised: the algorithm, its advantage estimator and loss coefficients.
 
-    name: str = _f("grpo", "training algorithm; decides the dataflow graph", choices=ALGORITHMS)
-    adv_estimator: str | None = _f(None, "null: the algorithm's (ppo: gae, grpo: grpo...)", choices=list_adv_estimators)
-    policy_loss: str = _f("ppo", "policy-gradient loss (registry in rlflow.algos.losses)", choices=list_policy_losses)
-    n_samples: int = _f(8, "responses sampled per prompt (the GRPO/RLOO group size)", ge=1)
-    gamma: float = _f(1.0, "discount factor of GAE / discounted returns", ge=0.0, le=1.0)
-    lam: float = _f(1.0, "GAE lambda", ge=0.0, le=1.0)
-    clip_ratio_low: float = _f(0.2, "PPO clip: ratio kept above 1 - clip_ratio_low", gt=0.0, lt=1.0)
-    clip_ratio_high: float = _f(0.2, "PPO clip: ratio kept below 1 + clip_ratio_high (DAPO clip-higher)", gt=0.0)
-    dual_clip_c: float | None = _f(None, "dual-clip bound c for negative advantages; null: off", gt=1.0)
-    entropy_coef: float = _f(0.0, "weight of the entropy bonus in the policy loss", ge=0.0)
-    kl_coef: float = _f(0.0, "weight of KL(actor || ref); 0 disables the reference model's KL", ge=0.0)
-    kl_estimator: str = _f("k3", "per-token KL estimator", choices=KL_ESTIMATORS)
-    kl_in_reward: bool = _f(False, "true: subtract kl_coef*KL from the token rewards (PPO); false: add a KL loss")
-    kl_target: float | None = _f(None, "target KL of the adaptive controller; null: fixed kl_coef", gt=0.0)
-    kl_horizon: int = _f(10000, "horizon (in samples) of the adaptive KL controller", ge=1)
-    loss_agg_mode: str = _f("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
-    norm_adv_by_std: bool = _f(True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)")
-    value_clip: float | None = _f(0.5, "clip of value predictions around the old values; null: off", gt=0.0)
-    vf_coef: float = _f(0.5, "weight of the value loss in the critic's loss", gt=0.0)
-    n_minibatches: int = _f(1, "optimizer steps per epoch over one batch (PPO mini-batches)", ge=1)
-    ppo_epochs: int = _f(1, "passes over each batch of samples", ge=1)
+    The hyper-parameters are those of :class:`rlflow.algos.params.AlgorithmParams` (declared once,
+    shared with the workers); the section adds where rewards come from.
+    """
+
     reward_fn: str | None = _f(
         None, "rule-based reward; null: models.reward, else the task's reward", choices=_reward_names
     )
-    dpo_beta: float = _f(0.1, "DPO inverse temperature beta", gt=0.0)
-    dpo_loss: str = _f("sigmoid", "DPO loss variant", choices=("sigmoid", "ipo"))
-    ema_eta: float = _f(0.01, "ppo_ema: weight of the actor in the reference's moving average per step", gt=0.0, le=1.0)
 
     @property
-    def resolved_adv_estimator(self) -> str | None:
-        """``adv_estimator``, or the algorithm's default when null; None for dpo, sft and rm."""
-        return self.adv_estimator or DEFAULT_ADV_ESTIMATOR.get(self.name)
+    def record(self) -> Algorithm:
+        """The registered :class:`~rlflow.dataflow.algorithms.Algorithm` of ``name``."""
+        return get_algorithm(self.name)
 
 
 @dataclass(kw_only=True)
@@ -137,7 +109,7 @@ class ModelConfig(_Section):
         "copies the backbone and keeps its fresh value head",
         choices=MODEL_ROLES,
     )
-    family: str = _f("llama", "tiny model architecture", choices=("llama", "qwen2"))
+    family: str = _f("llama", "tiny model architecture", choices=tuple(list_families()))
     hidden_size: int = _f(128, "tiny model: hidden size", ge=1)
     num_layers: int = _f(4, "tiny model: decoder layers", ge=1)
     num_heads: int = _f(4, "tiny model: attention heads", ge=1)
@@ -191,7 +163,11 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Prompts (and answers): a built-in synthetic task or JSONL files."""
 
-    task: str | None = _f("arithmetic", "synthetic task; null: train_file", choices=("arithmetic", "countdown"))
+    task: str | None = _f(
+        "auto",
+        "synthetic task; auto: arithmetic without train_file, none with it; null: train_file",
+        choices=("auto", "arithmetic", "countdown"),
+    )
     num_digits: int = _f(2, "arithmetic: operands are drawn from [0, 10**num_digits)", ge=1, le=18)
     ops: list[str] = _f(["+"], "arithmetic: operators drawn for each problem", choices=("+", "-", "*"))
     reverse_answer: bool = _f(True, "arithmetic: write the answer's digits least-significant first (easier to learn)")
@@ -202,13 +178,21 @@ class DataConfig(_Section):
     eval_file: str | None = _f(None, "JSONL held-out data; null: held-out problems of the task")
     tokenizer: str | None = _f(None, "local HF tokenizer directory; null: the built-in character tokenizer")
     batch_size: int = _f(32, "prompts per training step", ge=1)
-    max_prompt_len: int = _f(16, "prompt length limit in tokens (longer prompts are an error)", ge=1)
-    max_response_len: int = _f(8, "response length limit in tokens", ge=1)
-    eval_size: int = _f(256, "held-out prompts scored at each evaluation; 0: no evaluation", ge=0)
+    max_prompt_len: int = _f(16, "prompt length limit in tokens (see truncation)", ge=1)
+    truncation: str = _f(
+        "error", "a prompt over max_prompt_len: error (names the row) or left (keep its end)", choices=("error", "left")
+    )
+    max_response_len: int | None = _f(
+        None, "response length limit in tokens; null: rollout.max_new_tokens (8 when both are null)", ge=1
+    )
+    eval_size: int = _f(
+        256, "held-out prompts scored at each evaluation; 0: none (also none without eval_file for a train_file)", ge=0
+    )
     shuffle: bool = _f(True, "reshuffle file-based training data every epoch")
 
     def _check(self) -> None:
-        if (self.task is None) == (self.train_file is None):
+        # "auto" is resolved by RLFlowConfig (the default instance of this section keeps it).
+        if self.task != "auto" and (self.task is None) == (self.train_file is None):
             raise ConfigError("task", "give exactly one of task and train_file")
         if not self.ops:
             raise ConfigError("ops", "needs at least one operator from ['+', '-', '*']")
@@ -233,7 +217,9 @@ class RolloutConfig(_Section):
     temperature: float = _f(1.0, "sampling temperature", gt=0.0)
     top_p: float = _f(1.0, "nucleus sampling mass; 1: off", gt=0.0, le=1.0)
     top_k: int = _f(0, "keep the k most likely tokens; 0: off", ge=0)
-    max_new_tokens: int | None = _f(None, "response tokens sampled; null: data.max_response_len", ge=1)
+    max_new_tokens: int | None = _f(
+        None, "response tokens sampled; null: data.max_response_len (8 when both are null)", ge=1
+    )
     eval_greedy: bool = _f(True, "evaluate with greedy decoding (else with the sampling settings)")
     gpu_memory_utilization: float = _f(
         0.5, "vllm: share of each GPU's memory vLLM takes while generating (weights + KV cache)", gt=0.0, le=1.0
@@ -411,6 +397,8 @@ class RLFlowConfig(_Section):
     def _check(self) -> None:
         if not _NAME_PATTERN.match(self.experiment_name):
             raise ConfigError("experiment_name", f"{self.experiment_name!r} must be letters, digits, '_', '-', '.'")
+        if self.data.task == "auto":  # a default that follows the data: a train_file means no synthetic task
+            self.data.task = None if self.data.train_file is not None else "arithmetic"
         self._check_models()
         self._check_algorithm()
         self._check_sampling()
@@ -432,9 +420,9 @@ class RLFlowConfig(_Section):
 
     @property
     def scores_generations(self) -> bool:
-        """Whether the run's held-out evaluation generates: every algorithm trains a policy but
-        ``rm``, whose reward model is scored on pairs by its recipe."""
-        return self.algorithm.name != "rm"
+        """Whether the run's held-out evaluation generates: whenever the algorithm trains a policy
+        (not ``rm``, whose reward model is scored on pairs by its recipe)."""
+        return "actor" in self.algorithm.record.trains
 
     @property
     def reward_fn(self) -> str | None:
@@ -445,25 +433,31 @@ class RLFlowConfig(_Section):
         return self.data.build_task(self.seed).reward_name if self.data.task else None
 
     def is_trainable(self, role: str) -> bool:
-        """``models.<role>.trainable``, defaulting to: actor and critic yes, reward only under rm, ref no."""
+        """``models.<role>.trainable``, defaulting to: the models the algorithm trains and a critic; ref never."""
         explicit = self.models[role].trainable
         if explicit is not None:
             return explicit
-        return role in ("actor", "critic") or (role == "reward" and self.algorithm.name == "rm")
+        return role == "critic" or role in self.algorithm.record.trains
+
+    def needs_critic(self) -> bool:
+        """The advantage estimator reads values (GAE): a critic computes them."""
+        estimator = self.algorithm.resolved_adv_estimator
+        return estimator is not None and estimator_reads(estimator, "values")
+
+    def row_group_size(self) -> int:
+        """Rows that must share a dp rank (:meth:`rlflow.dataflow.algorithms.Algorithm.row_group_size`)."""
+        algo, estimator = self.algorithm, self.algorithm.resolved_adv_estimator
+        group_relative = estimator is not None and estimator_reads(estimator, "index")
+        return algo.record.row_group_size(algo.n_samples, group_relative)
 
     def required_models(self) -> tuple[str, ...]:
         """The roles the algorithm uses, in ``MODEL_ROLES`` order; other configured models are not built."""
         algo = self.algorithm
-        if algo.name == "rm":
-            return ("reward",)
-        needed = {"actor"}
-        if algo.name == "dpo" or (algo.name in RL_ALGORITHMS and (algo.kl_coef > 0 or algo.name == "ppo_ema")):
-            needed.add("ref")
-        if algo.resolved_adv_estimator == "gae":
-            needed.add("critic")
-        if algo.name in RL_ALGORITHMS and "reward" in self.models and algo.reward_fn is None:
-            needed.add("reward")
-        return tuple(r for r in MODEL_ROLES if r in needed)
+        return algo.record.required_models(
+            kl_coef=algo.kl_coef,
+            critic=self.needs_critic(),
+            reward_model="reward" in self.models and algo.reward_fn is None,
+        )
 
     def _check_models(self) -> None:
         for role, model in self.models.items():
@@ -484,38 +478,30 @@ class RLFlowConfig(_Section):
         for role in self.required_models():
             if role not in self.models:
                 raise ConfigError(f"models.{role}", f"missing: algorithm {self.algorithm.name!r} needs a {role} model")
-        if self.algorithm.name == "rm" and "actor" in self.models:
-            raise ConfigError("models.actor", "the rm algorithm trains models.reward only; remove the actor")
+        if "actor" in self.models and "actor" not in self.required_models():
+            trains = ", ".join(f"models.{m}" for m in self.algorithm.record.trains)
+            raise ConfigError(
+                "models.actor", f"the {self.algorithm.name} algorithm trains {trains} only; remove the actor"
+            )
 
     def _check_algorithm(self) -> None:
-        algo = self.algorithm
-        if algo.name in RL_ALGORITHMS and algo.resolved_adv_estimator is None:
+        algo, record = self.algorithm, self.algorithm.record
+        if record.samples_responses and algo.resolved_adv_estimator is None:
             raise ConfigError("algorithm.adv_estimator", f"algorithm {algo.name!r} needs an estimator")
-        if algo.resolved_adv_estimator in GROUP_ESTIMATORS and algo.n_samples < 2:
+        estimator = algo.resolved_adv_estimator
+        # Estimators that compare the responses of one prompt need at least two of them.
+        if estimator is not None and estimator_reads(estimator, "index") and algo.n_samples < 2:
             raise ConfigError(
                 "algorithm.n_samples", f"{algo.n_samples}; the {algo.resolved_adv_estimator} estimator needs >= 2"
             )
-        if algo.resolved_adv_estimator == "gae" and "critic" in self.models and not self.is_trainable("critic"):
-            raise ConfigError("models.critic.trainable", "GAE needs a trainable critic")
-        if algo.name in RL_ALGORITHMS:
+        if self.needs_critic() and "critic" in self.models and not self.is_trainable("critic"):
+            raise ConfigError("models.critic.trainable", f"the {estimator} estimator needs a trainable critic")
+        if record.samples_responses:
             if algo.reward_fn is not None and "reward" in self.models:
                 raise ConfigError(
                     "algorithm.reward_fn", f"{algo.reward_fn!r} and models.reward both give rewards; keep one"
                 )
-            if self.reward_fn is None and "reward" not in self.models:
-                raise ConfigError("algorithm.reward_fn", "null, and neither models.reward nor data.task gives a reward")
-        if (
-            self.data.train_file is not None
-            and self.data.eval_file is None
-            and self.data.eval_size
-            and self.scores_generations
-        ):
-            raise ConfigError(
-                "data.eval_file",
-                f"null, but data.train_file ({self.data.train_file}) has no held-out split: give a JSONL of "
-                "held-out prompts with their answers, or data.eval_size=0 for no evaluation",
-            )
-        if self.warmup.steps and algo.name in ("sft", "rm"):
+        if self.warmup.steps and (record.dataset == "examples" or "actor" not in record.trains):
             raise ConfigError("warmup.steps", f"{self.warmup.steps}; a warm-up precedes RL or DPO, not {algo.name!r}")
         self._check_warmup_eval()
 
@@ -528,19 +514,20 @@ class RLFlowConfig(_Section):
             why = f"algorithm {self.algorithm.name!r} has no held-out generation to score"
         elif self.data.eval_size == 0:
             why = "data.eval_size is 0"
-        elif self.algorithm.reward_fn is None and self.data.task is None:
-            why = "no rule scores held-out answers (set algorithm.reward_fn or data.task)"
+        elif self.data.task is None and self.data.eval_file is None:
+            why = "no held-out data (data.eval_file)"
         if why is not None:
             key = "warmup.target_score" if w.target_score is not None else "warmup.eval_every"
             value = w.target_score if w.target_score is not None else w.eval_every
             raise ConfigError(key, f"{value}: cannot evaluate during the warm-up: {why}")
 
     def _check_sampling(self) -> None:
-        if self.rollout.max_new_tokens is not None and self.rollout.max_new_tokens > self.data.max_response_len:
-            limit = self.data.max_response_len
-            raise ConfigError(
-                "rollout.max_new_tokens", f"{self.rollout.max_new_tokens} > data.max_response_len={limit}"
-            )
+        # Each response length follows the other when only one is given; both null: 8 tokens.
+        new_tokens = self.rollout.max_new_tokens or self.data.max_response_len or DEFAULT_RESPONSE_LEN
+        limit = self.data.max_response_len or new_tokens
+        if new_tokens > limit:
+            raise ConfigError("rollout.max_new_tokens", f"{new_tokens} > data.max_response_len={limit}")
+        self.rollout.max_new_tokens, self.data.max_response_len = new_tokens, limit
         engine = get_rollout_engine(self.rollout.engine)
         if self.placement.use_gpu is False and not engine.supports_device("cpu"):
             on_cpu = [n for n in list_rollout_engines() if get_rollout_engine(n).supports_device("cpu")]

@@ -2,10 +2,10 @@
 
 Every algorithm reads its rows under the dataflow keys of ``rlflow.dataflow.algorithms``:
 
-* RL algorithms (GRPO, PPO, ReMax, RLOO): ``prompts`` / ``prompt_mask`` (left-padded) and the
+* RL algorithms (dataset ``prompts``: PPO, GRPO, ReMax, RLOO, REINFORCE++): ``prompts`` / ``prompt_mask`` (left-padded) and the
   non-tensor ``answers`` (ground truths for rule-based rewards) and ``uid`` (prompt index);
-* SFT: ``input_ids`` / ``attention_mask`` / ``loss_mask`` (right-padded prompt + answer);
-* DPO and reward modelling: the same keys with pairs interleaved, row ``2i`` chosen and
+* SFT (dataset ``examples``): ``input_ids`` / ``attention_mask`` / ``loss_mask`` (right-padded prompt + answer);
+* DPO and reward modelling (dataset ``pairs``): the same keys with pairs interleaved, row ``2i`` chosen and
   ``2i+1`` rejected.
 """
 
@@ -25,7 +25,7 @@ from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
 from rlflow.trainer.config import ConfigError, RLFlowConfig
-from rlflow.workers.setup import PAIR_ALGORITHMS
+from rlflow.workers.reward_funcs import RewardFuncs
 
 # Enough training problems that a short run never repeats a prompt within an epoch; a task
 # with fewer distinct training problems (1-digit arithmetic) gives all it has.
@@ -44,13 +44,15 @@ class TrainerData:
         train: batches of the algorithm (prompts for RL; pairs for DPO/RM; examples for SFT).
         eval_prompts: held-out prompts with answers, scored by greedy generation (RL and SFT).
         warmup: SFT batches for the warm-up stage before RL (``None`` without warm-up).
-        reward_fn: rule-based reward named by the task or the config.
+        reward_fn: rule-based reward named by the task or the config, or Python reward functions.
+        columns: the training records' fields (``prompt`` and every other column; RL algorithms).
     """
 
     train: StatefulDataLoader
     eval_prompts: DataProto | None
     warmup: StatefulDataLoader | None
-    reward_fn: str | None
+    reward_fn: str | RewardFuncs | None
+    columns: tuple[str, ...] = ()
 
 
 def build_task(cfg: RLFlowConfig) -> ArithmeticTask | CountdownTask:
@@ -115,50 +117,67 @@ def _records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]] |
     return task_records(cfg, split, size)
 
 
-def build_trainer_data(cfg: RLFlowConfig, tokenizer) -> TrainerData:
-    """Datasets and loaders for ``cfg.algorithm.name`` (and the warm-up stage)."""
-    algo, d = cfg.algorithm.name, cfg.data
+def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs | None = None) -> TrainerData:
+    """Datasets and loaders for the algorithm's kind of row (``Algorithm.dataset``) and the warm-up stage.
+
+    Args:
+        cfg: the run's config.
+        tokenizer: encodes prompts (and answers).
+        reward_funcs: Python reward functions scoring responses instead of a named rule; they read
+            whatever columns they name, so held-out rows need no ``answer`` then.
+    """
+    dataset_kind, d = cfg.algorithm.record.dataset, cfg.data
+    columns: tuple[str, ...] = ()  # the fields of prompt records (RL), passed to reward functions
     max_len = d.max_prompt_len + d.max_response_len
     loader = _loader_factory(cfg)
-    if algo in PAIR_ALGORITHMS:
+    if dataset_kind == "pairs":
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
         pairs = records if isinstance(records, str) else preference_pairs(records, cfg.seed)
         train = loader(PreferenceDataset(pairs, tokenizer, max_len), "data.batch_size", pairs=True)
-    elif algo == "sft":
+    elif dataset_kind == "examples":
         train = loader(
             SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len), "data.batch_size", sft=True
         )
     else:
-        dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len)
-        train = loader(dataset, "data.batch_size")
-    eval_prompts = None
-    if d.eval_size > 0 and cfg.scores_generations:
-        records = _records(cfg, "test", d.eval_size)
-        if isinstance(records, str):
-            records = _eval_records(records, d.eval_size)
-        eval_set = PromptDataset(records, tokenizer, d.max_prompt_len)
-        eval_prompts = prompts_to_proto(eval_set.collate([eval_set[i] for i in range(len(eval_set))]))
+        dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len, d.truncation)
+        train, columns = loader(dataset, "data.batch_size"), dataset.columns
+    eval_prompts = _eval_prompts(cfg, tokenizer, need_answers=reward_funcs is None)
     warmup = None
     if cfg.warmup.steps > 0:
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
-        from_pairs = isinstance(records, str) and algo in PAIR_ALGORITHMS  # DPO's file: SFT on the chosen answers
+        from_pairs = isinstance(records, str) and dataset_kind == "pairs"  # DPO's file: SFT on the chosen answers
         sft = SFTDataset(records, tokenizer, max_len, answer_field="chosen" if from_pairs else "answer")
         warmup = loader(sft, "warmup.batch_size", sft=True, batch_size=cfg.warmup.batch_size)
-    reward_fn = cfg.algorithm.reward_fn
+    reward_fn = reward_funcs or cfg.algorithm.reward_fn
     if reward_fn is None and d.task is not None:
         reward_fn = build_task(cfg).reward_name
-    return TrainerData(train, eval_prompts, warmup, reward_fn)
+    return TrainerData(train, eval_prompts, warmup, reward_fn, columns)
 
 
-def _eval_records(path: str, size: int) -> list[dict[str, Any]]:
-    """The first ``size`` held-out prompts of ``path``, each with the answer its score is checked against."""
-    records = read_jsonl(path, {"prompt": str})[:size]
+def _eval_prompts(cfg: RLFlowConfig, tokenizer, need_answers: bool) -> DataProto | None:
+    """The held-out prompts as one batch; ``None`` when there are none to score (said once, not an error)."""
+    d = cfg.data
+    if d.eval_size == 0 or not cfg.scores_generations:
+        return None
+    if d.task is None and d.eval_file is None:
+        print(f"no held-out evaluation: data.train_file ({d.train_file}) comes without data.eval_file")
+        return None
+    records = _records(cfg, "test", d.eval_size)
+    if isinstance(records, str):
+        records = _eval_records(records, d.eval_size, need_answers)
+    eval_set = PromptDataset(records, tokenizer, d.max_prompt_len, d.truncation)
+    return prompts_to_proto(eval_set.collate([eval_set[i] for i in range(len(eval_set))]))
+
+
+def _eval_records(path: str, size: int, need_answers: bool) -> list[dict[str, Any]]:
+    """The first ``size`` held-out prompts of ``path`` with every column; a named rule reward needs an answer."""
+    records = read_jsonl(path, {"prompt": (str, list)})[:size]
     for r in records:
-        if "answer" not in r and "ground_truth" not in r:
+        if need_answers and "answer" not in r and "ground_truth" not in r:
             raise DatasetFormatError(
                 f"{path}:{r['_line']}: held-out prompts need an 'answer' (or 'ground_truth') to be scored against"
             )
-    return records
+    return [{k: v for k, v in r.items() if k != "_line"} for r in records]
 
 
 def preference_pairs(records: list[dict[str, Any]], seed: int) -> list[dict[str, str]]:
@@ -207,12 +226,26 @@ def _objects(values: list) -> np.ndarray:
 
 
 def prompts_to_proto(batch: dict[str, Any]) -> DataProto:
-    """Collated prompts → ``prompts``, ``prompt_mask``, ``answers``, ``uid``."""
+    """Collated prompts → ``prompts``, ``prompt_mask``, ``answers``, ``uid`` and ``columns``.
+
+    ``columns`` holds one dict per row with every field of its record (``prompt`` included),
+    for reward functions that read any column; ``answers`` is the ``ground_truth`` (else
+    ``answer``) field the named rule rewards score against.
+    """
     answers = batch.get("ground_truth", batch.get("answer", [None] * len(batch["index"])))
+    names = [k for k in batch if k not in _COLLATED_KEYS]
+    rows = [{k: batch[k][i] for k in names} for i in range(len(batch["index"]))]
     return DataProto.from_dict(
         tensors={"prompts": batch["input_ids"], "prompt_mask": batch["attention_mask"]},
-        non_tensors={"answers": _objects(list(answers)), "uid": np.asarray(batch["index"], dtype=np.int64)},
+        non_tensors={
+            "answers": _objects(list(answers)),
+            "uid": np.asarray(batch["index"], dtype=np.int64),
+            "columns": _objects(rows),
+        },
     )
+
+
+_COLLATED_KEYS = ("index", "input_ids", "attention_mask", "position_ids")  # what collate_prompts adds
 
 
 def sft_to_proto(batch: dict[str, Any]) -> DataProto:

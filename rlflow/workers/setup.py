@@ -28,20 +28,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rlflow.algos.advantages import list_adv_estimators
-from rlflow.algos.kl import KL_ESTIMATORS
-from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
-from rlflow.dataflow.mfc import MFCDef
+from rlflow.algos.params import AlgorithmParams
+from rlflow.dataflow.mfc import PAIR_OBJECTIVES, MFCDef
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import SamplingParams, get_rollout_engine, list_rollout_engines
-from rlflow.strategy import ParallelStrategy
+from rlflow.strategy import ParallelStrategy, RankCoords
 
-__all__ = ["MODEL_ROLES", "AlgoSetup", "CallLayout", "ModelSetup", "WorkerSetup"]
+if TYPE_CHECKING:
+    from rlflow.workers.reward_funcs import RewardFuncs
+
+__all__ = ["MODEL_ROLES", "CallLayout", "ModelSetup", "WorkerSetup"]
 
 MODEL_ROLES = ("actor", "critic", "ref", "reward")
-PAIR_ALGORITHMS = ("dpo", "rm")  # rows 2i (chosen) and 2i+1 (rejected) form one example
-DPO_LOSSES = ("sigmoid", "ipo")
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class ModelSetup:
         gradient_checkpointing: recompute layer activations in backward.
         max_tokens_per_micro_batch: token budget of one micro-batch; ``None`` uses the MFC's
             ``n_mbs`` micro-batches (one when unset).
-        reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry); role ``reward``
-            with ``path=None``.
+        reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry) or Python reward
+            functions (``rlflow.workers.reward_funcs.RewardFuncs``); role ``reward`` with ``path=None``.
         value_head: the model is ``AutoModelForTokenClassification`` with one label (critic,
             reward model); a causal-LM ``path`` then gets a fresh zero-initialised head.
     """
@@ -96,7 +96,7 @@ class ModelSetup:
     optim: OptimConfig | None = None
     gradient_checkpointing: bool = False
     max_tokens_per_micro_batch: int | None = None
-    reward_fn: str | None = None
+    reward_fn: str | RewardFuncs | None = None
     value_head: bool = False
 
     def __post_init__(self) -> None:
@@ -124,70 +124,6 @@ class ModelSetup:
 
 
 @dataclass(frozen=True)
-class AlgoSetup:
-    """The algorithm's settings the interfaces need (mirrors the trainer's ``algorithm`` section).
-
-    ``adv_estimator`` is the resolved estimator name (``None`` for dpo, sft and rm);
-    ``policy_loss`` a name of the ``rlflow.algos`` policy-loss registry; ``dual_clip_c`` /
-    ``value_clip`` / ``kl_target`` are ``None`` when off (``kl_target`` set: adaptive KL
-    controller). ``n_minibatches`` applies when the train MFC's own ``n_minibatches`` is unset.
-    ``ema_eta`` is informational: the blend factor the workers apply is the one of the MFC's
-    ``ParamReallocHook`` (``algorithm_mfcs("ppo_ema", ref_ema_eta=...)``).
-    """
-
-    name: str
-    adv_estimator: str | None = None
-    policy_loss: str = "ppo"
-    n_samples: int = 1
-    gamma: float = 1.0
-    lam: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip_c: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False
-    kl_target: float | None = None
-    kl_horizon: int = 10000
-    loss_agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True
-    value_clip: float | None = 0.5
-    vf_coef: float = 0.5
-    n_minibatches: int = 1
-    ppo_epochs: int = 1
-    dpo_beta: float = 0.1
-    dpo_loss: str = "sigmoid"
-    ema_eta: float = 0.01
-
-    def __post_init__(self) -> None:
-        checks = [
-            (
-                "adv_estimator",
-                self.adv_estimator is None or self.adv_estimator in list_adv_estimators(),
-                list_adv_estimators(),
-            ),
-            ("policy_loss", self.policy_loss in list_policy_losses(), list_policy_losses()),
-            ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, KL_ESTIMATORS),
-            ("loss_agg_mode", self.loss_agg_mode in LOSS_AGG_MODES, LOSS_AGG_MODES),
-            ("dpo_loss", self.dpo_loss in DPO_LOSSES, DPO_LOSSES),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"AlgoSetup.{name}={getattr(self, name)!r}; expected one of {list(allowed)}")
-        for name in ("n_samples", "n_minibatches", "ppo_epochs", "kl_horizon"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"AlgoSetup.{name}={getattr(self, name)} must be >= 1")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"AlgoSetup: kl_coef={self.kl_coef} and entropy_coef={self.entropy_coef} must be >= 0")
-
-    @property
-    def pairs(self) -> bool:
-        """Rows come in (chosen, rejected) pairs: DPO and reward-model training."""
-        return self.name in PAIR_ALGORITHMS
-
-
-@dataclass(frozen=True)
 class WorkerSetup:
     """Everything a :class:`~rlflow.workers.model_worker.ModelWorker` needs; identical on every worker.
 
@@ -195,7 +131,8 @@ class WorkerSetup:
         models: model name -> :class:`ModelSetup`.
         mfcs: MFC name -> :class:`~rlflow.dataflow.MFCDef` (every call the driver will issue).
         layouts: MFC name -> :class:`CallLayout`.
-        algo: algorithm settings.
+        algo: the algorithm's hyper-parameters; stored resolved (:meth:`AlgorithmParams.resolved`:
+            the estimator and the KL placement of a null field are the algorithm's defaults).
         sampling: rollout sampling parameters (``n`` = samples per prompt).
         eval_sampling: sampling parameters of held-out evaluation.
         tokenizer_path: local tokenizer directory (rule-based rewards decode with it).
@@ -212,7 +149,7 @@ class WorkerSetup:
     models: Mapping[str, ModelSetup]
     mfcs: Mapping[str, MFCDef]
     layouts: Mapping[str, CallLayout]
-    algo: AlgoSetup
+    algo: AlgorithmParams
     sampling: SamplingParams
     eval_sampling: SamplingParams
     tokenizer_path: str
@@ -225,6 +162,7 @@ class WorkerSetup:
         object.__setattr__(self, "models", dict(self.models))
         object.__setattr__(self, "mfcs", dict(self.mfcs))
         object.__setattr__(self, "layouts", dict(self.layouts))
+        object.__setattr__(self, "algo", self.algo.resolved())
         for name, model in self.models.items():
             if model.name != name:
                 raise ValueError(f"models[{name!r}] is named {model.name!r}")
@@ -259,10 +197,10 @@ class WorkerSetup:
             raise ValueError(f"MFC {name!r}: the rule-based reward {model.name!r} only serves inference calls")
         if mfc.hook_sources and (model.trainable or model.rule_based):
             raise ValueError(f"MFC {name!r}: hooks blend weights into {model.name!r}, which must be a frozen model")
-        if self.algo.pairs and mfc.is_train:
+        if mfc.objective in PAIR_OBJECTIVES:
             if (mfc.n_mbs or 1) > 1 or model.max_tokens_per_micro_batch is not None:
                 raise ValueError(
-                    f"MFC {name!r}: {self.algo.name} pairs must stay in one micro-batch; got n_mbs={mfc.n_mbs}, "
+                    f"MFC {name!r}: {mfc.objective} pairs must stay in one micro-batch; got n_mbs={mfc.n_mbs}, "
                     f"max_tokens_per_micro_batch={model.max_tokens_per_micro_batch}"
                 )
 

@@ -35,7 +35,7 @@ def write(path, lines):
         ('{"prompt": "1+1=",', "invalid JSON"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"question": "1+1="}', "missing field 'prompt'"),
-        ('{"prompt": 12}', "field 'prompt' should be str, got int"),
+        ('{"prompt": 12}', "field 'prompt' should be str or list, got int"),
         ('{"prompt": "1", "index": 4}', "field\\(s\\) \\['index'\\] are reserved"),
     ],
 )

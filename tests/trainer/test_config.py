@@ -124,7 +124,7 @@ def test_wrong_type_names_the_key_and_the_declared_type():
         (["algorithm.n_samples=1"], "algorithm.n_samples"),  # GRPO compares responses
         (["algorithm.reward_fn=nope"], "algorithm.reward_fn"),
         (["algorithm.adv_estimator=reinforce_pp"], "algorithm.adv_estimator"),
-        (["rollout.max_new_tokens=100"], "rollout.max_new_tokens"),
+        (["rollout.max_new_tokens=100", "data.max_response_len=8"], "rollout.max_new_tokens"),
         (["models.actor.init=path"], "models.actor.path"),
         (["models.actor.num_heads=3"], "models.actor.num_heads"),
         (["models.actor.betas=[0.9,1.5]"], "models.actor.betas"),

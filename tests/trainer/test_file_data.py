@@ -87,17 +87,19 @@ def test_dpo_on_the_task_is_scored_on_its_held_out_problems():
     assert len(data.train.dataset) == 4096 and next(iter(data.train)).batch["input_ids"].shape[0] == 2 * 64
 
 
-def test_a_training_file_without_a_held_out_file_is_refused_unless_evaluation_is_off(task_files):
-    files = [*FROM_FILES, f"data.train_file={task_files['train']}"]
-    with pytest.raises(ConfigError) as info:
-        load_config(GRPO, files)
-    assert info.value.key == "data.eval_file" and "data.eval_size=0" in str(info.value)
-    assert (
-        load_config(
-            GRPO, [*files, "data.eval_size=0", "warmup.target_score=null", "warmup.eval_every=0"]
-        ).data.eval_file
-        is None
-    )
+def test_a_training_file_without_a_held_out_file_runs_without_a_held_out_score(task_files, capsys):
+    from rlflow.data.tokenizer import build_char_tokenizer
+    from rlflow.trainer.data import build_trainer_data
+
+    files = ["algorithm.reward_fn=numeric_match", f"data.train_file={task_files['train']}"]
+    cfg = load_config(None, files)  # data.task follows the train file: none
+    assert cfg.data.task is None and cfg.data.eval_file is None and cfg.data.eval_size > 0
+    data = build_trainer_data(cfg, build_char_tokenizer())
+    assert data.eval_prompts is None
+    assert capsys.readouterr().out.count("no held-out evaluation") == 1
+    # A warm-up that evaluates has nothing to evaluate on: refused, naming why.
+    with pytest.raises(ConfigError, match="no held-out data"):
+        load_config(None, [*files, "warmup.steps=2", "warmup.eval_every=1"])
     # A reward model is scored on pairs by its recipe, not on generations: no held-out prompts needed.
     rm = load_config(
         REPO / "recipes" / "rm_arithmetic.yaml", ["data.task=null", f"data.train_file={task_files['pairs']}"]

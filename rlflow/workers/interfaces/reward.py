@@ -5,8 +5,9 @@
   (chosen, rejected) pairs, rows ``2i`` and ``2i+1``.
 * :class:`RuleRewardInterface` — decodes each row's prompt (real tokens outside the
   response) and response (``response_mask``) with the run's tokenizer and scores them with
-  the registered rule (``rlflow.workers.rewards``) against the ``answers`` column. It holds
-  no weights and runs on CPU.
+  the registered rule (``rlflow.workers.rewards``) against the ``answers`` column, or with
+  Python reward functions (``rlflow.workers.reward_funcs``) given the dataset's ``columns``. It
+  holds no weights and runs on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rlflow.workers.context import CallContext, tensors_of
 from rlflow.workers.interfaces.actor import pair_columns
 from rlflow.workers.interfaces.base import ModelInterface, train_epochs
 from rlflow.workers.losses import reward_model_loss_fn
+from rlflow.workers.reward_funcs import RewardFuncs, score_completions
 from rlflow.workers.rewards import compute_rule_rewards
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class RewardModelInterface(ModelInterface):
     """A scalar-head reward model; see the module docstring."""
 
     role = "reward"
+    objectives = ("rm",)
 
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
         out = engine.forward(tensors_of(data, ("input_ids", "attention_mask")))
@@ -77,5 +80,20 @@ class RuleRewardInterface(ModelInterface):
                 f"rule-based reward {self.model.reward_fn!r} needs an 'answers' column; rows hold {data.keys}"
             )
         prompts, responses = decode_rollout(self.tokenizer, **tensors)
+        if isinstance(self.model.reward_fn, RewardFuncs):
+            return _score_with_funcs(self.model.reward_fn, data, responses)
         answers = data.non_tensor_batch["answers"].tolist()
         return _with_score_mean(compute_rule_rewards(self.model.reward_fn, prompts, responses, answers))
+
+
+def _score_with_funcs(funcs: RewardFuncs, data: DataProto, completions: list[str]) -> DataProto:
+    """TRL-style reward functions: the dataset's prompt strings and every other column by keyword."""
+    rows = data.non_tensor_batch.get("columns")
+    if rows is None:
+        raise KeyError(f"reward functions {list(funcs.names)} need the dataset's 'columns'; rows hold {data.keys}")
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    columns = {k: [row.get(k) for row in rows] for k in names if k != "prompt"}
+    rewards, means = score_completions(funcs, [row["prompt"] for row in rows], completions, columns)
+    out = _with_score_mean(rewards)
+    out.meta_info.update(means)
+    return out

@@ -1,0 +1,192 @@
+"""Reward functions in TRL's convention, shipped to the workers by value.
+
+A reward function scores a batch of completions::
+
+    def reward(prompts: list[str], completions: list[str], **kwargs) -> list[float | None]: ...
+
+``prompts`` are the dataset's prompt strings (repeated for each sample of a prompt),
+``completions`` the decoded responses, and every other dataset column arrives as a keyword
+holding one value per completion. A function without ``**kwargs`` receives only the columns
+it names. It returns one float per completion, or ``None`` where it does not apply (a format
+reward on a row it cannot judge): ``None`` counts as NaN, left out of the weighted sum and of
+that function's mean, as in TRL. A completion every function skipped gets reward 0.
+
+Several functions are summed, each times its weight (default 1). The driver pickles the
+functions *by value* (:func:`pack_reward_funcs`), so a function defined in ``__main__``, a
+notebook or a test module runs on Ray workers that cannot import its module: nothing is
+registered, no worker hook or ``PYTHONPATH`` is needed. The named per-sample rewards of
+:mod:`rlflow.workers.rewards` (``algorithm.reward_fn: numeric_match``) are the other way to
+score completions.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from ray import cloudpickle  # vendored by Ray, which ships these functions to the workers anyway
+
+__all__ = ["RewardFuncs", "check_reward_signature", "pack_reward_funcs", "score_completions"]
+
+RewardFunc = Callable[..., Sequence[float | None]]
+# Keywords the trainer fills itself; never dataset columns.
+_FIXED = ("prompts", "completions")
+
+
+@dataclass(frozen=True)
+class RewardFuncs:
+    """Reward functions pickled by value, with their names and weights.
+
+    Attributes:
+        names: each function's name (its ``__name__``); metrics are ``rewards/<name>``.
+        weights: each function's weight in the summed reward.
+        payload: ``cloudpickle`` of the list of functions, their code included.
+    """
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.weights) or not self.names:
+            raise ValueError(f"RewardFuncs: {len(self.names)} names and {len(self.weights)} weights; need >= 1 each")
+
+    def load(self) -> list[RewardFunc]:
+        """The functions, rebuilt from their pickled code (no import of their module needed)."""
+        return cloudpickle.loads(self.payload)
+
+    def __repr__(self) -> str:  # the payload is bytes nobody wants to read in an error message
+        return f"RewardFuncs({list(self.names)}, weights={list(self.weights)})"
+
+
+def reward_name(fn: Callable) -> str:
+    """A function's ``__name__``; a callable object's class name."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def pack_reward_funcs(funcs: Sequence[RewardFunc], weights: Sequence[float] | None = None) -> RewardFuncs:
+    """Pickles ``funcs`` by value for workers that cannot import their modules.
+
+    A function's module is pickled by value unless it belongs to an installed distribution
+    (which every worker of the same environment imports by name); ``__main__`` is pickled by
+    value by cloudpickle already.
+
+    Raises:
+        ValueError: no function, a weight count that differs from the function count, or two
+            functions of the same name (their metrics would collide).
+        TypeError: an entry is not callable.
+    """
+    funcs = list(funcs)
+    if not funcs:
+        raise ValueError("reward_funcs is empty; give at least one function")
+    for fn in funcs:
+        if not callable(fn):
+            raise TypeError(f"reward_funcs holds {fn!r}, which is not callable")
+    names = tuple(reward_name(fn) for fn in funcs)
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward function names {list(names)} repeat; metrics rewards/<name> need distinct names")
+    weights = tuple(float(w) for w in (weights if weights is not None else [1.0] * len(funcs)))
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
+    modules = {sys.modules.get(getattr(fn, "__module__", None) or "") for fn in funcs} - {None}
+    by_value = [m for m in modules if m.__name__ != "__main__" and not _installed(m.__name__)]
+    for module in by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        payload = cloudpickle.dumps(funcs)
+    finally:
+        for module in by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+    return RewardFuncs(names, weights, payload)
+
+
+def _installed(module_name: str) -> bool:
+    """Whether the module's top-level package comes from an installed distribution (not a local file)."""
+    top = module_name.partition(".")[0]
+    return top in sys.stdlib_module_names or bool(importlib.metadata.packages_distributions().get(top))
+
+
+def check_reward_signature(fn: RewardFunc, columns: Collection[str]) -> None:
+    """Checks that ``fn`` can be called as the trainer calls it, with the dataset's ``columns``.
+
+    The trainer passes ``prompts=``, ``completions=`` and, by keyword, every column (all of them
+    when ``fn`` takes ``**kwargs``, else those it names).
+
+    Raises:
+        TypeError: ``fn`` takes neither ``prompts``/``completions`` nor ``**kwargs``, or a
+            positional-only parameter.
+        ValueError: a required parameter names no column of the dataset (the message lists the columns).
+    """
+    name = reward_name(fn)
+    params = inspect.signature(fn).parameters.values()
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = {
+        p.name: p for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+    for p in named.values():
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise TypeError(f"reward function {name!r}: parameter {p.name!r} is positional-only; rewards get keywords")
+    missing_fixed = [k for k in _FIXED if k not in named and not takes_kwargs]
+    if missing_fixed:
+        raise TypeError(
+            f"reward function {name!r} must accept {missing_fixed} (TRL's convention: "
+            "fn(prompts, completions, **kwargs) -> list[float])"
+        )
+    unknown = [
+        p.name for p in named.values() if p.name not in _FIXED and p.name not in columns and p.default is p.empty
+    ]
+    if unknown:
+        raise ValueError(
+            f"reward function {name!r} needs column(s) {unknown} that the dataset lacks; "
+            f"its columns are {sorted(columns)}"
+        )
+
+
+def score_completions(
+    funcs: RewardFuncs, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted sum of every function's rewards, and each function's mean.
+
+    Args:
+        funcs: the packed functions.
+        prompts: ``B`` prompt strings.
+        completions: ``B`` decoded completions.
+        columns: dataset column -> ``B`` values (``prompt`` excluded).
+
+    Returns:
+        ``(B,)`` float32 rewards, and ``{"rewards/<name>": mean}`` over the values that are not
+        ``None`` (NaN when a function skipped every completion).
+
+    Raises:
+        ValueError: a function returned a number of values other than ``B``; names the function.
+    """
+    n = len(completions)
+    scores = np.full((len(funcs.names), n), np.nan, dtype=np.float64)
+    for i, (fn, name) in enumerate(zip(funcs.load(), funcs.names)):
+        out = fn(prompts=list(prompts), completions=list(completions), **_kwargs_for(fn, columns))
+        values = list(out)
+        if len(values) != n:
+            raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+        scores[i] = [np.nan if v is None else float(v) for v in values]
+    weighted = np.asarray(funcs.weights)[:, None] * scores
+    total = np.nansum(weighted, axis=0)  # all-None completions: 0
+    means = {f"rewards/{name}": _nan_mean(row) for name, row in zip(funcs.names, scores)}
+    return torch.tensor(total, dtype=torch.float32), means
+
+
+def _kwargs_for(fn: RewardFunc, columns: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: list(v) for k, v in columns.items()}
+    return {k: list(v) for k, v in columns.items() if k in params}
+
+
+def _nan_mean(values: np.ndarray) -> float:
+    valid = values[~np.isnan(values)]
+    return float(valid.mean()) if len(valid) else float("nan")
