@@ -66,21 +66,22 @@ def _setup(root: str) -> tuple[WorkerSetup, DataProto, int]:
     return setup, batch, sum(p.numel() for p in model.parameters())
 
 
-def _iteration(group: RayWorkerGroup, setup: WorkerSetup, batch: DataProto) -> dict[str, float]:
-    """One iteration; returns worker-side ``time_s`` per MFC and driver-side hook seconds."""
+def _iteration(group: RayWorkerGroup, setup: WorkerSetup, batch: DataProto, step: int) -> dict[str, float]:
+    """One iteration (the calls of training step ``step``); returns worker-side ``time_s`` per MFC and
+    driver-side hook seconds."""
     times, outputs = {}, {}
 
     def call(name: str, *inputs, **kwargs):
         layout, hooks = setup.layouts[name], setup.hook_ranks(name)
         if hooks:
             start = time.perf_counter()
-            group.view(list(hooks)).pre_call(name)
+            group.view(list(hooks)).pre_call(name, step)
             times[f"{name}.pre_call"] = time.perf_counter() - start
         out = getattr(group.view(list(layout.ranks), layout.strategy), setup.mfcs[name].interface_type)(
-            name, *inputs, **kwargs
+            name, *inputs, step=step, **kwargs
         )
         if hooks:
-            group.view(list(hooks)).post_call(name)
+            group.view(list(hooks)).post_call(name, step)
         return out
 
     gen = call("actor_gen", batch)
@@ -105,8 +106,8 @@ def run() -> list[dict]:
             group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup))
             group.init_process_group(timeout_s=300)
             group.build()
-            _iteration(group, setup, batch)  # warm-up: first calls pay for lazy initialisation
-            samples = [_iteration(group, setup, batch) for _ in range(ITERATIONS)]
+            _iteration(group, setup, batch, 0)  # warm-up: first calls pay for lazy initialisation
+            samples = [_iteration(group, setup, batch, step) for step in range(1, ITERATIONS + 1)]
         return [
             {
                 "name": f"workers.grpo.{key}",

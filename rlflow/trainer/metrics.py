@@ -7,10 +7,17 @@ Sinks (chosen by :class:`~rlflow.trainer.config.LoggingConfig`):
 - **JSONL**: ``<run dir>/metrics.jsonl``, one ``{"step", "time", **metrics}`` object per line,
   flushed at once (the file is complete up to the last step even after a crash);
 - **TensorBoard**: ``<run dir>/tensorboard``;
-- **wandb** / **MLflow**: imported only when enabled; enabling one that is not installed is an
-  error at construction, not a silent no-op.
+- **wandb**: a run under ``<run dir>/wandb`` (``WANDB_MODE=offline`` keeps it on disk for a
+  later ``wandb sync``);
+- **MLflow**: a run of its own through an ``MlflowClient`` (not the process-wide active run, so
+  that several loggers may be open at once) in the store ``MLFLOW_TRACKING_URI`` names, or
+  MLflow's default (``sqlite:///mlflow.db`` in the working directory since MLflow 3).
 
-Also here: :func:`progress` (a tqdm bar), :func:`summarise` (statistics of a list of timings),
+wandb and MLflow are imported only when enabled; enabling one that is not installed is an
+error at construction, not a silent no-op.
+
+Also here: :func:`call_metrics` (the logged metrics of one step's worker records),
+:func:`progress` (a tqdm bar), :func:`summarise` (statistics of a list of timings),
 :class:`Timings` (per-MFC wall-clock collection) and :func:`timing_table`, which sets the
 planner's estimated time of each MFC next to the measured one.
 """
@@ -24,14 +31,26 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from rlflow.trainer.config import LoggingConfig
 
-__all__ = ["MetricsLogger", "Timings", "mean_metrics", "progress", "summarise", "timing_rows", "timing_table"]
+if TYPE_CHECKING:
+    from rlflow.workers.records import CallRecord
+
+__all__ = [
+    "MetricsLogger",
+    "Timings",
+    "call_metrics",
+    "mean_metrics",
+    "progress",
+    "summarise",
+    "timing_rows",
+    "timing_table",
+]
 
 
 class MetricsLogger:
@@ -98,8 +117,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
         if self._mlflow is not None:
-            # MLflow rejects NaN/inf values; they stay in the other sinks.
-            self._mlflow.log_metrics({k: v for k, v in values.items() if math.isfinite(v)}, step=int(step))
+            self._mlflow.log(int(step), values)
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
@@ -113,7 +131,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         if self._mlflow is not None:
-            self._mlflow.end_run()
+            self._mlflow.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -169,13 +187,40 @@ def _start_wandb(project: str, run_name: str, run_dir: Path, run_config: Mapping
     return wandb.init(project=project, name=run_name, dir=str(run_dir), config=dict(run_config or {}))
 
 
-def _start_mlflow(project: str, run_name: str, run_config: Mapping[str, Any] | None) -> Any:
+def _start_mlflow(project: str, run_name: str, run_config: Mapping[str, Any] | None) -> _MlflowRun:
     mlflow = _require("mlflow", "logging.mlflow")
-    mlflow.set_experiment(project)
-    mlflow.start_run(run_name=run_name)
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(project)
+    experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(project)
+    run = _MlflowRun(mlflow, client, client.create_run(experiment_id, run_name=run_name).info.run_id)
     if run_config:
-        mlflow.log_params(_flatten(run_config))
-    return mlflow
+        run.log_params(_flatten(run_config))
+    return run
+
+
+class _MlflowRun:
+    """One MLflow run written through a client of its own (the fluent API allows one active run per process)."""
+
+    def __init__(self, mlflow: Any, client: Any, run_id: str) -> None:
+        self._entities, self.client, self.run_id = mlflow.entities, client, run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        entries = [self._entities.Param(k, str(v)) for k, v in params.items()]
+        for i in range(0, len(entries), _MLFLOW_BATCH):  # MLflow takes at most 100 params per request
+            self.client.log_batch(self.run_id, params=entries[i : i + _MLFLOW_BATCH])
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        # MLflow rejects NaN/inf values; they stay in the other sinks.
+        metrics = [self._entities.Metric(k, v, now, step) for k, v in values.items() if math.isfinite(v)]
+        for i in range(0, len(metrics), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + _MLFLOW_BATCH])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+_MLFLOW_BATCH = 100
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -214,6 +259,34 @@ def mean_metrics(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
         for key, value in record.items():
             sums[key].append(_to_float(key, value))
     return {key: sum(values) / len(values) for key, values in sums.items()}
+
+
+def call_metrics(records: Sequence[CallRecord]) -> dict[str, float]:
+    """The metrics of the calls and hooks of ``records`` (every rank's records of one step).
+
+    Returns:
+        Per call ``time/<mfc>`` (seconds of the slowest rank) and ``<mfc>/<metric>`` (mean over
+        its ranks' metrics); per hook ``time/<mfc>/pre_call`` or ``time/<mfc>/post_call``
+        (slowest rank). A call issued twice within ``records`` is timed by its slowest record.
+
+    >>> from rlflow.workers.records import CallRecord
+    >>> records = [CallRecord("ref_inf", "ref", "call", "call", r, 3, 0.0, 1.0 + r, {"tokens": 8.0 * r})
+    ...            for r in (0, 1)]
+    >>> call_metrics(records)
+    {'time/ref_inf': 2.0, 'ref_inf/tokens': 4.0}
+    """
+    grouped: dict[tuple[str, str], list[CallRecord]] = defaultdict(list)
+    for record in records:
+        grouped[(record.mfc, record.kind)].append(record)
+    metrics: dict[str, float] = {}
+    for (mfc, kind), group in grouped.items():
+        seconds = max(r.seconds for r in group)
+        if kind != "call":
+            metrics[f"time/{mfc}/{kind}"] = seconds
+            continue
+        metrics[f"time/{mfc}"] = seconds
+        metrics.update({f"{mfc}/{k}": v for k, v in mean_metrics([r.metrics for r in group]).items()})
+    return metrics
 
 
 def summarise(values: Sequence[float]) -> dict[str, float]:

@@ -137,6 +137,8 @@ class DataflowRunner:
         batch: DataProto,
         mfcs: Sequence[str] | None = None,
         call_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        step: int,
     ) -> Submitted:
         """Issues the calls of one iteration (all of the graph, or the listed subset) without waiting.
 
@@ -144,6 +146,8 @@ class DataflowRunner:
             batch: the dataset rows of the iteration (prompts, or pairs for SFT/DPO/RM).
             mfcs: names of the calls to issue, default all; a call's producers must be among them.
             call_kwargs: extra keyword arguments per call name (e.g. ``{"actor_gen": {"greedy": True}}``).
+            step: the training step the calls belong to; every call and hook gets it, and the
+                workers' records of them carry it (``ModelWorker.pop_metrics``).
 
         Returns:
             the futures of every issued call and of its hooks.
@@ -159,17 +163,20 @@ class DataflowRunner:
             args = self._sources(mfc, submitted.outputs, batch, rollout if name != rollout else None)
             hook_view = self.hook_views.get(name)
             if hook_view is not None:
-                submitted.hooks.append((hook_view, hook_view.async_execute_all("pre_call", name)))
+                submitted.hooks.append((hook_view, hook_view.async_execute_all("pre_call", name, step)))
             method = getattr(self.views[name], mfc.interface_type)
-            submitted.outputs[name] = method(name, *args, **dict((call_kwargs or {}).get(name, {})))
+            submitted.outputs[name] = method(name, *args, **dict((call_kwargs or {}).get(name, {})), step=step)
             if hook_view is not None:
-                submitted.hooks.append((hook_view, hook_view.async_execute_all("post_call", name)))
+                submitted.hooks.append((hook_view, hook_view.async_execute_all("post_call", name, step)))
         return submitted
 
     def wait(self, submitted: Submitted, fetch: Sequence[str] = ()) -> dict[str, DataProto]:
         """Waits for every call of a submission; returns the collected outputs of the ``fetch`` calls.
 
-        Errors of any call or hook surface here with the role, rank and node of the worker.
+        Errors of any call or hook surface here as a :class:`~rlflow.controller.WorkerError`
+        whose message starts with the call, its model and the rank (``reward_inf (model reward)
+        on rank 1: ValueError: ...``), followed by the worker's traceback. Calls are checked
+        in issue order, so a failing call is reported before the calls that needed its rows.
         Only the calls named in ``fetch`` bring their rows to the driver.
         """
         for view, refs in submitted.hooks:

@@ -9,10 +9,10 @@ The driver builds one :class:`ModelWorker` per device of the resource pool (all 
     group.copy_weights("ref", "actor")              # once at RL start, per ``init: copy`` model
     for each iteration, for each MFC in topological order (non-blocking):
         hooks = group.view(setup.hook_ranks(name))  # skip when empty
-        hooks.async_execute_all("pre_call", name)
+        hooks.async_execute_all("pre_call", name, step)
         call = group.view(layout.ranks, layout.strategy, row_group_size=...)  # GRPO/RLOO: n_samples; DPO/RM: 2
-        out = call.<generate|inference|train_step>(name, *inputs)   # MESH_PROTO, returns a DataFuture
-        hooks.async_execute_all("post_call", name)
+        out = call.<generate|inference|train_step>(name, *inputs, step=step)  # MESH_PROTO, returns a DataFuture
+        hooks.async_execute_all("post_call", name, step)
 
 Each actor runs its calls in issue order, so the hooks of a call see the weights after every
 train step issued before it. ``generate`` / ``inference`` / ``train_step`` take the MFC's
@@ -25,8 +25,11 @@ row-less ``DataProto`` whose ``meta_info`` holds its metrics.
 Every output's ``meta_info`` holds ``mfc``, ``time_s`` (slowest dp rank), ``tokens`` (real
 tokens of the call's rows), ``rows``, ``peak_memory_bytes`` (CUDA peak of the call, or the
 process's peak RSS on CPU) and the interface's metrics reduced over the dp ranks, identical in
-every part so that the parts concatenate. Every rank also keeps one timing record per call
-and hook it ran, which :meth:`ModelWorker.pop_metrics` hands to the driver (timelines).
+every part so that the parts concatenate. Every rank also keeps one
+:class:`~rlflow.workers.records.CallRecord` per call and hook it ran, tagged with the ``step``
+the driver issued it for, which :meth:`ModelWorker.pop_metrics` hands to the driver (step
+metrics, timelines). An exception inside a call or hook reaches the driver as an error that
+starts with the call, its model and the rank (``reward_inf (model reward) on rank 1: ...``).
 
 Checkpoints: ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on all ranks (ONE_TO_ALL) at a
 quiet point (no call in flight); ``save_pretrained(model, dir)`` exports HF weights.
@@ -49,6 +52,7 @@ from rlflow.dataflow.mfc import MFCDef
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext
 from rlflow.workers.interfaces import build_interface, check_calls
+from rlflow.workers.records import CallRecord, call_error
 from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
 from rlflow.workers.setup import WorkerSetup
@@ -76,8 +80,7 @@ class ModelWorker(Worker):
         self.setup = setup
         self.interfaces = {name: build_interface(model, setup) for name, model in setup.models.items()}
         self.residency: Residency | None = None
-        self._records: list[dict] = []
-        self._seq: dict[tuple[str, str], int] = {}
+        self._records: list[CallRecord] = []
         self._copied: set[str] = set()  # models that took another's weights (copy_weights)
 
     # ------------------------------------------------------------------ lifecycle
@@ -116,48 +119,45 @@ class ModelWorker(Worker):
 
     # ------------------------------------------------------------------ hooks
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def pre_call(self, mfc_name: str) -> None:
-        """Reallocation pre-hook of ``mfc_name`` (ranks outside ``setup.hook_ranks`` return at once)."""
-        self._hook("pre_call", self._mfc(mfc_name), self._residency().prepare)
+    def pre_call(self, mfc_name: str, step: int) -> None:
+        """Reallocation pre-hook of ``mfc_name`` for the call of ``step`` (ranks outside
+        ``setup.hook_ranks`` return at once)."""
+        self._hook("pre_call", self._mfc(mfc_name), self._residency().prepare, step)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def post_call(self, mfc_name: str) -> None:
+    def post_call(self, mfc_name: str, step: int) -> None:
         """Reallocation post-hook: post-hooks, then free the call's copy unless ``keep_copies``."""
-        self._hook("post_call", self._mfc(mfc_name), self._residency().release)
+        self._hook("post_call", self._mfc(mfc_name), self._residency().release, step)
 
-    def _hook(self, hook: str, mfc: MFCDef, run) -> None:
+    def _hook(self, hook: str, mfc: MFCDef, run, step: int) -> None:
         if self.rank not in self.setup.hook_ranks(mfc.name):
             return
         stats = self._residency().manager.stats
         before, start = dict(stats), time.time()
-        run(mfc)
+        try:
+            run(mfc)
+        except Exception as exc:
+            raise call_error(mfc.name, mfc.model_name, hook, self.rank, exc) from exc
         moved = {
             f"realloc_{k}": stats[k] - before[k]
             for k in ("reshards", "reshard_seconds", "sent_bytes", "received_bytes")
         }
         # Timeline kinds (rlflow.planner.timeline): weights moved between layouts, or a home reloaded/offloaded.
-        kind = "reload" if self.setup.uses_home(mfc.name) and not mfc.hook_sources else "realloc"
-        self._record(kind, hook, mfc.name, start, moved)
+        interval_kind = "reload" if self.setup.uses_home(mfc.name) and not mfc.hook_sources else "realloc"
+        self._record(mfc, hook, interval_kind, step, start, moved)
 
-    def _record(self, kind: str, what: str, mfc_name: str, start: float, metrics: Mapping[str, Any]) -> None:
-        """Keep a timing record for :meth:`pop_metrics`; ``seq`` counts this rank's ``what`` records of the MFC."""
-        self._seq[(what, mfc_name)] = seq = self._seq.get((what, mfc_name), 0) + 1
+    def _record(
+        self, mfc: MFCDef, kind: str, interval_kind: str, step: int, start: float, metrics: Mapping[str, Any]
+    ) -> None:
+        """Keep a :class:`CallRecord` of a call or hook that started at ``start`` and ends now."""
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "mfc"}
-        record = {"mfc": mfc_name, "seq": seq, "rank": self.rank, "kind": kind, "hook": what, "start": start}
-        self._records.append({**record, "end": time.time(), **numbers})
+        self._records.append(
+            CallRecord(mfc.name, mfc.model_name, kind, interval_kind, self.rank, step, start, time.time(), numbers)
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def pop_metrics(self) -> list[dict]:
-        """This rank's records since the last pop, one per call or hook it ran, and forget them.
-
-        Each record: ``mfc``; ``seq`` (the n-th call — or n-th pre/post hook — of that MFC on this
-        rank, which is the n-th issued); ``rank``; ``kind`` as the timeline names it (``"call"``,
-        ``"realloc"`` for a hook that moves weights between layouts, ``"reload"`` for one that
-        reloads or offloads a home); ``hook`` (``"call"``, ``"pre_call"``, ``"post_call"``);
-        ``start`` / ``end`` (wall-clock seconds); and the numbers of the call's ``meta_info``
-        (hooks: ``realloc_reshards``, ``realloc_reshard_seconds``, ``realloc_sent_bytes``,
-        ``realloc_received_bytes``).
-        """
+    def pop_metrics(self) -> list[CallRecord]:
+        """This rank's records since the last pop, one per call or hook it ran, in run order; forgets them."""
         records, self._records = self._records, []
         return records
 
@@ -180,7 +180,7 @@ class ModelWorker(Worker):
     # ------------------------------------------------------------------ calls
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
     def generate(
-        self, mfc_name: str, prompts: DataProto, greedy: bool = False, evaluate: bool = False
+        self, mfc_name: str, prompts: DataProto, greedy: bool = False, evaluate: bool = False, *, step: int
     ) -> DataProto | None:
         """Rollout rows for ``prompts`` (see :mod:`rlflow.workers.interfaces.actor`).
 
@@ -190,6 +190,7 @@ class ModelWorker(Worker):
             greedy: greedy decoding; without ``evaluate`` one greedy response per prompt,
                 repeated ``sampling.n`` times (ReMax's baseline rows).
             evaluate: use the evaluation sampling parameters (held-out prompts).
+            step: the training step the driver issued the call for (its :class:`CallRecord`'s).
         """
         mfc = self._mfc(mfc_name, "generate")
 
@@ -198,21 +199,24 @@ class ModelWorker(Worker):
         def run(interface, engine, data, ctx):
             return interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
 
-        return self._call(mfc, (prompts,), run)
+        return self._call(mfc, (prompts,), run, step)
 
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
-    def inference(self, mfc_name: str, *inputs: DataProto) -> DataProto | None:
-        """Log-probs, values or rewards of the rows (by the model's role)."""
+    def inference(self, mfc_name: str, *inputs: DataProto, step: int) -> DataProto | None:
+        """Log-probs, values or rewards of the rows (by the model's role); ``step`` as for :meth:`generate`."""
         mfc = self._mfc(mfc_name, "inference")
-        return self._call(mfc, inputs, lambda interface, engine, data, ctx: interface.inference(engine, data, ctx))
+        return self._call(
+            mfc, inputs, lambda interface, engine, data, ctx: interface.inference(engine, data, ctx), step
+        )
 
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
-    def train_step(self, mfc_name: str, *inputs: DataProto, lr: float | None = None) -> DataProto | None:
+    def train_step(self, mfc_name: str, *inputs: DataProto, lr: float | None = None, step: int) -> DataProto | None:
         """Optimizer steps of the model on the rows; returns a row-less DataProto of metrics.
 
         Args:
             lr: run these steps with a separate constant-``lr`` AdamW (the SFT warm-up before
                 RL), leaving the model's own optimizer fresh; see :meth:`Residency.optimizer_for`.
+            step: as for :meth:`generate`.
         """
         mfc = self._mfc(mfc_name, "train_step")
         residency = self._residency()
@@ -223,9 +227,15 @@ class ModelWorker(Worker):
             residency.step_done(mfc.model_name)
             return DataProto(meta_info=metrics)
 
-        return self._call(mfc, inputs, run)
+        return self._call(mfc, inputs, run, step)
 
-    def _call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run) -> DataProto | None:
+    def _call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int) -> DataProto | None:
+        try:
+            return self._run_call(mfc, inputs, run, step)
+        except Exception as exc:
+            raise call_error(mfc.name, mfc.model_name, "call", self.rank, exc) from exc
+
+    def _run_call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int) -> DataProto | None:
         layout = self.setup.layouts[mfc.name]
         coords = layout.local_coords(self.rank)
         if coords is None:
@@ -243,7 +253,7 @@ class ModelWorker(Worker):
         local["tokens"] = num_tokens(out if mfc.interface_type == "generate" else data)
         rows = len(out) if mfc.interface_type == "generate" else len(data)
         metrics = {"mfc": mfc.name, **reduce_metrics(local, rows, ctx)}
-        self._record("call", "call", mfc.name, wall_start, {**metrics, "time_s": local["time_s"]})
+        self._record(mfc, "call", "call", step, wall_start, {**metrics, "time_s": local["time_s"]})
         if coords.tp != 0 or coords.pp != layout.strategy.pp - 1:
             return None
         if mfc.is_train:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import struct
 import sys
-import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,12 +17,14 @@ from rlflow.trainer.config import LoggingConfig
 from rlflow.trainer.metrics import (
     MetricsLogger,
     Timings,
+    call_metrics,
     mean_metrics,
     progress,
     summarise,
     timing_rows,
     timing_table,
 )
+from rlflow.workers.records import CallRecord
 
 
 def test_log_reaches_console_jsonl_and_tensorboard(tmp_path, capsys):
@@ -74,35 +77,113 @@ def test_enabled_but_missing_package_is_a_clear_error(tmp_path, monkeypatch, sin
         MetricsLogger(cfg, tmp_path)
 
 
-def test_wandb_and_mlflow_receive_the_metrics(tmp_path, monkeypatch):
-    calls: list[tuple] = []
-    run = types.SimpleNamespace(
-        log=lambda m, step: calls.append(("wandb.log", step, m)), finish=lambda: calls.append(("wandb.finish",))
-    )
-    wandb = types.SimpleNamespace(init=lambda **kw: calls.append(("wandb.init", kw["project"], kw["config"])) or run)
-    mlflow = types.SimpleNamespace(
-        set_experiment=lambda name: calls.append(("mlflow.experiment", name)),
-        start_run=lambda run_name: calls.append(("mlflow.start", run_name)),
-        log_params=lambda p: calls.append(("mlflow.params", p)),
-        log_metrics=lambda m, step: calls.append(("mlflow.log", step, m)),
-        end_run=lambda: calls.append(("mlflow.end",)),
-    )
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
-    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
-    cfg = LoggingConfig(console=False, jsonl=False, tensorboard=False, wandb=True, mlflow=True, project="p")
+def wandb_history(run_dir: Path) -> tuple[dict, list[dict]]:
+    """The config and history rows of the one offline wandb run under ``run_dir``, from its ``.wandb`` file.
+
+    The file is a LevelDB-style log (as wandb writes it): a 7-byte header, then 32 KiB blocks of
+    chunks, each ``crc32 (4) | length (2) | type (1) | data``; FULL (1) or FIRST..LAST (2..4)
+    chunks make up one protobuf ``Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    config, history, chunks, pos = {}, [], [], 7
+    while pos + 7 <= len(data):
+        if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += WANDB_BLOCK - pos % WANDB_BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(b"".join(chunks))
+        chunks = []
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):  # the run's first record, then any config updates
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({item.key: json.loads(item.value_json) for item in updates})
+        elif kind == "history":
+            # A history item names its metric by ``key`` or by ``nested_key`` (wandb writes either).
+            items = record.history.item
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+    return config, history
+
+
+WANDB_BLOCK = 32768
+
+
+def test_wandb_offline_run_holds_the_config_and_every_step(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LoggingConfig(console=False, jsonl=False, tensorboard=False, wandb=True, project="p")
     with MetricsLogger(cfg, tmp_path / "r1", run_config={"algorithm": {"name": "grpo"}}) as logger:
-        logger.log(3, {"a": 1.0, "b": math.nan})
-    assert calls == [
-        ("wandb.init", "p", {"algorithm": {"name": "grpo"}}),
-        ("mlflow.experiment", "p"),
-        ("mlflow.start", "r1"),
-        ("mlflow.params", {"algorithm.name": "grpo"}),
-        ("wandb.log", 3, {"a": 1.0, "b": calls[4][2]["b"]}),
-        ("mlflow.log", 3, {"a": 1.0}),  # MLflow rejects NaN
-        ("wandb.finish",),
-        ("mlflow.end",),
+        logger.log(3, {"a": 1.0, "b": math.nan, "time/actor_gen": np.float32(0.5)})
+        logger.log(4, {"a": 2.0})
+    config, history = wandb_history(tmp_path / "r1")
+    assert {k: v for k, v in config.items() if k != "_wandb"} == {"algorithm": {"name": "grpo"}}  # wandb's own
+    rows = [{k: v for k, v in row.items() if not k.startswith("_")} | {"step": row["_step"]} for row in history]
+    assert rows[1] == {"a": 2.0, "step": 4}
+    assert rows[0]["step"] == 3 and rows[0]["a"] == 1.0 and rows[0]["time/actor_gen"] == 0.5
+    assert math.isnan(rows[0]["b"])  # wandb keeps NaN
+
+
+def test_mlflow_run_holds_the_params_and_every_finite_step(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = LoggingConfig(console=False, jsonl=False, tensorboard=False, mlflow=True, project="p")
+    # The trainer's whole configuration as run parameters: more than one request's worth (100).
+    run_config = {"algorithm": {"name": "grpo"}, "many": {f"k{i}": i for i in range(150)}}
+    first = MetricsLogger(cfg, tmp_path / "r1", run_config=run_config)
+    second = MetricsLogger(cfg, tmp_path / "r2")  # two open loggers: each writes its own run
+    first.log(3, {"a": 1.0, "b": math.nan})
+    first.log(4, {"a": 2.0, "b": 0.5})
+    second.log(1, {"a": 7.0})
+    first.close()
+    second.close()
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("p")
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == ["r1", "r2"] and {r.info.status for r in runs.values()} == {"FINISHED"}
+    r1 = runs["r1"]
+    assert r1.data.params["algorithm.name"] == "grpo" and len(r1.data.params) == 151
+    assert [(m.step, m.value) for m in client.get_metric_history(r1.info.run_id, "a")] == [(3, 1.0), (4, 2.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(r1.info.run_id, "b")] == [(4, 0.5)]  # no NaN
+    assert [(m.step, m.value) for m in client.get_metric_history(runs["r2"].info.run_id, "a")] == [(1, 7.0)]
+
+
+def test_call_metrics_time_each_call_by_its_slowest_rank_and_average_its_numbers():
+    records = [
+        CallRecord("actor_gen", "actor", "pre_call", "realloc", 0, 2, 10.0, 10.5),
+        CallRecord("actor_gen", "actor", "pre_call", "realloc", 1, 2, 10.0, 10.25),
+        CallRecord("actor_gen", "actor", "call", "call", 0, 2, 10.5, 12.0, {"tokens": 8.0, "loss": 1.0}),
+        CallRecord("actor_gen", "actor", "call", "call", 1, 2, 10.5, 11.0, {"tokens": 4.0}),
+        CallRecord("ref_inf", "ref", "call", "call", 1, 2, 12.0, 12.5, {}),
     ]
-    assert math.isnan(calls[4][2]["b"])
+    assert call_metrics(records) == {
+        "time/actor_gen/pre_call": 0.5,
+        "time/actor_gen": 1.5,
+        "actor_gen/tokens": 6.0,
+        "actor_gen/loss": 1.0,
+        "time/ref_inf": 0.5,
+    }
+    assert call_metrics([]) == {}
+
+
+def test_call_records_refuse_unknown_kinds_and_negative_steps():
+    with pytest.raises(ValueError, match="kind='hook'"):
+        CallRecord("a", "m", "hook", "call", 0, 1, 0.0, 1.0)
+    with pytest.raises(ValueError, match="interval_kind='ema'"):
+        CallRecord("a", "m", "call", "ema", 0, 1, 0.0, 1.0)
+    with pytest.raises(ValueError, match="step=-1"):
+        CallRecord("a", "m", "call", "call", 0, -1, 0.0, 1.0)
+    with pytest.raises(ValueError, match="ends"):
+        CallRecord("a", "m", "call", "call", 0, 1, 2.0, 1.0)
 
 
 def test_summarise_matches_numpy():

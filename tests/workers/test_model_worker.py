@@ -73,15 +73,15 @@ class Driver:
     def __init__(self, group: RayWorkerGroup, setup: WorkerSetup) -> None:
         self.group, self.setup = group, setup
 
-    def call(self, name: str, *inputs, **kwargs) -> DataFuture:
+    def call(self, name: str, *inputs, step: int = 1, **kwargs) -> DataFuture:
         mfc, layout = self.setup.mfcs[name], self.setup.layouts[name]
         hooks = self.setup.hook_ranks(name)
         if hooks:
-            self.group.view(list(hooks)).pre_call(name)
+            self.group.view(list(hooks)).pre_call(name, step)
         view = self.group.view(list(layout.ranks), layout.strategy)
-        out = getattr(view, mfc.interface_type)(name, *inputs, **kwargs)
+        out = getattr(view, mfc.interface_type)(name, *inputs, step=step, **kwargs)
         if hooks:
-            self.group.view(list(hooks)).post_call(name)
+            self.group.view(list(hooks)).post_call(name, step)
         return out
 
     def export(self, model: str, path) -> dict[str, torch.Tensor]:
@@ -196,8 +196,8 @@ def test_ema_hook_blends_the_actor_into_the_reference(iteration, world, tmp_path
     driver, _, _ = world
     ref_before, actor = driver.export("ref", tmp_path / "ref0"), driver.export("actor", tmp_path / "actor")
     hooks = driver.group.view(list(driver.setup.hook_ranks("ref_inf_ema")))
-    hooks.pre_call("ref_inf_ema")
-    hooks.post_call("ref_inf_ema")
+    hooks.pre_call("ref_inf_ema", 1)
+    hooks.post_call("ref_inf_ema", 1)
     ref_after = driver.export("ref", tmp_path / "ref1")
     for k in ref_before:
         expected = (1 - EMA_ETA) * ref_before[k] + EMA_ETA * actor[k]

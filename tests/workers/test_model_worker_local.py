@@ -52,14 +52,14 @@ def make_worker(paths, algo: AlgoSetup, models: dict[str, ModelSetup], **mfc_kwa
     return worker
 
 
-def call(worker: ModelWorker, name: str, *inputs: DataProto, **kwargs) -> DataProto:
-    """The driver's protocol around one MFC."""
+def call(worker: ModelWorker, name: str, *inputs: DataProto, step: int = 1, **kwargs) -> DataProto:
+    """The driver's protocol around one MFC issued for training step ``step``."""
     hooks = worker.setup.hook_ranks(name)
     if hooks:
-        worker.pre_call(name)
-    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs, **kwargs)
+        worker.pre_call(name, step)
+    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs, step=step, **kwargs)
     if hooks:
-        worker.post_call(name)
+        worker.post_call(name, step)
     return out
 
 
@@ -214,21 +214,29 @@ def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths):
     worker.build()
     engine = worker.residency.models["actor"].engine
     before = {k: v.clone() for k, v in engine.state_dict_full().items()}
-    losses = [worker.train_step("warmup_sft", answer_rows(paths), lr=5e-2).meta_info["loss"] for _ in range(3)]
+    losses = [worker.train_step("warmup_sft", answer_rows(paths), lr=5e-2, step=0).meta_info["loss"] for _ in range(3)]
     assert losses[-1] < losses[0]
     assert not engine.optimizer.state and engine.scheduler.last_epoch == 0  # the RL optimizer is still fresh
     assert any(not torch.equal(v, before[k]) for k, v in engine.state_dict_full().items())
-    gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]))
+    gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]), step=7)
     rewards = DataProto.from_dict({"rewards": torch.arange(len(gen), dtype=torch.float32)})
-    call(worker, "actor_train", gen, call(worker, "ref_inf", gen), rewards)
+    call(worker, "actor_train", gen, call(worker, "ref_inf", gen, step=7), rewards, step=7)
     assert engine.optimizer.state and not worker.residency._side_optimizers  # warm-up optimizer dropped
     records = worker.pop_metrics()
-    calls = [(r["mfc"], r["hook"], r["seq"]) for r in records]
-    assert calls[:3] == [("warmup_sft", "call", 1), ("warmup_sft", "call", 2), ("warmup_sft", "call", 3)]
-    assert ("actor_gen", "pre_call", 1) in calls and ("actor_train", "call", 1) in calls
-    gen_hook = next(r for r in records if r["hook"] == "pre_call")
-    assert gen_hook["kind"] == "realloc" and {r["kind"] for r in records} == {"call", "realloc"}
-    assert gen_hook["realloc_reshards"] == 1 and gen_hook["end"] >= gen_hook["start"]
+    calls = [(r.mfc, r.model, r.kind, r.step) for r in records]
+    assert calls[:3] == [("warmup_sft", "actor", "call", 0)] * 3
+    assert calls[3:] == [
+        ("actor_gen", "actor", "pre_call", 7),
+        ("actor_gen", "actor", "call", 7),
+        ("actor_gen", "actor", "post_call", 7),
+        ("ref_inf", "ref", "call", 7),
+        ("actor_train", "actor", "call", 7),
+    ]
+    assert [r.metrics["loss"] for r in records[:3]] == losses and all(r.rank == 0 for r in records)
+    gen_hook = records[3]
+    assert gen_hook.interval_kind == "realloc" and {r.interval_kind for r in records} == {"call", "realloc"}
+    assert gen_hook.metrics["realloc_reshards"] == 1 and gen_hook.end >= gen_hook.start
+    assert records[4].metrics["rows"] == len(gen) and records[4].metrics["time_s"] <= records[4].seconds
     assert worker.pop_metrics() == []
 
 
@@ -253,7 +261,7 @@ def test_copy_weights_gives_the_reference_and_the_critic_backbone_the_trained_ac
     worker.build()
     engines = {name: worker.residency.models[name].engine for name in models}
     for _ in range(2):
-        worker.train_step("warmup_sft", answer_rows(paths), lr=5e-2)
+        worker.train_step("warmup_sft", answer_rows(paths), lr=5e-2, step=0)
     gen = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]))
     rewards = DataProto.from_dict({"rewards": torch.ones(len(gen))})
     call(worker, "critic_train", gen, call(worker, "critic_inf", gen), call(worker, "ref_inf", gen), rewards)
