@@ -175,7 +175,9 @@ def _as_file(dataset: DatasetLike, path: Path, name: str) -> str:
             try:
                 f.write(json.dumps(row) + "\n")
             except TypeError as err:
-                raise TypeError(f"{name} row {i}: {err}; columns must hold JSON values (str, numbers, lists, dicts)") from None
+                raise TypeError(
+                    f"{name} row {i}: {err}; columns must hold JSON values (str, numbers, lists, dicts)"
+                ) from None
     return str(path)
 
 

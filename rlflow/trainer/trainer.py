@@ -8,16 +8,23 @@ configuration, never copies of this loop.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import ray
 
+from rlflow.data.tokenizer import load_tokenizer
+from rlflow.dataflow.algorithms import Algorithm
 from rlflow.planner.timeline import Interval, draw_timeline
 from rlflow.protocol import DataProto
-from rlflow.trainer import build
+from rlflow.trainer import build, inputs
+from rlflow.trainer.callbacks import Callbacks, NotifyingLogger
 from rlflow.trainer.checkpoint import (
     CheckpointManager,
     read_trainer_state,
@@ -30,6 +37,7 @@ from rlflow.trainer.metrics import MetricsLogger, call_metrics, progress, timing
 from rlflow.trainer.placement import Placement, load_profile_for, model_specs, plan_placement
 from rlflow.trainer.runner import DataflowRunner, Submitted
 from rlflow.workers.records import CallRecord
+from rlflow.workers.reward_funcs import RewardFunc, check_reward_signature, pack_reward_funcs
 
 
 @dataclass
@@ -61,27 +69,91 @@ class FitResult:
 
 
 class Trainer:
-    """Builds a run from a config: models, data, plan, workers; :meth:`fit` trains.
+    """Builds a run: validates the config, the data and the rewards; :meth:`launch` starts the workers; :meth:`fit` trains.
+
+    For YAML users ``Trainer(cfg)``; for Python users, in TRL's terms::
+
+        trainer = Trainer(
+            {"algorithm": {"name": "grpo"}}, model="path/or/PreTrainedModel", tokenizer=tok,
+            reward_funcs=[my_reward], train_dataset=[{"prompt": "...", "label": ...}], callbacks=[on_step],
+        )
+        with trainer:
+            result = trainer.fit()
+
+    Construction only checks and prepares (config, datasets, reward signatures, the model and
+    tokenizer saved into the run directory); Ray, the profile, the plan and the workers start on
+    :meth:`launch` (which :meth:`fit` calls). ``with Trainer(...) as t:`` releases the workers,
+    their placement groups, and a Ray instance the trainer started itself.
 
     Args:
-        cfg: a validated config (``rlflow.trainer.config.load_config``).
+        config: an ``RLFlowConfig``, a YAML path, a dict of settings, or None for the defaults.
+        overrides: ``key=value`` strings applied after a YAML path or a dict.
+        model: the actor: a local HF directory or a ``PreTrainedModel`` (saved into the run).
+        tokenizer: a local directory or a tokenizer object (saved into the run); default: the
+            model directory's tokenizer, else ``data.tokenizer``.
+        reward_funcs: a function or functions ``fn(prompts, completions, **columns) -> list[float | None]``
+            (:mod:`rlflow.workers.reward_funcs`), summed; each mean logged as ``<reward call>/rewards/<name>``.
+        reward_weights: one weight per reward function (default 1 each).
+        train_dataset: a list of dicts, a ``datasets.Dataset`` or a JSONL path; every column is
+            passed to the reward functions. Replaces the synthetic task.
+        eval_dataset: held-out prompts in the same forms; without one (and without a task) the
+            run has no held-out score.
+        callbacks: functions ``fn(step, metrics)`` or objects with ``on_step_end(step, metrics)``;
+            returning True stops training (:mod:`rlflow.trainer.callbacks`).
+        algorithm: an algorithm name or an ``Algorithm`` record (sets ``algorithm.name``).
         progress_bars: show progress bars (planner search, steps).
     """
 
-    def __init__(self, cfg: RLFlowConfig, progress_bars: bool = True) -> None:
-        # Workers may run with another working directory (a joined cluster): hand them absolute paths.
-        cfg = build.resolve_paths(cfg)
-        self.cfg, self.progress_bars = cfg, progress_bars
-        self.run_dir = build.run_dir_of(cfg)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self.tokenizer_path = build.materialize_tokenizer(cfg, self.run_dir)
-        self.model_paths = build.materialize_models(cfg, self.run_dir, self.tokenizer_path)
-        from rlflow.data.tokenizer import load_tokenizer
+    def __init__(
+        self,
+        config: RLFlowConfig | str | os.PathLike | Mapping[str, Any] | None = None,
+        *,
+        overrides: Sequence[str] = (),
+        model: Any = None,
+        tokenizer: Any = None,
+        reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        train_dataset: inputs.DatasetLike | None = None,
+        eval_dataset: inputs.DatasetLike | None = None,
+        callbacks: Sequence[Any] = (),
+        algorithm: str | Algorithm | None = None,
+        progress_bars: bool = True,
+    ) -> None:
+        self.progress_bars = progress_bars
+        self.cfg = self._build_config(config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset)
+        self.run_dir = build.run_dir_of(self.cfg)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        funcs = [reward_funcs] if callable(reward_funcs) else reward_funcs
+        self.reward_funcs = pack_reward_funcs(funcs, reward_weights) if funcs is not None else None
+        inputs.check_reward_source(self.cfg, self.reward_funcs)
+        self.tokenizer_path = build.materialize_tokenizer(self.cfg, self.run_dir)
+        self.model_paths = build.materialize_models(self.cfg, self.run_dir, self.tokenizer_path)
+        self.data = build_trainer_data(self.cfg, load_tokenizer(self.tokenizer_path), self.reward_funcs)
+        for fn in funcs or ():
+            check_reward_signature(fn, set(self.data.columns) - {"prompt"})
+        rule_reward = "reward" not in self.cfg.models and self.data.reward_fn is not None
+        self.graph = build.build_dataflow(self.cfg, rule_reward)
+        self.callbacks = Callbacks(callbacks)
+        self.launched, self._started_ray = False, False
 
-        self.data = build_trainer_data(cfg, load_tokenizer(self.tokenizer_path))
-        rule_reward = "reward" not in cfg.models and self.data.reward_fn is not None
-        self.graph = build.build_dataflow(cfg, rule_reward)
-        build.ensure_ray(cfg)
+    def _build_config(
+        self, config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset
+    ) -> RLFlowConfig:
+        """The config with the Python inputs written into the run directory, every path absolute."""
+        cfg = inputs.build_config(config, overrides, algorithm)
+        run_dir = build.run_dir_of(cfg)
+        cfg = inputs.with_model(cfg, model, run_dir)
+        cfg = inputs.with_tokenizer(cfg, tokenizer, run_dir)
+        cfg = inputs.with_datasets(cfg, train_dataset, eval_dataset, run_dir)
+        # Workers may run with another working directory (a joined cluster): hand them absolute paths.
+        return build.resolve_paths(cfg)
+
+    def launch(self) -> Trainer:
+        """Starts (or joins) Ray, profiles, plans and starts the workers; a second call does nothing."""
+        if self.launched:
+            return self
+        cfg = self.cfg
+        self._started_ray = build.ensure_ray(cfg)
         self.use_gpu = build.uses_gpu(cfg)
         self.placement = self._plan()
         calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn)}
@@ -94,7 +166,7 @@ class Trainer:
         self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
         extra = {n: c for n, c in calls.items() if n not in self.placement.calls}
         self.side_runner = _side_runner(self.workers, extra) if extra else None
-        self.logger = MetricsLogger(cfg.logging, self.run_dir, run_config=_plain(cfg))
+        self.logger = NotifyingLogger(MetricsLogger(cfg.logging, self.run_dir, run_config=_plain(cfg)), self.callbacks)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir)
         self.step = 0
         self.result = FitResult(
@@ -102,6 +174,14 @@ class Trainer:
         )
         self._intervals: list[Interval] = []
         self._records: list[CallRecord] = []  # popped records of issued steps not logged yet
+        self.launched = True
+        return self
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ building
     def _plan(self) -> Placement:
@@ -122,7 +202,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
-        """Runs the configured number of steps; returns scores, timings and where files went."""
+        """Launches when not yet launched, runs the configured number of steps (fewer when a
+        callback stops it); returns scores, timings and where files went."""
+        self.launch()
         self._resume()
         if self.step == 0:
             if self.cfg.trainer.eval_before_train:
@@ -154,7 +236,8 @@ class Trainer:
             # Overlap: issue the next iteration before waiting when no evaluation or checkpoint
             # needs the workers quiet at this step (ReaLHF's cross-iteration overlap).
             following = None
-            if step < total and not self._sync_point(step) and not self._out_of_time(started):
+            stopping = self._out_of_time(started) or self.callbacks.stop_requested
+            if step < total and not self._sync_point(step) and not stopping:
                 following = (step + 1, self._submit(next(batches), step + 1))
             self.runner.wait(submitted)
             self.step = step
@@ -166,7 +249,7 @@ class Trainer:
                     self.evaluate()
                 if self.cfg.checkpoint.every_n_steps and step % self.cfg.checkpoint.every_n_steps == 0:
                     self._save()
-            if pending is None and self._out_of_time(started):
+            if pending is None and (self._out_of_time(started) or self.callbacks.stop_requested):
                 break
         bar.close()
         self.result.steps = self.step
@@ -261,10 +344,12 @@ class Trainer:
     def evaluate(self) -> float | None:
         """Greedy (or sampled) answers to the held-out prompts, scored by the rule reward; recorded and logged.
 
+        Launches the trainer when it is not yet launched.
+
         Returns:
             the mean score (the accuracy for 0/1 rewards), or ``None`` without held-out data.
         """
-        return self._record_eval(self._held_out_score())
+        return self.launch()._record_eval(self._held_out_score())
 
     def _held_out_score(self) -> float | None:
         if (
@@ -362,10 +447,16 @@ class Trainer:
             )
 
     def close(self) -> None:
-        """Stops the workers, hands their placement groups back to Ray and closes the metric sinks."""
-        self.logger.close()
-        self.workers.shutdown()
-        self.pool.release()
+        """Stops the workers, hands their placement groups back to Ray, closes the metric sinks,
+        and shuts down a Ray instance this trainer started (idempotent; nothing to do before launch)."""
+        if self.launched:
+            self.launched = False
+            self.logger.close()
+            self.workers.shutdown()
+            self.pool.release()
+        if self._started_ray:
+            self._started_ray = False
+            ray.shutdown()
 
 
 def _side_runner(workers, calls) -> DataflowRunner:

@@ -105,6 +105,7 @@ def test_rewards_are_summed_with_weights_and_none_is_skipped():
     assert rewards.tolist() == [4.0, 1.0]
     assert means["rewards/half"] == 0.5 and means["rewards/only_first"] == 1.0
     assert means["rewards/skip_all"] != means["rewards/skip_all"]  # NaN: it scored nothing
+
     def two(prompts, completions, **kwargs):
         return [0.0, 0.0]
 
