@@ -18,6 +18,7 @@ import time
 import ray
 import torch
 
+from rlflow.algos.params import AlgorithmParams
 from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer
@@ -28,7 +29,7 @@ from rlflow.engine.rollout import SamplingParams
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 ITERATIONS = 3
 NUM_PROMPTS, N_SAMPLES, MAX_NEW = 8, 4, 16
@@ -53,7 +54,7 @@ def _setup(root: str) -> tuple[WorkerSetup, DataProto, int]:
         models,
         mfcs,
         {name: DP2 for name in mfcs} | {"actor_gen_tp": TP2},
-        AlgoSetup("grpo", adv_estimator="grpo", n_samples=N_SAMPLES, kl_coef=0.01),
+        AlgorithmParams("grpo", adv_estimator="grpo", n_samples=N_SAMPLES, kl_coef=0.01),
         sampling,
         SamplingParams(greedy=True, max_new_tokens=MAX_NEW),
         root,

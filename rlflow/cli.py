@@ -110,13 +110,13 @@ def _model_specs(args: argparse.Namespace, model_names: list[str]) -> dict:
 
 def build_plan_problem(args: argparse.Namespace):
     """The dataflow graph and the planning problem the ``plan`` arguments describe."""
-    from rlflow.dataflow import ALGORITHMS, algorithm_graph, model_calls
+    from rlflow.dataflow import algorithm_graph, list_algorithms, model_calls
     from rlflow.planner.build import Workload, build_problem
     from rlflow.planner.cluster import cluster_preset
     from rlflow.planner.space import RuntimeCapabilities
 
-    if args.algo not in ALGORITHMS:
-        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {sorted(ALGORITHMS)}")
+    if args.algo not in list_algorithms():
+        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {list_algorithms()}")
     graph = algorithm_graph(args.algo)
     models = _model_specs(args, list(model_calls(graph)))
     try:
@@ -210,10 +210,10 @@ def _draw_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_draw(args: argparse.Namespace) -> int:
-    from rlflow.dataflow import ALGORITHMS, algorithm_graph, draw, unroll_graph
+    from rlflow.dataflow import algorithm_graph, draw, list_algorithms, unroll_graph
 
-    if args.algo not in ALGORITHMS:
-        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {sorted(ALGORITHMS)}")
+    if args.algo not in list_algorithms():
+        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {list_algorithms()}")
     if args.unroll < 1:
         raise UsageError(f"--unroll={args.unroll} must be >= 1")
     graph = algorithm_graph(args.algo)

@@ -12,7 +12,7 @@ Pure text checks: nothing here imports torch or Ray, so the file runs in well un
 
 from __future__ import annotations
 
-import ast
+import dataclasses
 import re
 import shlex
 from functools import cache
@@ -68,17 +68,13 @@ def cli_subcommands() -> frozenset[str]:
 
 @cache
 def config_fields() -> dict[str, dict[str, str]]:
-    """``{class name: {field: annotation}}`` of the config dataclasses, read from the source."""
-    tree = ast.parse((ROOT / "rlflow" / "trainer" / "config.py").read_text())
-    fields: dict[str, dict[str, str]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            fields[node.name] = {
-                item.target.id: ast.unparse(item.annotation)
-                for item in node.body
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-            }
-    return fields
+    """``{class name: {field: annotation}}`` of the config dataclasses, inherited fields included."""
+    import rlflow.trainer.config as config
+
+    classes = {
+        name: cls for name, cls in vars(config).items() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+    }
+    return {name: {f.name: str(f.type) for f in dataclasses.fields(cls)} for name, cls in classes.items()}
 
 
 def config_key_error(key: str) -> str | None:

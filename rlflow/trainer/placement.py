@@ -35,7 +35,6 @@ from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.residency import PARAM_DTYPE
-from rlflow.workers.setup import PAIR_ALGORITHMS
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
 
@@ -118,7 +117,7 @@ def runtime_capabilities(cfg: RLFlowConfig) -> RuntimeCapabilities:
 
 
 def _samples(cfg: RLFlowConfig) -> bool:
-    return cfg.algorithm.name not in ("sft", "dpo", "rm")
+    return cfg.algorithm.record.samples_responses
 
 
 def plan_placement(
@@ -282,7 +281,7 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
     prompts = max(1, cfg.data.batch_size // workers)
     samples = cfg.algorithm.n_samples if _samples(cfg) else 1  # responses a rollout draws per prompt
-    rows = prompts * (2 if cfg.algorithm.name in PAIR_ALGORITHMS else samples)
+    rows = prompts * (2 if cfg.algorithm.record.dataset == "pairs" else samples)
     p, r = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens or cfg.data.max_response_len
     passes = ((1, 64), (4, 128), (4, 256), (prompts, p), (rows, p + r))
     decodes = ((1, 128), (8, 128), (32, 128), (rows, p + r // 2))

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from rlflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from rlflow.algos.params import AlgorithmParams
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, gather_dp, last_token_scatter
-from rlflow.workers.setup import AlgoSetup
 
 __all__ = ["AdvantageEstimator", "group_ids"]
 
@@ -59,7 +59,7 @@ class AdvantageEstimator:
         algo: the algorithm settings (estimator, gamma, lam, KL options).
     """
 
-    def __init__(self, algo: AlgoSetup) -> None:
+    def __init__(self, algo: AlgorithmParams) -> None:
         if algo.adv_estimator is None:
             raise ValueError(f"algorithm {algo.name!r} has no advantage estimator (adv_estimator=None)")
         self.algo = algo

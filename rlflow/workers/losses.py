@@ -31,9 +31,9 @@ from rlflow.algos import (
     sft_loss,
     value_loss,
 )
+from rlflow.algos.params import AlgorithmParams
 from rlflow.engine.models import sequence_scores
 from rlflow.workers.context import shift_right
-from rlflow.workers.setup import AlgoSetup
 
 __all__ = ["dpo_loss_fn", "pair_rows", "policy_loss_fn", "reward_model_loss_fn", "sft_loss_fn", "value_loss_fn"]
 
@@ -46,7 +46,7 @@ def _supported(fn: Callable, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in params}
 
 
-def policy_loss_fn(algo: AlgoSetup, kl_coef: float) -> LossFn:
+def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
     """PPO-family actor loss: policy loss − ``entropy_coef``·entropy (+ ``kl_coef``·KL loss).
 
     The KL term is added when the KL is not already in the reward (``kl_in_reward=False``)
@@ -88,7 +88,7 @@ def policy_loss_fn(algo: AlgoSetup, kl_coef: float) -> LossFn:
     return loss_fn
 
 
-def value_loss_fn(algo: AlgoSetup) -> LossFn:
+def value_loss_fn(algo: AlgorithmParams) -> LossFn:
     """Critic loss ``vf_coef``·clipped value loss on the returns.
 
     The critic's value of the prefix before token ``t`` is its output at ``t - 1``
@@ -145,7 +145,7 @@ def pair_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return order[0::2], order[1::2]
 
 
-def dpo_loss_fn(algo: AlgoSetup) -> LossFn:
+def dpo_loss_fn(algo: AlgorithmParams) -> LossFn:
     """DPO / IPO over pairs: sequence log-probs are sums of token log-probs over ``loss_mask``.
 
     Batch keys: ``loss_mask``, ``ref_logp`` ``(b, t)``; ``pair_index``, ``chosen`` ``(b,)``.

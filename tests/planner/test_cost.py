@@ -173,7 +173,9 @@ def test_ppo_epochs_repeat_the_rl_train_step_only():
     two = dataclasses.replace(PAPER, ppo_epochs=2)
     once = call_cost(TRAIN, LLAMA7B, S(dp=8), DeviceMesh(1, 8), A100, PAPER).time_s
     assert call_cost(TRAIN, LLAMA7B, S(dp=8), DeviceMesh(1, 8), A100, two).time_s == pytest.approx(2 * once)
-    sft = MFCDef("sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), n_minibatches=1)
+    sft = MFCDef(
+        "sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), n_minibatches=1, objective="sft"
+    )
     assert two.n_epochs(sft) == 1 and two.n_epochs(TRAIN) == 2
 
 

@@ -102,4 +102,4 @@ def test_microbatches():
     assert num_microbatches(REF, S(1, 1, 4), 512, 256) == 8  # 2 per stage
     assert num_microbatches(REF, S(256, 1, 2), 512, 256) == 2  # capped by 2 sequences per rank
     assert num_microbatches(REF, S(1, 1, 1), 64, 1024, max_tokens_per_mb=16384) == 4  # token budget
-    assert num_microbatches(MFCDef("t", "a", "train_step", n_mbs=3), S(1, 1, 4), 64, 8) == 3
+    assert num_microbatches(MFCDef("t", "a", "train_step", n_mbs=3, objective="sft"), S(1, 1, 4), 64, 8) == 3

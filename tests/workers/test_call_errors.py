@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlflow.algos.params import AlgorithmParams
 from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool, WorkerError
 from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.dataflow import MFCDef, build_graph
@@ -19,7 +20,7 @@ from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.runner import CallPlacement, DataflowRunner
 from rlflow.workers.model_worker import ModelWorker
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -44,7 +45,7 @@ def group(ray_session, tmp_path_factory):
         models,
         mfcs,
         {"score_inf": DP2, "reward_inf": RANK1},
-        AlgoSetup("grpo", adv_estimator="grpo", n_samples=1),
+        AlgorithmParams("grpo", adv_estimator="grpo", n_samples=1),
         SamplingParams(max_new_tokens=2),
         SamplingParams(greedy=True, max_new_tokens=2),
         tokenizer_dir,

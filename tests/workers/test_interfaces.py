@@ -22,6 +22,7 @@ from rlflow.algos import (
     sft_loss,
     value_loss,
 )
+from rlflow.algos.params import AlgorithmParams
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow import MFCDef, ParamReallocHook, algorithm_mfcs
 from rlflow.engine.models import load_causal_lm
@@ -41,7 +42,7 @@ from rlflow.workers.losses import (
     value_loss_fn,
 )
 from rlflow.workers.rows import dataflow_rows, interface_rows, reduce_metrics
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 N, T = 6, 7
 ONE = CallLayout((0,), ParallelStrategy())
@@ -69,22 +70,24 @@ def rl_rows(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def setup_for(algo: AlgoSetup, paths=None, sampling: SamplingParams | None = None) -> WorkerSetup:
+def setup_for(algo: AlgorithmParams, paths=None, sampling: SamplingParams | None = None) -> WorkerSetup:
     path = paths["actor"] if paths else "unused"
     models = {"actor": ModelSetup("actor", "actor", path, trainable=True, optim=OptimConfig())}
-    mfcs = {"actor_train": MFCDef("actor_train", "actor", "train_step", ("input_ids",), ())}
+    mfcs = {"actor_train": MFCDef("actor_train", "actor", "train_step", ("input_ids",), (), objective="rl")}
     sampling = sampling or SamplingParams(n=algo.n_samples)
     return WorkerSetup(models, mfcs, {"actor_train": ONE}, algo, sampling, SamplingParams(greedy=True), path)
 
 
-CTX = CallContext(MFCDef("actor_train", "actor", "train_step", ("input_ids",), ()))
+CTX = CallContext(MFCDef("actor_train", "actor", "train_step", ("input_ids",), (), objective="rl"))
 
 
 # ---------------------------------------------------------------------------- advantages
 def test_grpo_advantages_use_uid_groups_and_the_last_response_token():
     rows = rl_rows()
     data = DataProto.from_dict(rows, {"uid": ["a", "a", "b", "b", "c", "c"]})
-    adv, ret, metrics = AdvantageEstimator(AlgoSetup("grpo", adv_estimator="grpo", n_samples=2, kl_coef=0.1))(data, CTX)
+    adv, ret, metrics = AdvantageEstimator(AlgorithmParams("grpo", adv_estimator="grpo", n_samples=2, kl_coef=0.1))(
+        data, CTX
+    )
     token_rewards = last_token_scatter(rows["rewards"], rows["response_mask"])
     assert token_rewards.sum(1).tolist() == pytest.approx(rows["rewards"].tolist())
     expected, _ = compute_advantages(
@@ -100,7 +103,7 @@ def test_grpo_advantages_use_uid_groups_and_the_last_response_token():
 
 def test_gae_with_kl_in_reward_and_adaptive_controller():
     rows = rl_rows(1)
-    algo = AlgoSetup(
+    algo = AlgorithmParams(
         "ppo", adv_estimator="gae", gamma=0.9, lam=0.8, kl_coef=0.2, kl_in_reward=True, kl_target=0.05, kl_horizon=100
     )
     estimator = AdvantageEstimator(algo)
@@ -123,7 +126,7 @@ def test_gae_with_kl_in_reward_and_adaptive_controller():
 
 def test_remax_uses_greedy_rewards_as_baseline():
     rows = rl_rows(2)
-    adv, _, _ = AdvantageEstimator(AlgoSetup("remax", adv_estimator="remax"))(DataProto.from_dict(rows), CTX)
+    adv, _, _ = AdvantageEstimator(AlgorithmParams("remax", adv_estimator="remax"))(DataProto.from_dict(rows), CTX)
     mask = rows["response_mask"].float()
     expected, _ = compute_advantages(
         "remax",
@@ -137,7 +140,7 @@ def test_remax_uses_greedy_rewards_as_baseline():
 def test_group_ids_fall_back_to_consecutive_blocks_and_missing_inputs_raise():
     data = DataProto.from_dict({"x": torch.zeros(4)})
     assert group_ids(data, 2, dp_rank=1).tolist() == ["dp1:0", "dp1:0", "dp1:1", "dp1:1"]
-    estimator = AdvantageEstimator(AlgoSetup("ppo", adv_estimator="gae"))
+    estimator = AdvantageEstimator(AlgorithmParams("ppo", adv_estimator="gae"))
     rows = rl_rows()
     del rows["values"]
     with pytest.raises(TypeError, match="'gae' cannot run on"):
@@ -155,7 +158,7 @@ def test_policy_loss_is_the_algos_composition():
         "entropy": torch.rand(N, T, generator=g),
     }
     batch = {**rows, "advantages": torch.randn(N, T, generator=g) * rows["response_mask"]}
-    algo = AlgoSetup(
+    algo = AlgorithmParams(
         "grpo",
         adv_estimator="grpo",
         clip_ratio_low=0.1,
@@ -176,7 +179,7 @@ def test_policy_loss_is_the_algos_composition():
     torch.testing.assert_close(loss, expected)
     assert metrics["clip_fraction"] == pytest.approx(float(pg.clip_fraction))
     assert metrics["dual_clip_fraction"] == pytest.approx(float(pg.dual_clip_fraction)) and metrics["kl_loss"] > 0
-    in_reward = AlgoSetup("ppo", adv_estimator="gae", kl_in_reward=True)
+    in_reward = AlgorithmParams("ppo", adv_estimator="gae", kl_in_reward=True)
     _, metrics = policy_loss_fn(in_reward, kl_coef=0.5)(outputs, batch)
     assert "kl_loss" not in metrics  # the KL is in the reward, not in the loss
 
@@ -185,7 +188,7 @@ def test_value_loss_reads_the_value_of_the_prefix_before_each_token():
     rows = rl_rows(4)
     raw = torch.randn(N, T, generator=torch.Generator().manual_seed(1))
     returns = torch.randn(N, T, generator=torch.Generator().manual_seed(2))
-    algo = AlgoSetup("ppo", adv_estimator="gae", value_clip=0.2, vf_coef=0.5)
+    algo = AlgorithmParams("ppo", adv_estimator="gae", value_clip=0.2, vf_coef=0.5)
     loss, metrics = value_loss_fn(algo)({"values": raw}, {**rows, "returns": returns})
     shifted = torch.cat([torch.zeros(N, 1), raw[:, :-1]], dim=1)
     expected, clip = value_loss(shifted, rows["values"], returns, rows["response_mask"], 0.2)
@@ -206,7 +209,7 @@ def test_pair_losses_find_pairs_after_reordering():
         "chosen": torch.tensor([1, 0, 1, 0]),
     }
     shuffled = {k: v[perm] for k, v in batch.items()}
-    algo = AlgoSetup("dpo", dpo_beta=0.2, dpo_loss="ipo")
+    algo = AlgorithmParams("dpo", dpo_beta=0.2, dpo_loss="ipo")
     loss, metrics = dpo_loss_fn(algo)({"log_probs": log_probs[perm]}, shuffled)
     seq, ref = log_probs.sum(1), ref_logp.sum(1)
     expected = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta=0.2, loss_type="ipo").losses.mean()
@@ -235,7 +238,7 @@ def test_actor_generate_aligns_sampler_output_and_repeats_greedy_rows(paths):
     sampling = SamplingParams(n=3, max_new_tokens=4, temperature=0.7, seed=0)
     actor = ActorInterface(
         ModelSetup("actor", "actor", paths["actor"], trainable=True, optim=OptimConfig()),
-        setup_for(AlgoSetup("grpo", adv_estimator="grpo", n_samples=3), paths, sampling),
+        setup_for(AlgorithmParams("grpo", adv_estimator="grpo", n_samples=3), paths, sampling),
     )
     engine = HFRolloutEngine(load_causal_lm(paths["actor"]))
     out = actor.generate(engine, data, CTX)
@@ -263,7 +266,7 @@ def test_evaluation_rollouts_do_not_move_the_training_sampling_stream(paths):
     enc = tokenizer(["1+2=", "30+4="], padding=True, return_tensors="pt")
     data = DataProto.from_dict({"prompts": enc.input_ids, "prompt_mask": enc.attention_mask}, {"answers": ["3", "34"]})
     sampling = SamplingParams(n=2, max_new_tokens=4, temperature=3.0, seed=5)  # hot: every seed samples apart
-    setup = replace(setup_for(AlgoSetup("grpo", adv_estimator="grpo"), paths, sampling), eval_sampling=sampling)
+    setup = replace(setup_for(AlgorithmParams("grpo", adv_estimator="grpo"), paths, sampling), eval_sampling=sampling)
     model = ModelSetup("actor", "actor", paths["actor"], trainable=True, optim=OptimConfig())
     engine = HFRolloutEngine(load_causal_lm(paths["actor"]))
     plain, evaluating = ActorInterface(model, setup), ActorInterface(model, setup)
@@ -297,7 +300,7 @@ def test_rule_reward_decodes_prompt_and_response(paths):
         {"answers": ["15", "9", "4"]},
     )
     model = ModelSetup("reward", "reward", None, reward_fn="numeric_match")
-    interface = build_interface(model, setup_for(AlgoSetup("grpo", adv_estimator="grpo"), paths))
+    interface = build_interface(model, setup_for(AlgorithmParams("grpo", adv_estimator="grpo"), paths))
     assert isinstance(interface, RuleRewardInterface)
     out = interface.inference(None, data, CTX)
     assert out.batch["rewards"].tolist() == [1.0, 0.0, 1.0] and out.meta_info["score_mean"] == pytest.approx(2 / 3)
@@ -325,7 +328,7 @@ def test_setup_placement_rules_and_hook_ranks():
     rank2, rank3 = CallLayout((2,), ParallelStrategy()), CallLayout((3,), ParallelStrategy())
     layouts = {name: TWO for name in mfcs} | {"ref_inf": rank2, "critic_inf": rank3}
     setup = WorkerSetup(
-        models, mfcs, layouts, AlgoSetup("ppo", adv_estimator="gae"), SamplingParams(), SamplingParams(), "t"
+        models, mfcs, layouts, AlgorithmParams("ppo", adv_estimator="gae"), SamplingParams(), SamplingParams(), "t"
     )
     assert setup.hook_ranks("actor_gen") == (0, 1)  # a rollout always runs on a copy
     assert setup.hook_ranks("actor_train") == () and setup.hook_ranks("reward_inf") == ()
@@ -345,10 +348,12 @@ def test_setup_placement_rules_and_hook_ranks():
     with pytest.raises(ValueError, match="pairs must stay in one micro-batch"):
         dpo = {m.name: m for m in algorithm_mfcs("dpo", n_mbs=2)}
         pair_models = {k: models[k] for k in ("actor", "ref")}
-        WorkerSetup(pair_models, dpo, {n: TWO for n in dpo}, AlgoSetup("dpo"), SamplingParams(), SamplingParams(), "t")
+        WorkerSetup(
+            pair_models, dpo, {n: TWO for n in dpo}, AlgorithmParams("dpo"), SamplingParams(), SamplingParams(), "t"
+        )
     check_calls(setup)
     with pytest.raises(ValueError, match="'ref_train' is a train_step call, which RefInterface does not serve"):
-        ref_train = MFCDef("ref_train", "critic", "train_step", ("input_ids",), ())
+        ref_train = MFCDef("ref_train", "critic", "train_step", ("input_ids",), (), objective="value")
         check_calls(SimpleNamespace(mfcs={"ref_train": ref_train}, models={"critic": models["ref"]}))
     with pytest.raises(ValueError, match="a critic needs value_head=True"):
         ModelSetup("critic", "critic", "c")

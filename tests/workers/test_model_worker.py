@@ -14,6 +14,7 @@ import pytest
 import torch
 from worker_helpers import eos_id, prompt_batch, save_models
 
+from rlflow.algos.params import AlgorithmParams
 from rlflow.controller import DataFuture, RayClassWithInitArgs, RayWorkerGroup, ResourcePool
 from rlflow.dataflow import MFCDef, ParamReallocHook, algorithm_mfcs
 from rlflow.dataflow.algorithms import GEN_OUTPUT_KEYS, PROMPT_KEYS, ROLLOUT_KEYS
@@ -23,7 +24,7 @@ from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -60,7 +61,7 @@ def build_setup(paths: dict[str, str]) -> WorkerSetup:
         models,
         mfcs,
         layouts,
-        AlgoSetup("grpo", adv_estimator="grpo", n_samples=N_SAMPLES, kl_coef=0.05),
+        AlgorithmParams("grpo", adv_estimator="grpo", n_samples=N_SAMPLES, kl_coef=0.05),
         SamplingParams(n=N_SAMPLES, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, stop_token_ids=stop, seed=3),
         SamplingParams(greedy=True, max_new_tokens=MAX_NEW, stop_token_ids=stop),
         paths["tokenizer"],

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from worker_helpers import ANSWERS, PROMPTS, prompt_batch, save_models
 
 from rlflow.algos import bradley_terry_loss, sft_loss
+from rlflow.algos.params import AlgorithmParams
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow import MFCDef, algorithm_mfcs
@@ -22,7 +23,7 @@ from rlflow.parallel.groups import clear_group_cache
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
-from rlflow.workers.setup import AlgoSetup, CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +42,7 @@ def paths(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def make_worker(paths, algo: AlgoSetup, models: dict[str, ModelSetup], **mfc_kwargs) -> ModelWorker:
+def make_worker(paths, algo: AlgorithmParams, models: dict[str, ModelSetup], **mfc_kwargs) -> ModelWorker:
     mfcs = {m.name: m for m in algorithm_mfcs(algo.name, **mfc_kwargs)}
     sampling = SamplingParams(n=algo.n_samples, max_new_tokens=4, seed=0)
     setup = WorkerSetup(
@@ -92,7 +93,7 @@ def hf_inputs(rows: DataProto) -> dict[str, torch.Tensor]:
 
 
 def test_ppo_iteration_with_critic_and_checkpoint_round_trip(paths, tmp_path):
-    algo = AlgoSetup(
+    algo = AlgorithmParams(
         "ppo_ema", adv_estimator="gae", n_samples=2, kl_coef=0.1, kl_in_reward=True, n_minibatches=2, ppo_epochs=2
     )
     models = {
@@ -133,7 +134,7 @@ def test_ppo_iteration_with_critic_and_checkpoint_round_trip(paths, tmp_path):
 
 
 def test_sft_train_step_matches_cross_entropy_and_learns(paths):
-    worker = make_worker(paths, AlgoSetup("sft"), {"actor": trainable("actor", "actor", paths["actor"])})
+    worker = make_worker(paths, AlgorithmParams("sft"), {"actor": trainable("actor", "actor", paths["actor"])})
     rows = answer_rows(paths)
     logits = load_causal_lm(paths["actor"])(**hf_inputs(rows)).logits
     mask = rows.batch["loss_mask"] * (position_ids_from_mask(rows.batch["attention_mask"]) > 0)
@@ -145,7 +146,7 @@ def test_sft_train_step_matches_cross_entropy_and_learns(paths):
 
 def test_dpo_starts_at_log2_and_prefers_the_chosen_answers(paths):
     models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
-    worker = make_worker(paths, AlgoSetup("dpo", dpo_beta=0.5), models)
+    worker = make_worker(paths, AlgorithmParams("dpo", dpo_beta=0.5), models)
     rows = answer_rows(paths, pairs=True)
     ref = call(worker, "ref_inf", rows)
     first = call(worker, "actor_train", rows, ref).meta_info
@@ -157,7 +158,7 @@ def test_dpo_starts_at_log2_and_prefers_the_chosen_answers(paths):
 
 def test_reward_model_training_is_bradley_terry_on_last_token_scores(paths):
     worker = make_worker(
-        paths, AlgoSetup("rm"), {"reward": trainable("reward", "reward", paths["reward"], value_head=True)}
+        paths, AlgorithmParams("rm"), {"reward": trainable("reward", "reward", paths["reward"], value_head=True)}
     )
     rows = answer_rows(paths, pairs=True).select(batch_keys=["input_ids", "attention_mask"])
     values = build_value_model(paths["reward"])(**hf_inputs(rows)).logits.squeeze(-1)
@@ -172,7 +173,7 @@ def test_kept_copies_are_resharded_only_after_the_home_weights_change(paths):
     models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=True)}
     del mfcs["reward_inf"]
-    algo = AlgoSetup("grpo", adv_estimator="grpo", n_samples=2)
+    algo = AlgorithmParams("grpo", adv_estimator="grpo", n_samples=2)
     setup = WorkerSetup(
         models,
         mfcs,
@@ -200,12 +201,14 @@ def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths):
     models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False)}
     del mfcs["reward_inf"]
-    mfcs["warmup_sft"] = MFCDef("warmup_sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"))
+    mfcs["warmup_sft"] = MFCDef(
+        "warmup_sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), objective="sft"
+    )
     setup = WorkerSetup(
         models,
         mfcs,
         {n: ONE for n in mfcs},
-        AlgoSetup("grpo", adv_estimator="grpo", n_samples=2),
+        AlgorithmParams("grpo", adv_estimator="grpo", n_samples=2),
         SamplingParams(n=2, max_new_tokens=4, seed=0),
         SamplingParams(greedy=True, max_new_tokens=4),
         paths["tokenizer"],
@@ -244,7 +247,7 @@ def test_copy_weights_gives_the_reference_and_the_critic_backbone_the_trained_ac
     """``init: copy`` at RL start: after a warm-up, the reference is the warmed-up actor and the
     critic its backbone under the critic's own value head, with a fresh optimizer; checkpoints
     hold the copies, so a restarted worker gets them back instead of its initial weights."""
-    algo = AlgoSetup("ppo", adv_estimator="gae", n_samples=1, kl_coef=0.1)
+    algo = AlgorithmParams("ppo", adv_estimator="gae", n_samples=1, kl_coef=0.1)
     models = {
         "actor": trainable("actor", "actor", paths["actor"]),
         "critic": trainable("critic", "critic", paths["actor"], value_head=True),  # actor backbone, zero head
@@ -252,7 +255,9 @@ def test_copy_weights_gives_the_reference_and_the_critic_backbone_the_trained_ac
     }
     mfcs = {m.name: m for m in algorithm_mfcs("ppo")}
     del mfcs["reward_inf"]  # rewards come from the test
-    mfcs["warmup_sft"] = MFCDef("warmup_sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"))
+    mfcs["warmup_sft"] = MFCDef(
+        "warmup_sft", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask"), objective="sft"
+    )
     sampling = SamplingParams(n=1, max_new_tokens=4, seed=0)
     setup = WorkerSetup(
         models, mfcs, {n: ONE for n in mfcs}, algo, sampling, SamplingParams(greedy=True), paths["tokenizer"]
@@ -305,14 +310,14 @@ def test_copy_weights_refuses_models_whose_shared_parameters_differ_in_shape(pat
         seed=0,
     ).save_pretrained(other)
     models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", str(other))}
-    worker = make_worker(paths, AlgoSetup("dpo"), models)
+    worker = make_worker(paths, AlgorithmParams("dpo"), models)
     with pytest.raises(ValueError, match=r"cannot copy 'actor' into 'ref': model\.embed_tokens\.weight has shape"):
         worker.copy_weights("ref", "actor")
 
 
 def test_remax_baseline_rollout_decodes_greedily(paths):
     """The graph's ``actor_gen_greedy`` call is greedy on its own: the driver passes no flag."""
-    algo = AlgoSetup("remax", adv_estimator="remax", n_samples=2)
+    algo = AlgorithmParams("remax", adv_estimator="remax", n_samples=2)
     models = {
         "actor": trainable("actor", "actor", paths["actor"]),
         "ref": ModelSetup("ref", "ref", paths["actor"]),

@@ -8,10 +8,9 @@ row ``i*n + j`` is sample ``j`` of prompt ``i``, so the ``n`` samples of a promp
 consecutive (the GRPO group), and every non-tensor column of the prompts (``answers``...)
 is repeated with its samples, plus a ``uid`` naming the prompt.
 
-The train step's objective follows the call's inputs (:func:`objective_of`): with ``rewards``
-the policy loss after computing advantages (PPO family); with ``loss_mask`` and ``ref_logp``
-the DPO/IPO loss over (chosen, rejected) pairs; with ``loss_mask`` alone cross-entropy (SFT,
-also the SFT warm-up before RL).
+The train step runs the objective its MFC declares (``MFCDef.objective``): ``"rl"`` the policy
+loss after computing advantages (PPO family); ``"dpo"`` the DPO/IPO loss over (chosen, rejected)
+pairs; ``"sft"`` cross-entropy (SFT, also the SFT warm-up before RL).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rlflow.dataflow.mfc import MFCDef
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.protocol import DataProto
@@ -36,7 +34,7 @@ if TYPE_CHECKING:
     from rlflow.engine.rollout.base import RolloutEngine
     from rlflow.engine.train_engine import TrainEngine
 
-__all__ = ["ActorInterface", "objective_of", "pair_columns", "rollout_rows"]
+__all__ = ["ActorInterface", "pair_columns", "rollout_rows"]
 
 # Seeds of successive rollouts are spread by a large prime so that streams do not overlap.
 _SEED_STRIDE = 1_000_003
@@ -78,40 +76,17 @@ def pair_columns(num_rows: int) -> dict[str, torch.Tensor]:
     return {"pair_index": rows // 2, "chosen": (rows % 2 == 0).long()}
 
 
-def objective_of(mfc: MFCDef) -> str:
-    """``"rl"`` when the call reads ``rewards``, ``"dpo"`` when it reads ``ref_logp`` and ``loss_mask``,
-    ``"sft"`` when it reads ``loss_mask`` — the dataflow keys of each algorithm's actor train step.
-
-    >>> objective_of(MFCDef("warmup", "actor", "train_step", ("input_ids", "attention_mask", "loss_mask")))
-    'sft'
-
-    Raises:
-        ValueError: none of these keys is an input.
-    """
-    keys = set(mfc.interface_inputs().values())
-    if "rewards" in keys:
-        return "rl"
-    if "loss_mask" in keys:
-        return "dpo" if "ref_logp" in keys else "sft"
-    raise ValueError(f"actor train_step {mfc.name!r} reads {sorted(keys)}: no 'rewards' (RL) nor 'loss_mask' (SFT/DPO)")
-
-
 class ActorInterface(ModelInterface):
     """The policy; see the module docstring."""
 
     role = "actor"
+    objectives = ("rl", "dpo", "sft")
 
     def __init__(self, model: ModelSetup, setup: WorkerSetup) -> None:
         super().__init__(model, setup)
         self.num_rollouts = 0  # training rollouts so far: seeds the next one
         self.num_eval_rollouts = 0  # evaluation rollouts, counted apart so they never move training sampling
         self.advantages = AdvantageEstimator(self.algo) if self.algo.adv_estimator is not None else None
-
-    @classmethod
-    def check_mfc(cls, mfc: MFCDef) -> None:
-        super().check_mfc(mfc)
-        if mfc.is_train:
-            objective_of(mfc)
 
     # ------------------------------------------------------------------ generate
     def sampling_params(self, *, greedy: bool, evaluate: bool) -> tuple[SamplingParams, int]:
@@ -165,14 +140,14 @@ class ActorInterface(ModelInterface):
 
     # ------------------------------------------------------------------ train
     def train_step(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
-        """The objective follows the call's inputs (see :func:`objective_of`)."""
+        """The objective the MFC declares (see the module docstring)."""
         objectives = {"rl": self._train_rl, "dpo": self._train_dpo, "sft": self._train_sft}
-        return objectives[objective_of(ctx.mfc)](engine, data, ctx)
+        return objectives[ctx.mfc.objective](engine, data, ctx)
 
     def _train_rl(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
         if self.advantages is None:
             raise ValueError(
-                f"MFC {ctx.mfc.name!r} reads rewards but algorithm {self.algo.name!r} has no adv_estimator"
+                f"MFC {ctx.mfc.name!r} trains objective 'rl' but algorithm {self.algo.name!r} has no adv_estimator"
             )
         advantages, _, metrics = self.advantages(data, ctx)
         batch = tensors_of(data, ("input_ids", "attention_mask", "response_mask", "old_logp"))

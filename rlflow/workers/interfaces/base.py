@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlflow.algos.params import AlgorithmParams
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, temperature_scaled, tensors_of
-from rlflow.workers.setup import AlgoSetup, ModelSetup, WorkerSetup
+from rlflow.workers.setup import ModelSetup, WorkerSetup
 
 if TYPE_CHECKING:
     from rlflow.dataflow.mfc import MFCDef
@@ -34,6 +35,8 @@ class ModelInterface:
     """
 
     role = ""
+    # The train_step objectives (``MFCDef.objective``) the role serves.
+    objectives: tuple[str, ...] = ()
 
     def __init__(self, model: ModelSetup, setup: WorkerSetup) -> None:
         self.model = model
@@ -44,9 +47,14 @@ class ModelInterface:
         """Raise ``ValueError`` when this role cannot serve ``mfc`` (checked before any worker starts)."""
         if getattr(cls, mfc.interface_type) is getattr(ModelInterface, mfc.interface_type):
             raise ValueError(f"MFC {mfc.name!r} is a {mfc.interface_type} call, which {cls.__name__} does not serve")
+        if mfc.is_train and mfc.objective not in cls.objectives:
+            raise ValueError(
+                f"MFC {mfc.name!r}: objective={mfc.objective!r}, which {cls.__name__} does not train; "
+                f"expected one of {cls.objectives}"
+            )
 
     @property
-    def algo(self) -> AlgoSetup:
+    def algo(self) -> AlgorithmParams:
         return self.setup.algo
 
     def generate(self, engine: Any, data: DataProto, ctx: CallContext, *, greedy: bool, evaluate: bool) -> DataProto:

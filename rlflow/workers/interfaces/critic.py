@@ -30,6 +30,7 @@ class CriticInterface(ModelInterface):
     """The value model; see the module docstring."""
 
     role = "critic"
+    objectives = ("value",)
 
     def __init__(self, model: ModelSetup, setup: WorkerSetup) -> None:
         super().__init__(model, setup)
