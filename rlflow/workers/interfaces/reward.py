@@ -43,7 +43,6 @@ class RewardModelInterface(ModelInterface):
 
     role = "reward"
     objectives = ("rm",)
-    objectives = ("rm",)
 
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
         out = engine.forward(tensors_of(data, ("input_ids", "attention_mask")))
