@@ -82,7 +82,7 @@ class AdvantageEstimator:
         if missing:
             raise KeyError(f"advantages need {missing}; the train step's rows hold {sorted(data.keys)}")
         local: dict[str, Any] = {k: data.batch[k] for k in _INPUTS if k in data.batch_keys}
-        local["uid"] = group_ids(data, self.algo.n_samples, ctx.coords[1])
+        local["uid"] = group_ids(data, self.algo.n_samples, ctx.coords.dp)
         batch, rows = gather_dp(local, ctx)
         mask = batch["response_mask"].float()
         token_rewards = last_token_scatter(batch["rewards"], mask)

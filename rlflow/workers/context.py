@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.protocol import DataProto
+from rlflow.strategy import RankCoords
 
 if TYPE_CHECKING:
     from rlflow.dataflow.mfc import MFCDef
@@ -45,9 +46,9 @@ class CallContext:
     groups: CallGroups | None = None
 
     @property
-    def coords(self) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)``; ``(0, 0, 0)`` in a single process."""
-        return (0, 0, 0) if self.groups is None else self.groups.coords
+    def coords(self) -> RankCoords:
+        """This rank's coordinates in the call; ``RankCoords(0, 0, 0)`` in a single process."""
+        return RankCoords(0, 0, 0) if self.groups is None else self.groups.coords
 
     @property
     def dp_size(self) -> int:
@@ -96,7 +97,7 @@ def gather_dp(tensors: Mapping[str, Any], ctx: CallContext) -> tuple[dict[str, A
         return local, slice(0, num_rows)
     parts: list[Any] = [None] * ctx.dp_size
     dist.all_gather_object(parts, local, group=ctx.dp_group)
-    dp_rank = ctx.coords[1]
+    dp_rank = ctx.coords.dp
     start = sum(len(next(iter(p.values()))) for p in parts[:dp_rank])
     gathered = {k: _pad_cat([p[k] for p in parts]) for k in local}
     return gathered, slice(start, start + num_rows)

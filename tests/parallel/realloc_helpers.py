@@ -126,7 +126,7 @@ def build_sharded_module(config: Any, layout: Layout, rank: int, seed: int | Non
     if groups is None:
         return None
     model = build_model(config, seed if seed is not None else 0)
-    stage = build_stage(model, layout.strategy.pp, groups.coords[0])
+    stage = build_stage(model, layout.strategy.pp, groups.coords.pp)
     if seed is None:
         with torch.no_grad():
             for p in stage.parameters():

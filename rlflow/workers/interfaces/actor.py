@@ -117,7 +117,7 @@ class ActorInterface(ModelInterface):
         params, repeat = self.sampling_params(greedy=greedy, evaluate=evaluate)
         columns = dict(data.non_tensor_batch)
         if not greedy and not evaluate and "uid" not in columns:
-            dp_rank = ctx.coords[1]
+            dp_rank = ctx.coords.dp
             columns["uid"] = np.asarray([f"{self.num_rollouts}:{dp_rank}:{i}" for i in range(len(data))], dtype=object)
         prompts = DataProto.from_dict(
             {"input_ids": tensors["prompts"], "attention_mask": tensors["prompt_mask"].long()}, columns
