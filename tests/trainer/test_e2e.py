@@ -215,5 +215,7 @@ def test_manual_strategy_that_does_not_fill_its_mesh_names_the_mfc():
 )
 def test_manual_plans_the_runtime_cannot_run_are_refused_when_planning(ray_session, tmp_path, placement, message):
     cfg = load_config(GRPO, [*TINY, "placement.mode=manual", *placement, f"logging.dir={tmp_path}"])
+    trainer = Trainer(cfg, progress_bars=False)  # builds; planning waits for launch()
     with pytest.raises(ValueError, match=message):
-        Trainer(cfg, progress_bars=False)
+        trainer.launch()
+    trainer.close()
