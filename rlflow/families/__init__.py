@@ -17,12 +17,14 @@ from rlflow.families.base import (
     register_family,
 )
 from rlflow.families.llama import LLAMA
+from rlflow.families.mistral import MISTRAL
 from rlflow.families.qwen2 import QWEN2
 from rlflow.families.qwen3 import QWEN3
 
 __all__ = [
     "HEAD_KINDS",
     "LLAMA",
+    "MISTRAL",
     "QWEN2",
     "QWEN3",
     "DecoderDims",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 from rlflow.algos import sft_loss
 from rlflow.data import (
@@ -17,7 +24,12 @@ from rlflow.data import (
 )
 from rlflow.families import get_family, list_families
 
-FAMILY_CLASSES = [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM), ("qwen3", Qwen3ForCausalLM)]
+FAMILY_CLASSES = [
+    ("llama", LlamaForCausalLM),
+    ("qwen2", Qwen2ForCausalLM),
+    ("qwen3", Qwen3ForCausalLM),
+    ("mistral", MistralForCausalLM),
+]
 
 
 def test_every_registered_family_has_a_tiny_model():

@@ -48,7 +48,7 @@ def _record_shapes(family: ModelFamily, config, head: str) -> dict[str, tuple[in
 
 
 def test_the_families_are_registered_under_their_model_types():
-    assert {"llama", "qwen2", "qwen3"} <= set(list_families())
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(list_families())
     for name in list_families():
         family = get_family(name)
         for model_type in family.model_types:
@@ -160,17 +160,21 @@ def test_tp_split_covers_every_parameter_and_names_real_modules(name, variant):
 
 
 @pytest.mark.parametrize("name", list_families())
-def test_layer_types_are_the_attention_hf_runs(name):
+def test_layer_types_name_one_attention_kind_per_layer(name):
     family = get_family(name)
-    config = _config(family, "plain")
-    model = family.causal_lm_class(config)
-    layer_types = family.layer_types(config)
-    assert len(layer_types) == config.num_hidden_layers
+    layer_types = family.layer_types(_config(family, "plain"))
+    assert len(layer_types) == TINY["num_hidden_layers"]
     assert set(layer_types) <= {"full_attention", "sliding_attention"}
-    # HF's own per-layer choice: the sliding window each attention module would use.
-    for kind, layer in zip(layer_types, model.model.layers):
-        window = getattr(layer.self_attn, "sliding_window", None)
-        assert (window is not None) == (kind == "sliding_attention"), (name, kind, window)
+
+
+def test_sliding_windows_follow_each_familys_rule():
+    # Whether a stage's masks then equal HF's own forward: tests/families/test_pipeline_families.py.
+    mistral, qwen2 = get_family("mistral"), get_family("qwen2")
+    assert mistral.layer_types(mistral.build_config(**TINY)) == ("sliding_attention",) * 2  # HF's default window
+    assert mistral.layer_types(mistral.build_config(**TINY, sliding_window=None)) == ("full_attention",) * 2
+    qwen2_config = qwen2.build_config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert qwen2.layer_types(qwen2_config) == ("full_attention", "sliding_attention")
+    assert get_family("llama").layer_types(get_family("llama").build_config(**TINY)) == ("full_attention",) * 2
 
 
 def test_features_follow_the_family():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from rlflow.families import family_of
 from rlflow.parallel.layout import (
@@ -38,10 +38,11 @@ def tiny_configs() -> list:
         Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
         # q/k norms and q/k/v/o biases; head_dim 24 != hidden / heads
         Qwen3Config(**common, num_key_value_heads=2, head_dim=24, attention_bias=True),
+        MistralConfig(**common, num_key_value_heads=1, tie_word_embeddings=True),
     ]
 
 
-TINY_IDS = ["llama_gqa", "llama_tied_bias", "qwen2_tied", "qwen3_bias"]
+TINY_IDS = ["llama_gqa", "llama_tied_bias", "qwen2_tied", "qwen3_bias", "mistral_tied_one_kv_head"]
 
 
 # ---- pipeline stages ----
@@ -185,7 +186,7 @@ def dtensor_body(rank, world_size):
 
     from rlflow.parallel.executor import canonical_name
 
-    for config in (tiny_llama_gqa(), tiny_configs()[2], tiny_configs()[3]):
+    for config in (tiny_llama_gqa(), *tiny_configs()[2:]):
         full = full_state(build_model(config, 0))
         for layout in [
             build_layout(config, ParallelStrategy(dp=2, tp=2), range(4), fsdp=True),

@@ -11,6 +11,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForTokenClassification,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -37,6 +39,7 @@ def _models() -> dict[str, torch.nn.Module]:
         "llama_gqa": LlamaForCausalLM(LlamaConfig(**SMALL)),
         "qwen2_tied": Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **SMALL)),
         "qwen3_bias": Qwen3ForCausalLM(Qwen3Config(head_dim=16, attention_bias=True, **SMALL)),  # q/k norms
+        "mistral_window": MistralForCausalLM(MistralConfig(sliding_window=4, **SMALL)),  # window < 9 tokens
         "critic": LlamaForTokenClassification(LlamaConfig(num_labels=1, **SMALL)),
     }
 

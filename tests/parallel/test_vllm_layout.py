@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from realloc_helpers import build_model, build_sharded_module, full_state, run_world
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from rlflow.parallel.executor import module_param_tensors
 from rlflow.parallel.layout import build_layout
@@ -50,7 +50,12 @@ def llama_biases_tied() -> LlamaConfig:  # q/k/v/o and MLP biases (o, down biase
                        attention_bias=True, mlp_bias=True)  # fmt: skip
 
 
-CONFIGS = [llama_gqa_untied, qwen2_tied_one_kv_head, qwen3_head_dim, llama_biases_tied]
+def mistral_gqa() -> MistralConfig:
+    return MistralConfig(vocab_size=130, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+
+
+CONFIGS = [llama_gqa_untied, qwen2_tied_one_kv_head, qwen3_head_dim, llama_biases_tied, mistral_gqa]
 
 
 # ---- the independent reference: vLLM's per-rank tensors from a full HF state dict ----
@@ -276,6 +281,7 @@ PUSHES = [
     (qwen2_tied_one_kv_head, (S(dp=2), [0, 1]), S(dp=2, tp=2)),  # tied, biases, replicated kv
     (qwen3_head_dim, (S(dp=4), [0, 1, 2, 3]), S(dp=2, tp=2)),
     (llama_biases_tied, (S(dp=2), [2, 3]), S(tp=4)),  # home on two ranks only
+    (mistral_gqa, (S(dp=4), [0, 1, 2, 3]), S(dp=4)),
 ]
 
 

@@ -9,6 +9,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -54,8 +56,9 @@ TINY = dict(
         Qwen2Config(**TINY),
         Qwen3Config(**TINY, head_dim=32),
         Qwen3Config(**TINY, head_dim=16, attention_bias=True, tie_word_embeddings=True),
+        MistralConfig(**TINY),
     ],
-    ids=["llama", "llama-tied", "llama-bias", "qwen2", "qwen3", "qwen3-bias-tied"],
+    ids=["llama", "llama-tied", "llama-bias", "qwen2", "qwen3", "qwen3-bias-tied", "mistral"],
 )
 def test_hf_configs_match_the_layout_items(config):
     spec = ModelSpec.from_hf_config(config)
@@ -69,8 +72,9 @@ def test_hf_configs_match_the_layout_items(config):
         (LlamaForCausalLM, LlamaConfig, dict(attention_bias=True, mlp_bias=True)),
         (Qwen2ForCausalLM, Qwen2Config, {}),
         (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=24, attention_bias=True)),
+        (MistralForCausalLM, MistralConfig, {}),
     ],
-    ids=["llama-bias", "qwen2", "qwen3"],
+    ids=["llama-bias", "qwen2", "qwen3", "mistral"],
 )
 def test_parameter_count_equals_a_real_hf_model(cls, config_cls, extra, tied):
     config = config_cls(**TINY, **extra, tie_word_embeddings=tied)
