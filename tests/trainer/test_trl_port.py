@@ -29,7 +29,7 @@ CONFIG = {
     "rollout": {"max_new_tokens": 4},  # data.max_response_len follows
     "models": {"actor": {"lr": 1e-4}},
     "trainer": {"total_steps": 4, "log_every": 1, "eval_before_train": False},
-    "placement": {"search_seconds": 0.2},
+    "placement": {"devices_per_node": 2, "search_seconds": 0.2},  # two CPU workers: rows split between them
     "logging": {"tensorboard": False, "console": False},
     "checkpoint": {"save_final": False},
 }
