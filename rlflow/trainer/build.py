@@ -298,8 +298,9 @@ def ensure_ray(cfg: RLFlowConfig) -> bool:
     """Joins the configured Ray cluster, or starts a local one sized for the workers.
 
     Returns:
-        Whether this call initialised Ray (its caller then shuts it down); False when Ray was
-        already initialised (a notebook's or a test session's own ``ray.init``).
+        Whether this call started a local Ray instance (its caller then shuts it down). False
+        when Ray was already initialised (a notebook's or a test session's own ``ray.init``) and
+        when it joined a cluster: the driver stays connected, as a notebook on a cluster expects.
     """
     if ray.is_initialized():
         return False
@@ -307,7 +308,7 @@ def ensure_ray(cfg: RLFlowConfig) -> bool:
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if p.ray_address is not None:
         ray.init(address=p.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
-        return True
+        return False
     workers = p.num_nodes * p.devices_per_node
     ray.init(
         num_cpus=max(os.cpu_count() or 1, int(workers * p.cpus_per_worker) + 1),

@@ -1,5 +1,9 @@
 """The driver: ``Trainer(cfg).fit()`` runs the planned dataflow graph and reports what it learned.
 
+Building and launching are apart: the constructor checks and prepares (config, data, reward
+functions, the model and tokenizer in the run directory; :mod:`rlflow.trainer.inputs`), and
+:meth:`Trainer.launch` — called by ``fit()`` — starts Ray, profiles, plans and spawns the workers.
+
 ``fit()`` reads as a list of named stages — resume, evaluate, warm up, copy the ``init: copy``
 models from their sources, train (steps of the graph, overlapping iterations where the graph
 allows), evaluate, save, report — and every stage is a method of its own. Variants are
