@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from rlflow.dataflow import list_algorithms
+from rlflow.dataflow.algorithms import DEFAULT_REF_EMA_ETA
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.build import build_dataflow
@@ -26,14 +28,14 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 def test_recipes_exist_for_every_algorithm_of_the_brief():
     names = {p.stem for p in RECIPES}
-    assert {f"{a}_arithmetic" for a in ("grpo", "ppo", "remax", "rloo", "dpo", "sft", "rm")} <= names
+    assert {f"{a}_arithmetic" for a in list_algorithms()} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_loads_and_round_trips_through_yaml(path, tmp_path):
     cfg = load_config(path)
     assert cfg.experiment_name == path.stem
-    assert cfg.algorithm.name == path.stem.split("_")[0]
+    assert path.stem.startswith(f"{cfg.algorithm.name}_")
     (tmp_path / "saved.yaml").write_text(to_yaml(cfg))
     assert load_config(tmp_path / "saved.yaml") == cfg
 
@@ -203,3 +205,33 @@ def test_configuration_reference_is_up_to_date():
     assert doc == render_config_reference(), "regenerate: python -m rlflow.trainer.config > docs/configuration.md"
     for key in ("algorithm.clip_ratio_high", "models.<role>.lr", "placement.manual.<mfc>.strategy.tp", "warmup.steps"):
         assert f"`{key}`" in doc
+
+
+def test_the_algorithm_record_decides_models_grouping_and_kl_placement():
+    rpp = load_config(
+        None,
+        ["algorithm.name=reinforce_pp", "algorithm.kl_coef=0.01"]
+        + ["models.ref.init=copy", "models.ref.init_from=actor"],
+    )
+    assert rpp.algorithm.resolved_adv_estimator == "reinforce_plus_plus" and rpp.algorithm.resolved_kl_in_reward
+    assert rpp.required_models() == ("actor", "ref") and rpp.row_group_size() == 1  # no critic, no groups
+    assert rpp.algorithm.resolved().kl_in_reward is True  # what the workers receive
+    explicit = load_config(None, ["algorithm.name=reinforce_pp", "algorithm.kl_in_reward=false"])
+    assert not explicit.algorithm.resolved_kl_in_reward
+    grpo = load_config(None, ["algorithm.n_samples=4"])
+    assert grpo.row_group_size() == 4 and not grpo.algorithm.resolved_kl_in_reward
+    assert (
+        load_config(None, ["algorithm.name=rloo", "algorithm.adv_estimator=reinforce_plus_plus"]).row_group_size() == 1
+    )
+
+
+def test_the_ema_factor_has_one_default_that_reaches_the_graph():
+    cfg = load_config(
+        None,
+        ["algorithm.name=ppo_ema"]
+        + [f"models.{m}.init=copy" for m in ("ref", "critic")]
+        + [f"models.{m}.init_from=actor" for m in ("ref", "critic")],
+    )
+    assert cfg.algorithm.ema_eta == DEFAULT_REF_EMA_ETA == 0.008
+    (hook,) = build_dataflow(cfg, rule_reward=True).nodes["ref_inf"]["mfc"].pre_hooks
+    assert hook.eta == cfg.algorithm.ema_eta
