@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -113,13 +114,26 @@ def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) ->
     for name in order:
         m = cfg.models[name]
         if m.init == "path":
-            paths[name] = m.path
+            paths[name] = _checked_vocab(name, m.path, vocab, tokenizer_path)
         elif m.init == "tiny":
             paths[name] = _save_tiny(m, name, run_dir / "models" / name, vocab, cfg.seed)
         else:
             source = paths[m.init_from]
             paths[name] = _copy_model(name, source, run_dir / "models" / name)
     return paths
+
+
+def _checked_vocab(name: str, path: str, vocab: int, tokenizer_path: str) -> str:
+    """``path``, once its embedding holds every token id of the tokenizer (a mismatch fails here, not in a worker)."""
+    config = Path(path) / "config.json"
+    size = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    if size is not None and size < vocab:
+        raise ConfigError(
+            f"models.{name}.path",
+            f"{path}: vocab_size={size} < the {vocab} tokens of the tokenizer {tokenizer_path}; "
+            "give the model's own tokenizer (Trainer(tokenizer=...) or data.tokenizer)",
+        )
+    return path
 
 
 def _save_tiny(m: ModelConfig, name: str, path: Path, vocab: int, seed: int) -> str:

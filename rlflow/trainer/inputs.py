@@ -109,7 +109,7 @@ def check_reward_source(cfg: RLFlowConfig, reward_funcs: RewardFuncs | None) -> 
 def with_model(cfg: RLFlowConfig, model: Any, run_dir: Path) -> RLFlowConfig:
     """``models.actor`` loaded from ``model``: a local HF directory, or a model object saved into the run.
 
-    A ``PreTrainedModel`` is written once to ``<run_dir>/models/actor_init`` with ``save_pretrained``;
+    A ``PreTrainedModel`` is written to ``<run_dir>/models/actor_init`` with ``save_pretrained``;
     the workers load it by path.
     """
     if model is None:
@@ -118,8 +118,7 @@ def with_model(cfg: RLFlowConfig, model: Any, run_dir: Path) -> RLFlowConfig:
         path = str(model)
     elif hasattr(model, "save_pretrained"):
         path = str(run_dir / "models" / "actor_init")
-        if not (Path(path) / "config.json").is_file():
-            model.save_pretrained(path)
+        model.save_pretrained(path)  # every time: a run directory reused with another model must not keep the old one
     else:
         raise TypeError(f"model={type(model).__name__}; expected a local HF directory or a PreTrainedModel")
     actor = cfg.models.get("actor")

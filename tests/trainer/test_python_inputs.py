@@ -211,3 +211,9 @@ def test_callbacks_take_functions_and_objects_and_may_ask_to_stop():
     assert seen == [("fn", 1, 1.0), ("object", 1), ("fn", 2, 0.5), ("object", 2)]
     with pytest.raises(TypeError, match="neither a function"):
         Callbacks([42])
+
+
+def test_a_model_smaller_than_the_tokenizer_is_refused_at_construction(tmp_path, no_ray):
+    model = build_tiny_model(vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ConfigError, match=r"models\.actor\.path: .*vocab_size=16 < the \d+ tokens of the tokenizer"):
+        make(tmp_path, model=model)  # no tokenizer given: the built-in one has more tokens
