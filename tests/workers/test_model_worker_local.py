@@ -12,6 +12,7 @@ from worker_helpers import ANSWERS, PROMPTS, prompt_batch, save_models
 
 from rlflow.algos import bradley_terry_loss, sft_loss
 from rlflow.algos.params import AlgorithmParams
+from rlflow.controller import TaskError
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow import MFCDef, algorithm_mfcs
@@ -165,7 +166,9 @@ def test_reward_model_training_is_bradley_terry_on_last_token_scores(paths):
     scores = sequence_scores(values, rows.batch["attention_mask"])
     metrics = call(worker, "reward_train", rows).meta_info
     assert metrics["rm_loss"] == pytest.approx(float(bradley_terry_loss(scores[0::2], scores[1::2]).detach()), abs=1e-5)
-    with pytest.raises(ValueError, match="pairs"):
+    with pytest.raises(
+        TaskError, match=r"^reward_train \(model reward\) on rank 0: ValueError: paired rows must come in"
+    ):
         call(worker, "reward_train", rows[:3])
 
 
