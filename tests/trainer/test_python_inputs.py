@@ -217,3 +217,18 @@ def test_a_model_smaller_than_the_tokenizer_is_refused_at_construction(tmp_path,
     model = build_tiny_model(vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     with pytest.raises(ConfigError, match=r"models\.actor\.path: .*vocab_size=16 < the \d+ tokens of the tokenizer"):
         make(tmp_path, model=model)  # no tokenizer given: the built-in one has more tokens
+
+
+def test_an_algorithm_record_is_registered_and_named_in_the_config(tmp_path, no_ray):
+    from dataclasses import replace
+
+    from rlflow.dataflow.algorithms import get_algorithm
+
+    record = replace(get_algorithm("grpo"), name="grpo_from_python")
+    trainer = make(tmp_path, algorithm=record)
+    assert trainer.cfg.algorithm.name == "grpo_from_python" and get_algorithm("grpo_from_python") is record
+    assert make(tmp_path, algorithm=record).cfg.algorithm.name == "grpo_from_python"  # the same record again
+    with pytest.raises(ValueError, match="another algorithm is registered as 'grpo_from_python'"):
+        make(tmp_path, algorithm=replace(record, description="another"))
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
+        make(tmp_path, algorithm="nope")
