@@ -32,7 +32,14 @@ from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.workers.advantage import AdvantageEstimator, group_ids
 from rlflow.workers.context import CallContext, last_token_scatter, shift_right, temperature_scaled
-from rlflow.workers.interfaces import ActorInterface, RuleRewardInterface, build_interface, check_calls
+from rlflow.workers.interfaces import (
+    ActorInterface,
+    CriticInterface,
+    RewardModelInterface,
+    RuleRewardInterface,
+    build_interface,
+    check_calls,
+)
 from rlflow.workers.losses import (
     dpo_loss_fn,
     pair_rows,
@@ -357,6 +364,17 @@ def test_setup_placement_rules_and_hook_ranks():
         check_calls(SimpleNamespace(mfcs={"ref_train": ref_train}, models={"critic": models["ref"]}))
     with pytest.raises(ValueError, match="a critic needs value_head=True"):
         ModelSetup("critic", "critic", "c")
+
+
+@pytest.mark.parametrize(
+    ("interface", "objective"), [(ActorInterface, "value"), (CriticInterface, "rl"), (RewardModelInterface, "sft")]
+)
+def test_a_train_call_whose_objective_the_role_does_not_train_is_refused(interface, objective):
+    mfc = MFCDef("train", "m", "train_step", ("input_ids",), (), objective=objective)
+    with pytest.raises(ValueError, match=f"objective='{objective}', which {interface.__name__} does not train"):
+        interface.check_mfc(mfc)
+    for served in interface.objectives:  # every objective the role declares passes
+        interface.check_mfc(MFCDef("train", "m", "train_step", ("input_ids",), (), objective=served))
 
 
 def test_interface_rows_rename_inputs_and_dataflow_rows_rename_outputs():
