@@ -200,7 +200,7 @@ def test_kept_copies_are_resharded_only_after_the_home_weights_change(paths):
     assert stats["reshards"] == 2  # one optimizer step later the copy was stale
 
 
-def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths):
+def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths, monkeypatch):
     models = {"actor": trainable("actor", "actor", paths["actor"]), "ref": ModelSetup("ref", "ref", paths["actor"])}
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False)}
     del mfcs["reward_inf"]
@@ -244,6 +244,16 @@ def test_sft_warmup_uses_its_own_optimizer_and_records_metrics(paths):
     assert gen_hook.metrics["realloc_reshards"] == 1 and gen_hook.end >= gen_hook.start
     assert records[4].metrics["rows"] == len(gen) and records[4].metrics["time_s"] <= records[4].seconds
     assert worker.pop_metrics() == []
+
+    def out_of_memory(mfc):
+        raise RuntimeError(f"no memory for a copy of {mfc.model_name}")
+
+    # A failing hook names the call, the hook and the model; the cause stays chained and no record is kept.
+    monkeypatch.setattr(worker.residency, "prepare", out_of_memory)
+    expected = r"^actor_gen pre_call \(model actor\) on rank 0: RuntimeError: no memory for a copy of actor$"
+    with pytest.raises(TaskError, match=expected) as info:
+        worker.pre_call("actor_gen", 8)
+    assert isinstance(info.value.__cause__, RuntimeError) and worker.pop_metrics() == []
 
 
 def test_copy_weights_gives_the_reference_and_the_critic_backbone_the_trained_actor(paths, tmp_path):
