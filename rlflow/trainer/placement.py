@@ -34,6 +34,7 @@ from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
+from rlflow.workers.profiling import profile_or_measure, run_profile
 from rlflow.workers.residency import PARAM_DTYPE
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
