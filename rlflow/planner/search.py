@@ -17,6 +17,12 @@ Every chain keeps its cheapest distinct plans; the best of all chains is returne
 Reproducibility: with ``max_steps`` and no ``seconds``, a fixed ``seed`` gives the same result
 on every run (chains have their own RNG streams; the slicing into progress updates does not
 change them). A time budget makes the step count, hence the result, depend on the machine.
+
+The budget fits the problem (:func:`plan_search`, what ``placement.mode: auto`` runs): a problem
+of at most :data:`EXHAUSTIVE_MAX_PLANS` plans is enumerated; a larger one is searched until it
+converges — no better plan in the last :data:`PATIENCE_STEPS` proposals per chain, nor in as
+many proposals as it took to find the best one — or its time budget is spent. Both stopping
+rules depend on steps only, so a converged search is as reproducible as one of ``max_steps``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ from rlflow.planner.simulate import DEFAULT_PENALTY, SimResult, Simulator, load_
 DEFAULT_TEMPERATURE = 0.05
 DEFAULT_LOCAL_PROB = 0.7
 DEFAULT_PAIR_PROB = 0.2
+# Problems with at most this many plans are enumerated rather than sampled: the simulator prices
+# a plan in microseconds, so this is a small fraction of a second, and the optimum is certain.
+EXHAUSTIVE_MAX_PLANS = 50_000
+# A search stops as converged when its best plan has not improved over this many proposals per
+# chain, nor over as many as it took to find that plan. Large, so that a search still improving
+# keeps its budget: on the 16-device PPO problem of the tests (10^12 plans) chains still found
+# better plans after 200k proposals each.
+PATIENCE_STEPS = 200_000
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,12 @@ class SearchResult:
         accepted: proposals accepted over all chains.
         seconds: wall-clock time of the search.
         method: ``"mcmc"`` or ``"exhaustive"``.
+        stop: why it stopped: ``"enumerated"`` (exhaustive), ``"converged"`` (no improvement
+            within the patience), ``"max_steps"``, ``"budget"`` (the time ran out) or
+            ``"single plan"`` (no MFC has a choice).
+        best_step: proposals per chain made when the best plan was last improved on (seen
+            between slices of the run, so up to one slice late); 0: a start plan is the best,
+            or an exhaustive search.
     """
 
     choice: tuple[int, ...]
@@ -66,6 +86,18 @@ class SearchResult:
     accepted: int
     seconds: float
     method: str
+    stop: str
+    best_step: int
+
+    def summary(self) -> str:
+        """One line on how the search went, e.g. ``plan search: mcmc, 24000 proposals, best at
+        proposal 1000 per chain, converged, 0.03 s``."""
+        if self.method == "exhaustive":
+            return f"plan search: every one of {self.steps} plans evaluated, {self.seconds:.2f} s"
+        return (
+            f"plan search: {self.method}, {self.steps} proposals, best at proposal {self.best_step} per chain, "
+            f"{self.stop}, {self.seconds:.2f} s"
+        )
 
 
 def acceptance_probability(old_cost: float, new_cost: float, temperature: float) -> float:
@@ -100,11 +132,36 @@ def num_plans(problem: PlanProblem) -> int:
     return math.prod(len(o) for o in problem.options)
 
 
+def plan_search(
+    problem: PlanProblem | Simulator,
+    *,
+    max_seconds: float,
+    seed: int = 0,
+    initial_plans=(),
+    progress: bool = True,
+    exhaustive_max_plans: int = EXHAUSTIVE_MAX_PLANS,
+    patience: int = PATIENCE_STEPS,
+) -> SearchResult:
+    """The cheapest plan, at a cost that fits the problem: every plan evaluated when there are at
+    most ``exhaustive_max_plans``, else :func:`search` until it converges (``patience``) or
+    ``max_seconds`` are spent (see the module docstring).
+
+    >>> plan_search(problem, max_seconds=10.0).summary()  # doctest: +SKIP
+    'plan search: every one of 12 plans evaluated, 0.00 s'
+    """
+    if num_plans(problem.problem if isinstance(problem, Simulator) else problem) <= exhaustive_max_plans:
+        return exhaustive_search(problem, max_plans=exhaustive_max_plans)
+    return search(
+        problem, seconds=max_seconds, patience=patience, seed=seed, initial_plans=initial_plans, progress=progress
+    )
+
+
 def search(
     problem: PlanProblem | Simulator,
     *,
     seconds: float | None = None,
     max_steps: int | None = None,
+    patience: int | None = None,
     num_chains: int | None = None,
     seed: int = 0,
     temperature: float = DEFAULT_TEMPERATURE,
@@ -123,6 +180,8 @@ def search(
         seconds: wall-clock budget (s).
         max_steps: proposals per chain. At least one of ``seconds`` and ``max_steps`` is needed;
             with both, the search stops at whichever comes first.
+        patience: stop as converged once the best plan has not improved over this many
+            proposals per chain, nor over as many as it took to find it; ``None``: never.
         num_chains: chains, each on its own thread (default: ``min(4, os.cpu_count())``).
         seed: seed of the chains' random streams.
         temperature: of the acceptance rule, on relative cost differences (0: only improvements).
@@ -137,8 +196,8 @@ def search(
     """
     if seconds is None and max_steps is None:
         raise ValueError("give seconds and/or max_steps to bound the search")
-    if (seconds is not None and seconds <= 0) or (max_steps is not None and max_steps <= 0):
-        raise ValueError(f"seconds={seconds} and max_steps={max_steps} must be positive")
+    if any(v is not None and v <= 0 for v in (seconds, max_steps, patience)):
+        raise ValueError(f"seconds={seconds}, max_steps={max_steps} and patience={patience} must be positive")
     for name, value in (("local_prob", local_prob), ("pair_prob", pair_prob)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name}={value} must be in [0, 1]")
@@ -148,30 +207,41 @@ def search(
     ext = load_extension()
     native = ext.Search(sim.native, starts, num_chains, seed, temperature, local_prob, pair_prob, top_k)
     t0 = time.perf_counter()
+    stop, best_step = "single plan", 0
     if any(len(opts) > 1 for opts in sim.problem.options):  # else every plan is the start plan
-        _drive(native, seconds, max_steps, slice_seconds, progress)
-    return _result(sim, native.top(), native.steps, native.accepted, time.perf_counter() - t0, "mcmc")
+        stop, best_step = _drive(native, seconds, max_steps, patience, slice_seconds, progress)
+    seconds_taken = time.perf_counter() - t0
+    return _result(sim, native.top(), native.steps, native.accepted, seconds_taken, "mcmc", stop, best_step)
 
 
-def _drive(native, seconds: float | None, max_steps: int | None, slice_seconds: float, progress: bool) -> None:
-    """Run the chains in slices until the budget is spent, updating a progress bar between slices."""
+def _drive(
+    native, seconds: float | None, max_steps: int | None, patience: int | None, slice_seconds: float, progress: bool
+) -> tuple[str, int]:
+    """Run the chains in slices until the budget is spent or the search converged, updating a
+    progress bar between slices; returns why it stopped and the proposals per chain made when
+    the best plan was last improved on."""
     t0 = time.perf_counter()
-    chunk = max(1000, (max_steps or 0) // 20)
+    # Step-bounded slices (chunks do not change the result) where a step rule may stop the search.
+    bounded = max_steps is not None or patience is not None
+    chunk = max(1000, (max_steps or 0) // 20, (patience or 0) // 10)
     total = seconds if seconds is not None else max_steps
+    best, best_step = native.top()[0][0], 0
     with tqdm(total=total, disable=not progress, desc="plan search", leave=False) as bar:
         while True:
+            steps = native.min_steps
             left_s = None if seconds is None else seconds - (time.perf_counter() - t0)
-            if (left_s is not None and left_s <= 0) or (max_steps is not None and native.min_steps >= max_steps):
-                return
-            if max_steps is None:
-                until = 0  # no step limit
-            elif seconds is None:
-                until = min(max_steps, native.min_steps + chunk)  # chunks do not change the result
-            else:
-                until = max_steps
+            if max_steps is not None and steps >= max_steps:
+                return "max_steps", best_step
+            if patience is not None and steps - best_step >= max(patience, best_step):
+                return "converged", best_step
+            if left_s is not None and left_s <= 0:
+                return "budget", best_step
+            until = min(max_steps or steps + chunk, steps + chunk) if bounded else 0
             native.run(until, 0.0 if left_s is None else min(slice_seconds, left_s))
+            if native.top()[0][0] < best:
+                best, best_step = native.top()[0][0], native.min_steps
             bar.n = min(seconds, round(time.perf_counter() - t0, 1)) if seconds is not None else native.min_steps
-            bar.set_postfix_str(f"best {native.top()[0][0]:.4g} s/iter", refresh=True)
+            bar.set_postfix_str(f"best {best:.4g} s/iter", refresh=True)
 
 
 def exhaustive_search(
@@ -188,10 +258,12 @@ def exhaustive_search(
         raise ValueError(f"{count} plans exceed max_plans={max_plans}; use search() instead")
     t0 = time.perf_counter()
     top, n = load_extension().exhaustive(sim.native, max_plans, top_k)
-    return _result(sim, top, n, 0, time.perf_counter() - t0, "exhaustive")
+    return _result(sim, top, n, 0, time.perf_counter() - t0, "exhaustive", "enumerated", 0)
 
 
-def _result(sim: Simulator, top, steps: int, accepted: int, seconds: float, method: str) -> SearchResult:
+def _result(
+    sim: Simulator, top, steps: int, accepted: int, seconds: float, method: str, stop: str, best_step: int
+) -> SearchResult:
     ranked = tuple(RankedPlan(float(c), tuple(int(x) for x in np.asarray(p))) for c, p in top)
     best = ranked[0]
     return SearchResult(
@@ -203,4 +275,6 @@ def _result(sim: Simulator, top, steps: int, accepted: int, seconds: float, meth
         accepted=int(accepted),
         seconds=seconds,
         method=method,
+        stop=stop,
+        best_step=best_step,
     )

@@ -10,7 +10,14 @@ import pytest
 from plan_cases import GB, frozen_problem, opt, ppo_problem, random_problem
 
 from rlflow.planner.compiled import compile_problem
-from rlflow.planner.search import acceptance_probability, exhaustive_search, greedy_choice, num_plans, search
+from rlflow.planner.search import (
+    acceptance_probability,
+    exhaustive_search,
+    greedy_choice,
+    num_plans,
+    plan_search,
+    search,
+)
 from rlflow.planner.simulate import Simulator, load_extension, simulate_py
 
 
@@ -98,3 +105,30 @@ def test_time_budget_and_argument_errors():
         search(problem)
     with pytest.raises(ValueError, match="outside"):
         search(problem, max_steps=10, initial_plans=[[999] * 6], progress=False)
+
+
+def test_a_search_stops_once_it_converges_and_reproduces_its_result():
+    problem = ppo_problem(num_nodes=1)
+    runs = [search(problem, seconds=60.0, patience=2000, num_chains=2, seed=3, progress=False) for _ in range(2)]
+    found = runs[0]
+    per_chain = found.steps // 2
+    assert found.stop == "converged" and per_chain - found.best_step >= max(2000, found.best_step)
+    assert per_chain < found.best_step + max(2000, found.best_step) + 1000  # within one slice of the rule
+    assert runs[1].top == found.top and runs[1].steps == found.steps  # step rules only: reproducible
+    assert "converged" in found.summary() and f"best at proposal {found.best_step}" in found.summary()
+    capped = search(problem, max_steps=500, patience=2000, num_chains=2, seed=3, progress=False)
+    assert capped.stop == "max_steps" and capped.steps == 1000
+    with pytest.raises(ValueError, match="patience=0 must be positive"):
+        search(problem, max_steps=10, patience=0)
+
+
+def test_plan_search_enumerates_small_problems_and_samples_large_ones():
+    small = _split_beats_greedy()
+    enumerated = plan_search(small, max_seconds=10.0, progress=False)
+    assert enumerated.method == "exhaustive" and enumerated.stop == "enumerated"
+    assert enumerated.steps == num_plans(small) == 9 and enumerated.cost == pytest.approx(1.6)
+    assert "every one of 9 plans" in enumerated.summary()
+    sampled = plan_search(small, max_seconds=10.0, exhaustive_max_plans=8, patience=1000, progress=False)
+    assert sampled.method == "mcmc" and sampled.stop == "converged" and sampled.cost == pytest.approx(1.6)
+    one = frozen_problem([[opt(0, 8, 1.0)]])
+    assert search(one, max_steps=10, progress=False).stop == "single plan"
