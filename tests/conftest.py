@@ -17,6 +17,20 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 RAY_NUM_CPUS = 16
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rlflow_cache_dir(tmp_path_factory):
+    """rlflow's cache (machine profiles) in the session's temporary directory: tests neither write
+    to the user's home nor read a profile an earlier session or another checkout left there."""
+    path = tmp_path_factory.mktemp("rlflow-cache")
+    old = os.environ.get("RLFLOW_CACHE_DIR")
+    os.environ["RLFLOW_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("RLFLOW_CACHE_DIR", None)
+    else:
+        os.environ["RLFLOW_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray cluster shared by every test of the session."""

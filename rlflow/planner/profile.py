@@ -18,9 +18,12 @@ rate plus the overhead (:class:`ProfiledRates`): measured efficiency, scaled by 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import socket
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +37,34 @@ from rlflow.planner.passes import BACKWARD_FLOPS_FACTOR, Rates, layer_work
 PROFILE_VERSION = 1
 
 
+def cache_dir() -> Path:
+    """rlflow's per-user cache: ``$RLFLOW_CACHE_DIR``, else ``~/.cache/rlflow``."""
+    return Path(os.environ.get("RLFLOW_CACHE_DIR") or Path.home() / ".cache" / "rlflow")
+
+
 def default_profile_path() -> Path:
-    """``~/.cache/rlflow/profile-<host>.json`` (``RLFLOW_CACHE`` overrides the directory)."""
-    root = Path(os.environ.get("RLFLOW_CACHE", Path.home() / ".cache" / "rlflow"))
-    return root / f"profile-{socket.gethostname()}.json"
+    """``<cache_dir>/profile-<host>.json``: the profile ``rlflow profile`` writes and the planner
+    prices a CPU cluster from when given none (:func:`cache_dir`)."""
+    return cache_dir() / f"profile-{socket.gethostname()}.json"
+
+
+def profile_cache_key(identity: Mapping[str, Any], shapes: Mapping[str, Any]) -> str:
+    """The name of a cached profile: a hash of everything its timings depend on — the measuring
+    host's ``identity`` (hostname, CPU model, cores, torch version, device, threads) and the
+    ``shapes`` it measured — and of :data:`PROFILE_VERSION`, so a profile of another format is
+    never looked up.
+
+    >>> a = profile_cache_key({"host": "h"}, {"passes": [[1, 64]]})
+    >>> a == profile_cache_key({"host": "h"}, {"passes": [[1, 64]]}), a == profile_cache_key({"host": "g"}, {})
+    (True, False)
+    """
+    text = json.dumps({"version": PROFILE_VERSION, "identity": identity, "shapes": shapes}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cached_profile_path(key: str) -> Path:
+    """``<cache_dir>/profiles/<key>.json``: where the profile of :func:`profile_cache_key` ``key`` is kept."""
+    return cache_dir() / "profiles" / f"{key}.json"
 
 
 # ----------------------------------------------------------------------------- the record
@@ -272,10 +299,21 @@ class MachineProfile:
 
 
 def save_profile(profile: MachineProfile, path: str | Path) -> Path:
-    """Write ``profile`` as JSON to ``path`` (creating its directory); returns the path."""
+    """Write ``profile`` as JSON to ``path`` (creating its directory); returns the path.
+
+    The file is written next to ``path`` and renamed onto it, so a reader (another run sharing
+    the cache) sees the old file or the new one, never half of one.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(profile.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -16,11 +16,14 @@ spawned gloo processes import only the engine, not the driver.
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import threading
 import time
-from dataclasses import replace
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +36,10 @@ from rlflow.planner.profile import (
     MachineProfile,
     ProfiledLayer,
     RolloutTiming,
+    cached_profile_path,
     default_profile_path,
     load_profile,
+    profile_cache_key,
     save_profile,
 )
 
@@ -515,3 +520,82 @@ def profile_or_measure(profile: MachineProfile | str | Path | None = None) -> Ma
     if default_profile_path().exists():
         return load_profile(default_profile_path())
     return measure_hardware()
+
+
+# ----------------------------------------------------------------------------- the profile cache
+
+
+@dataclass(frozen=True)
+class CachedProfile:
+    """A profile of this machine at a run's shapes, and where it came from.
+
+    Attributes:
+        profile: the profile.
+        path: its file in the cache (:func:`~rlflow.planner.profile.cached_profile_path`).
+        cached: True when it was read from ``path``, False when it was measured now (and
+            written there).
+    """
+
+    profile: MachineProfile
+    path: Path
+    cached: bool
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_identity(device: str = "cpu") -> dict[str, Any]:
+    """What a profile measured on this host depends on besides the shapes it measured: the host,
+    its CPU model and cores (all of them, and those this process may run on), the torch version,
+    and the device (``"cpu"`` or the GPU's name). Profiles run on one thread per worker process
+    whatever the environment sets, so threads are not part of it; the workers that time whole
+    calls at once are (``call_processes`` among the shapes)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+
+
+def _read_cached(path: Path) -> MachineProfile | None:
+    """The profile at ``path``; None when there is none, or with a warning when it cannot be read
+    (a file cut short, another format): the caller measures again and replaces it."""
+    if not path.exists():
+        return None
+    try:
+        return load_profile(path)
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"the cached profile {path} is unusable ({exc.__cause__ or exc}); measuring again", stacklevel=3)
+        return None
+
+
+def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool = True) -> CachedProfile:
+    """A CPU profile of this machine at ``shapes`` (:func:`run_profile` arguments, as
+    ``rlflow.trainer.placement.profile_shapes`` makes them): read from the cache when a profile of
+    the same host and shapes is there (:func:`host_identity`,
+    :func:`~rlflow.planner.profile.profile_cache_key`), else measured now and written there.
+
+    Args:
+        shapes: ``layer``, ``passes``, ``decodes`` and optionally ``calls`` and ``call_processes``.
+        refresh: measure again even when the cache has the profile (and replace it).
+        progress: show the measuring progress bar.
+    """
+    path = cached_profile_path(profile_cache_key(host_identity("cpu"), shapes))
+    profile = None if refresh else _read_cached(path)
+    if profile is not None:
+        return CachedProfile(profile, path, cached=True)
+    return CachedProfile(run_profile(path=path, device="cpu", progress=progress, **shapes), path, cached=False)

@@ -19,8 +19,10 @@ from rlflow.planner.profile import (
     ProfiledLayer,
     ProfiledRates,
     RolloutTiming,
+    cached_profile_path,
     default_profile_path,
     load_profile,
+    profile_cache_key,
     save_profile,
 )
 
@@ -97,10 +99,26 @@ def test_profile_files_are_checked(tmp_path, monkeypatch):
         (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
         with pytest.raises(ValueError, match=f"profile {tmp_path / name}: {message}"):
             load_profile(tmp_path / name)
-    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path))
     assert default_profile_path().parent == tmp_path
     with pytest.raises(ValueError, match="cpu preset is priced from a measured profile"):
         cluster_preset("cpu")  # no profile given and none of this host: the planner does not measure
+
+
+def test_cached_profiles_are_named_by_everything_they_depend_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path))
+    host = {"hostname": "h", "cpu": "x", "cores": 2, "torch": "2.5", "device": "cpu"}
+    shapes = {"layer": {"hidden_size": 64}, "passes": ((1, 64), (4, 128)), "call_processes": 2}
+    key = profile_cache_key(host, shapes)
+    assert key == profile_cache_key(dict(reversed(host.items())), shapes)  # not the order of the keys
+    others = [{**host, "cores": 4}, {**host, "torch": "2.6"}, {**host, "device": "H100"}]
+    assert all(profile_cache_key(h, shapes) != key for h in others)
+    assert profile_cache_key(host, {**shapes, "call_processes": 1}) != key
+    assert profile_cache_key(host, {**shapes, "passes": ((1, 64),)}) != key
+    path = cached_profile_path(key)
+    assert path == tmp_path / "profiles" / f"{key}.json"
+    save_profile(_profile(), path)  # written whole, then renamed: no temporary file is left
+    assert load_profile(path) == _profile() and [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 def test_profiled_rates_split_a_fixed_overhead_from_the_rate():

@@ -163,7 +163,7 @@ def test_whole_calls_are_timed_on_cpu_workers_only(tmp_path):
 
 
 def test_a_cpu_cluster_is_priced_from_the_hosts_profile_or_its_hardware_measured_now(tmp_path, monkeypatch, profile):
-    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path))
     measured = profile_or_measure()  # no profile of this host: its hardware, measured now
     assert isinstance(measured, HardwareProfile) and measured.matmul_flops > 0
     assert profile_or_measure(profile) is profile
