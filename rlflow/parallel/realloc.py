@@ -15,7 +15,9 @@ Calling protocol (what the worker/trainer layer must do; ``U = home.ranks ∪ la
 2. before a call of model ``m`` on ``layout``: ``pre_call(m, layout)`` on every rank of ``U``;
    it returns the module to run on ranks of ``layout`` (None on the others);
 3. after the call: ``post_call(m, layout)`` on the ranks of ``layout`` (frees the copy unless
-   it is kept; offloads a frozen model's home module when so registered);
+   the model was registered with ``keep_copies``; offloads a frozen model's home module when so
+   registered). A kept copy carries the home version it was made from; ``pre_call`` reshards
+   it only when the home changed since (counted in ``stats["skipped"]`` otherwise);
 4. after each optimizer step of ``m``: ``bump_version(m)`` on the ranks of ``m``'s home layout;
 5. an EMA reference: ``ema_update(ref, actor, eta)`` on every rank of both home layouts;
 6. a model that starts as a copy of another (``init: copy``): ``copy_weights(target, source)``
@@ -51,7 +53,6 @@ ModuleFactory = Callable[[Layout], nn.Module | ParamViews]
 class _Copy:
     module: nn.Module | ParamViews
     version: int
-    nbytes: int
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Model:
     dtype: torch.dtype
     trainable: bool
     offload_home: bool
+    keep_copies: bool = False
     version: int = 0
     copies: dict[Layout, _Copy] = field(default_factory=dict)
     offloaded: Offload | None = None
@@ -74,9 +76,6 @@ class ReallocManager:
         rank: this worker's global rank.
         host_of: host index of every global rank (all on one host if None).
         group: the pool's process group (default group if None).
-        keep_bytes: copies whose bytes on this rank fit into this budget (together with the
-            copies already kept) survive ``post_call`` and are reused while current;
-            0 frees every copy after its call.
         device: device of the small control messages (``cuda`` under NCCL; CPU by default).
     """
 
@@ -86,18 +85,17 @@ class ReallocManager:
         *,
         host_of: Mapping[int, int] | None = None,
         group: dist.ProcessGroup | None = None,
-        keep_bytes: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
         self.rank = rank
         self.host_of = dict(host_of) if host_of is not None else None
         self.group = group
-        self.keep_bytes = keep_bytes
         self.device = torch.device(device)
         self._models: dict[str, _Model] = {}
         self._plans: dict[tuple[Layout, Layout], ReshardPlan] = {}
-        # Counters for metrics: reshards run on this rank, their seconds and wire bytes.
-        self.stats = {"reshards": 0, "reshard_seconds": 0.0, "sent_bytes": 0, "received_bytes": 0}
+        # Counters for metrics: reshards run on this rank, their seconds and wire bytes, and the
+        # calls off home whose copy was current (no reshard).
+        self.stats = {"reshards": 0, "reshard_seconds": 0.0, "sent_bytes": 0, "received_bytes": 0, "skipped": 0}
 
     # ---- registration and versions ----
 
@@ -111,6 +109,7 @@ class ReallocManager:
         dtype: torch.dtype,
         trainable: bool = True,
         offload_home: bool = False,
+        keep_copies: bool = False,
     ) -> None:
         """Declare model ``name`` with its home layout (every pool rank calls it).
 
@@ -122,6 +121,8 @@ class ReallocManager:
             dtype: dtype of the weights on the wire (the copies' dtype).
             trainable: whether the model takes optimizer steps.
             offload_home: frozen models only: keep the home module on host between calls.
+            keep_copies: keep this rank's copies of the model in other layouts after their
+                calls; they are resharded only when the home version changed.
         """
         if name in self._models:
             raise ValueError(f"model {name!r} is already registered")
@@ -132,7 +133,7 @@ class ReallocManager:
             raise ValueError(
                 f"{name!r}: offload_home is for frozen models; a trainable model keeps its optimizer state"
             )
-        entry = _Model(home, module, factory, dtype, trainable, offload_home)
+        entry = _Model(home, module, factory, dtype, trainable, offload_home, keep_copies)
         if offload_home and module is not None:
             entry.offloaded = offload_module(module)
         self._models[name] = entry
@@ -147,6 +148,10 @@ class ReallocManager:
 
     def home_module(self, name: str) -> nn.Module | None:
         return self._model(name).module
+
+    def holds_copy(self, name: str, layout: Layout) -> bool:
+        """Whether this rank holds a copy of ``name`` in ``layout`` (current or not)."""
+        return layout in self._model(name).copies
 
     def bump_version(self, name: str) -> int:
         """Mark model ``name`` as changed (after an optimizer step); call on its home ranks."""
@@ -173,22 +178,20 @@ class ReallocManager:
         stale, version = self._agree_staleness(m, layout)
         if stale:
             self._reshard(m, layout, version)
+        else:
+            self.stats["skipped"] += 1
         copy = m.copies.get(layout)
         return copy.module if copy is not None else None
 
     def post_call(self, name: str, layout: Layout) -> None:
-        """After a call on ``layout``: free this rank's copy unless it fits the keep budget."""
+        """After a call on ``layout``: free this rank's copy unless the model keeps its copies."""
         m = self._model(name)
         if layout == m.home:
             if m.offload_home and m.module is not None:
                 m.offloaded.offload()
             return
-        copy = m.copies.get(layout)
-        if copy is None:
-            return
-        kept = sum(c.nbytes for mm in self._models.values() for lay, c in mm.copies.items() if lay != layout)
-        if kept + copy.nbytes > self.keep_bytes:
-            del m.copies[layout]
+        if not m.keep_copies:
+            m.copies.pop(layout, None)
 
     # ---- EMA ----
 
@@ -309,9 +312,7 @@ class ReallocManager:
         if self.rank in layout.ranks:
             copy = m.copies.get(layout)
             if copy is None:
-                module = m.factory(layout)
-                nbytes = layout.local_numel(self.rank) * torch.empty((), dtype=m.dtype).element_size()
-                copy = m.copies[layout] = _Copy(module, -1, nbytes)  # current once filled
+                copy = m.copies[layout] = _Copy(m.factory(layout), -1)  # current once filled
             dst = module_param_tensors(copy.module)
         self._count(execute_reshard(self._plan(m.home, layout), self.rank, src, dst, dtype=m.dtype, group=self.group))
         if self.rank in layout.ranks:

@@ -22,11 +22,17 @@ log-softmax and the entropy's softmax (``rlflow.engine.pipeline.token_log_probs`
 
 All functions return bytes per device for the busiest pipeline stage (the first stage holds
 the most in-flight micro-batches under 1F1B; stages are balanced by parameter count).
+
+Kept copies (:func:`copies_that_fit`): a copy kept between calls (``WorkerSetup.keep_copies``)
+turns its weights from dynamic memory of the calls that run on it into static memory of its
+devices for the whole step; the query says which models' copies fit that way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from rlflow.planner.cluster import Precision
 from rlflow.planner.model_spec import ModelSpec
@@ -34,6 +40,9 @@ from rlflow.strategy import ParallelStrategy
 
 # fp32 tensors of the vocabulary's size besides the logits: the log-softmax input and the softmax.
 LOGIT_WORK_TENSORS = 2
+# Share of a device's memory a plan with kept copies must leave free: the model's bytes are an
+# estimate, and a kept copy that does not fit would fail mid-run instead of costing time.
+KEEP_COPY_MARGIN = 0.1
 
 
 def max_stage_params(model: ModelSpec, pp: int) -> int:
@@ -165,3 +174,74 @@ def train_act_bytes(
         saved = in_flight * layers * per_layer
     logits = 2 * logits_bytes(model, strategy.tp, tokens, precision, b)
     return saved + logits + fsdp_buffer_bytes(model, strategy, precision, train=True)
+
+
+@dataclass(frozen=True)
+class CallMemory:
+    """One call's memory as the simulator prices it (bytes per device of its mesh).
+
+    Attributes:
+        model: the model it runs on.
+        devices: global device ids of its mesh.
+        act_bytes: its dynamic bytes, weights excluded.
+        copy_bytes: the weights of the copy it runs on (reallocated, or a reloaded frozen model);
+            0 when it runs on the model's resident home.
+        layout: identifies the copy: calls of one model with equal ``layout`` share one copy.
+    """
+
+    model: str
+    devices: tuple[int, ...]
+    act_bytes: float
+    copy_bytes: float = 0.0
+    layout: object = None
+
+
+def peak_bytes_with_kept_copies(
+    static_bytes: Sequence[float], calls: Sequence[CallMemory], kept: Collection[str]
+) -> list[float]:
+    """Peak bytes of every device when the copies of the models in ``kept`` live between calls.
+
+    A kept copy is static on its devices (counted once however many calls run on it); the
+    others stay dynamic, as in the simulator: ``static + kept copies + max(act + copy not kept)``.
+
+    >>> calls = [CallMemory("actor", (0,), 1.0, copy_bytes=4.0, layout="tp1"), CallMemory("ref", (0,), 3.0)]
+    >>> peak_bytes_with_kept_copies([10.0], calls, ()), peak_bytes_with_kept_copies([10.0], calls, ("actor",))
+    ([15.0], [17.0])
+    """
+    static = [float(b) for b in static_bytes]
+    copies = {(c.model, c.layout, c.devices): c.copy_bytes for c in calls if c.model in kept and c.copy_bytes > 0}
+    for (_, _, devices), nbytes in copies.items():
+        for d in devices:
+            static[d] += nbytes
+    dynamic = [0.0] * len(static)
+    for c in calls:
+        need = c.act_bytes + (0.0 if c.model in kept else c.copy_bytes)
+        for d in c.devices:
+            dynamic[d] = max(dynamic[d], need)
+    return [s + d for s, d in zip(static, dynamic)]
+
+
+def copies_that_fit(
+    static_bytes: Sequence[float],
+    calls: Sequence[CallMemory],
+    device_memory_bytes: float,
+    margin: float = KEEP_COPY_MARGIN,
+) -> tuple[str, ...]:
+    """The models whose copies can be kept between calls, chosen greedily in order of first call.
+
+    A model is kept when, with its copies and those of the models kept before it made static,
+    every device's peak (:func:`peak_bytes_with_kept_copies`) stays within
+    ``(1 - margin) * device_memory_bytes``.
+
+    >>> calls = [CallMemory("actor", (0,), 1.0, copy_bytes=4.0, layout="tp1"), CallMemory("ref", (0,), 3.0)]
+    >>> copies_that_fit([10.0], calls, 20.0), copies_that_fit([10.0], calls, 18.0)
+    (('actor',), ())
+    """
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin={margin} must be in [0, 1)")
+    limit = (1.0 - margin) * device_memory_bytes
+    kept: list[str] = []
+    for model in dict.fromkeys(c.model for c in calls if c.copy_bytes > 0):
+        if max(peak_bytes_with_kept_copies(static_bytes, calls, (*kept, model)), default=0.0) <= limit:
+            kept.append(model)
+    return tuple(kept)

@@ -126,7 +126,7 @@ class ModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def post_call(self, mfc_name: str, step: int) -> None:
-        """Reallocation post-hook: post-hooks, then free the call's copy unless ``keep_copies``."""
+        """Reallocation post-hook: post-hooks, then free the call's copy unless its model is in ``keep_copies``."""
         self._hook("post_call", self._mfc(mfc_name), self._residency().release, step)
 
     def _hook(self, hook: str, mfc: MFCDef, run, step: int) -> None:
@@ -138,9 +138,10 @@ class ModelWorker(Worker):
             run(mfc)
         except Exception as exc:
             raise call_error(mfc.name, mfc.model_name, hook, self.rank, exc) from exc
+        # realloc_skipped: calls whose kept copy was current, so the hook moved no weights.
         moved = {
             f"realloc_{k}": stats[k] - before[k]
-            for k in ("reshards", "reshard_seconds", "sent_bytes", "received_bytes")
+            for k in ("reshards", "reshard_seconds", "sent_bytes", "received_bytes", "skipped")
         }
         # Timeline kinds (rlflow.planner.timeline): weights moved between layouts, or a home reloaded/offloaded.
         interval_kind = "reload" if self.setup.uses_home(mfc.name) and not mfc.hook_sources else "realloc"

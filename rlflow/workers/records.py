@@ -40,7 +40,7 @@ class CallRecord:
         start, end: wall-clock seconds (``time.time``) on the worker.
         metrics: the call's numbers (its ``meta_info``: ``time_s``, ``tokens``, losses, ...;
             hooks: ``realloc_reshards``, ``realloc_reshard_seconds``, ``realloc_sent_bytes``,
-            ``realloc_received_bytes``).
+            ``realloc_received_bytes``, ``realloc_skipped`` — calls whose kept copy was current).
     """
 
     mfc: str

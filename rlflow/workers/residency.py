@@ -14,9 +14,12 @@ reshards, offload, EMA); this module builds the engines around the modules it ma
   into its ``weight_target()`` (a tensor-parallel HF model for the built-in sampler, views into
   vLLM's own fused parameters for vLLM) on the layout of its ``layout_style``. What happens
   between calls follows the engine's declarations (:class:`~rlflow.engine.rollout.RolloutEngine`),
-  never its name: a ``per_call`` engine is freed after its call unless copies are kept; a
-  ``per_process`` one is kept, and one that ``can_sleep`` sleeps between its calls so that
-  colocated training gets the device memory back;
+  never its name: a ``per_call`` engine is freed after its call unless the model is in
+  ``WorkerSetup.keep_copies``; a ``per_process`` one is kept, and one that ``can_sleep`` sleeps
+  between its calls so that colocated training gets the device memory back;
+* a kept copy (``WorkerSetup.keep_copies``) carries the home version it was made from: the
+  pre-hook moves no weights while it is current (a second rollout in one step, an evaluation
+  rollout with no train step since, a frozen model's copy) and reshards after a train step;
 * ``ParamReallocHook(source, eta)`` runs :meth:`ReallocManager.ema_update` on the target;
   :meth:`Residency.copy_weights` (``init: copy`` models when RL starts) runs
   :meth:`ReallocManager.copy_weights`.
@@ -52,8 +55,6 @@ __all__ = ["HostedModel", "Residency"]
 
 # Master weights, copies and the reshard wire format are fp32 (the engines' compute dtype is separate).
 PARAM_DTYPE = torch.float32
-# keep_copies keeps every copy: the manager's keep budget is then unbounded.
-_KEEP_ALL_BYTES = 2**62
 
 
 @dataclass
@@ -122,8 +123,7 @@ class Residency:
         """Create every process group of the plan, then this rank's engines; all pool ranks call it."""
         hosts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, node_rank)
-        keep = _KEEP_ALL_BYTES if self.setup.keep_copies else 0
-        self.manager = ReallocManager(self.rank, host_of=dict(enumerate(hosts)), keep_bytes=keep, device=self.device)
+        self.manager = ReallocManager(self.rank, host_of=dict(enumerate(hosts)), device=self.device)
         for layout in dict.fromkeys(self.setup.layouts.values()):  # the same order on every rank
             self._groups[layout] = build_call_groups(layout.ranks, layout.strategy, self.device.type)
         for model in self.setup.models.values():
@@ -153,6 +153,7 @@ class Residency:
             dtype=PARAM_DTYPE,
             trainable=model.trainable,
             offload_home=self.setup.offloads_home(model.name),
+            keep_copies=model.name in self.setup.keep_copies,
         )
         return hosted
 
@@ -275,7 +276,11 @@ class Residency:
             self.manager.pre_call(mfc.model_name, self._call_layout(mfc))
 
     def release(self, mfc: MFCDef) -> None:
-        """Post-hook: ``mfc.post_hooks``, then free the call's copy (unless kept) or offload the home."""
+        """Post-hook: ``mfc.post_hooks``, then free the call's copy (unless kept) or offload the home.
+
+        A kept forward copy gives back the parameters FSDP gathered (the root keeps them after
+        a forward): the next reshard writes the shards, which the next forward gathers anew.
+        """
         if self.rank not in self.setup.hook_ranks(mfc.name):
             return
         self._blend(mfc, mfc.post_hooks)
@@ -285,12 +290,16 @@ class Residency:
         if self.setup.uses_home(mfc.name) and hosted.engine is not None and self.setup.offloads_home(hosted.setup.name):
             _reshard_fsdp(hosted.engine.stage)
         layout = self._call_layout(mfc)
+        key = (mfc.model_name, layout)
         self.manager.post_call(mfc.model_name, layout)
         if self._keeps_engine(mfc):
             # Kept; the manager re-pushes when stale. A sleeper keeps its weights on the host.
             if self.rollout_engine_cls.can_sleep:
-                self._copies[(mfc.model_name, layout)].sleep()
-        elif not self.setup.keep_copies and self._copies.pop((mfc.model_name, layout), None) is not None:
+                self._copies[key].sleep()
+        elif self.manager.holds_copy(mfc.model_name, layout):
+            if isinstance(self._copies.get(key), TrainEngine):
+                _reshard_fsdp(self._copies[key].stage)
+        elif self._copies.pop(key, None) is not None:
             if self.device.type == "cuda":
                 # HF modules hold reference cycles: collect them so the cache can hand memory back.
                 # On CPU refcounting frees the tensors; a full collection costs ~0.2 s per call.

@@ -137,8 +137,11 @@ class WorkerSetup:
         eval_sampling: sampling parameters of held-out evaluation.
         tokenizer_path: local tokenizer directory (rule-based rewards decode with it).
         seed: base seed of model initialisation and sampling.
-        keep_copies: keep a trainable model's copies for other layouts between calls
-            (re-synchronised only when the home weights changed) instead of freeing them.
+        keep_copies: the models whose copies (on layouts other than home, and every rollout
+            copy) are kept between calls instead of freed: a kept copy is resharded only when
+            its home weights changed since it was made (an optimizer step, an EMA blend, a
+            weight copy). The driver decides it (``placement.keep_copies``: the planner's memory
+            model, or the config); kept copies are static device memory for the whole step.
         rollout_engine: a registered rollout engine (:func:`~rlflow.engine.rollout.list_rollout_engines`):
             ``"hf"`` (built-in sampler on a tensor-parallel HF copy), ``"vllm"``, or one a user
             registered; its declarations decide how workers build, keep and feed it.
@@ -154,7 +157,7 @@ class WorkerSetup:
     eval_sampling: SamplingParams
     tokenizer_path: str
     seed: int = 0
-    keep_copies: bool = False
+    keep_copies: tuple[str, ...] = ()
     rollout_engine: str = "hf"
     rollout_memory_fraction: float = 0.5
 
@@ -163,11 +166,18 @@ class WorkerSetup:
         object.__setattr__(self, "mfcs", dict(self.mfcs))
         object.__setattr__(self, "layouts", dict(self.layouts))
         object.__setattr__(self, "algo", self.algo.resolved())
+        if isinstance(self.keep_copies, (str, bool)):
+            raise TypeError(f"keep_copies={self.keep_copies!r}; expected a tuple of model names")
+        object.__setattr__(self, "keep_copies", tuple(self.keep_copies))
         for name, model in self.models.items():
             if model.name != name:
                 raise ValueError(f"models[{name!r}] is named {model.name!r}")
         for name, mfc in self.mfcs.items():
             self._check_mfc(name, mfc)
+        weighted = sorted(n for n, m in self.models.items() if not m.rule_based)
+        for name in self.keep_copies:
+            if name not in weighted:
+                raise ValueError(f"keep_copies names {name!r}; expected models with weights among {weighted}")
         for name, model in self.models.items():
             trains = [m.name for m in self.mfcs.values() if m.model_name == name and m.is_train]
             if len({self.layouts[t] for t in trains}) > 1:

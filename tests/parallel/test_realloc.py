@@ -56,18 +56,20 @@ class ReallocWorker(Worker):
         self.layouts = layouts(self.config)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def setup(self, keep_bytes: int) -> None:
+    def setup(self, keep_copies: bool) -> None:
         """Start-up on every pool rank: groups of all layouts, home modules, registration."""
         build_plan_groups([(lay.ranks, lay.strategy) for lay in self.layouts.values()], device_type="cpu")
         cfg, rank = self.config, self.rank
-        self.manager = ReallocManager(rank, host_of=HOSTS, keep_bytes=keep_bytes)
+        self.manager = ReallocManager(rank, host_of=HOSTS)
 
         def factory(layout):
             return helpers().build_sharded_module(cfg, layout, rank, seed=None)
 
         actor = helpers().build_sharded_module(cfg, self.layouts["actor_home"], rank, seed=0)
         self.optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-2)
-        self.manager.register("actor", self.layouts["actor_home"], actor, factory, dtype=torch.float32)
+        self.manager.register(
+            "actor", self.layouts["actor_home"], actor, factory, dtype=torch.float32, keep_copies=keep_copies
+        )
         ref = helpers().build_sharded_module(cfg, self.layouts["ref_home"], rank, seed=1)
         self.manager.register(
             "ref", self.layouts["ref_home"], ref, factory, dtype=torch.float32, trainable=False, offload_home=True
@@ -145,7 +147,7 @@ def workers(ray_session):
 
 @pytest.mark.distributed
 def test_manager_reshards_only_stale_copies_and_blends_ema(workers):
-    workers.setup(keep_bytes=1 << 30)
+    workers.setup(keep_copies=True)
     everyone = workers  # home ranks of the actor are all four, so U = all ranks for every actor call
     home = everyone.home_state("actor")[0]
 
@@ -153,7 +155,7 @@ def test_manager_reshards_only_stale_copies_and_blends_ema(workers):
     first = everyone.pre_call("actor", "gen")
     assert_same(assemble(first), home)
     assert [r["slices"] == {} for r in first] == [True, True, False, False]
-    everyone.post_call("actor", "gen")  # kept: fits the budget
+    everyone.post_call("actor", "gen")  # kept: the actor keeps its copies
 
     # 2. nothing changed: the kept copy is reused without a reshard.
     again = everyone.pre_call("actor", "gen")

@@ -185,7 +185,7 @@ def test_kept_copies_are_resharded_only_after_the_home_weights_change(paths):
         SamplingParams(n=2, max_new_tokens=4, seed=0),
         SamplingParams(greedy=True, max_new_tokens=4),
         paths["tokenizer"],
-        keep_copies=True,
+        keep_copies=("actor",),
     )
     worker = ModelWorker(setup)
     worker.build()
