@@ -309,7 +309,8 @@ def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> d
 
 
 def ensure_ray(cfg: RLFlowConfig) -> bool:
-    """Joins the configured Ray cluster, or starts a local one sized for the workers.
+    """Joins the configured Ray cluster, or starts a local one sized for the workers (with Ray's
+    dashboard only when ``placement.ray_dashboard`` asks for it).
 
     Returns:
         Whether this call started a local Ray instance (its caller then shuts it down). False
@@ -326,7 +327,7 @@ def ensure_ray(cfg: RLFlowConfig) -> bool:
     workers = p.num_nodes * p.devices_per_node
     ray.init(
         num_cpus=max(os.cpu_count() or 1, int(workers * p.cpus_per_worker) + 1),
-        include_dashboard=False,
+        include_dashboard=p.ray_dashboard,  # its web server and agents delay a local start: off unless asked
         runtime_env={"env_vars": env},
     )
     return True

@@ -308,8 +308,14 @@ class PlacementConfig(_Section):
     cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", gt=0.0)
     use_gpu: bool | None = _f(None, "null: use GPUs when Ray sees them")
     ray_address: str | None = _f(None, "null: start Ray in this process; 'auto' or 'ray://host:port': join a cluster")
-    search_seconds: float = _f(10.0, "time budget of the auto search", ge=0.0)
+    search_seconds: float = _f(
+        10.0, "most seconds of the auto search; it stops sooner once it has every plan or stops improving", ge=0.0
+    )
     profile: bool = _f(False, "calibrate the cost model by a quick profile of this machine first")
+    profile_cache: bool = _f(
+        True, "reuse this host's profile at the run's shapes from $RLFLOW_CACHE_DIR; false: measure again"
+    )
+    ray_dashboard: bool = _f(False, "start Ray's dashboard with a local Ray (slows the start)")
     manual: dict[str, ManualPlacementConfig] = _f({}, "mode manual: MFC name → mesh and strategy")
 
     def _check(self) -> None:

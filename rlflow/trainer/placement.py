@@ -3,7 +3,9 @@
 Four modes, all priced by the same simulator so their estimates can be compared:
 
 * ``auto``: build the planning problem with the cost model (calibrated by a measured profile
-  of this machine on CPU), then Metropolis–Hastings search seeded with the baselines;
+  of this machine on CPU, cached per host and shape), then every plan evaluated when they are
+  few, else Metropolis–Hastings search seeded with the baselines until it converges or
+  ``placement.search_seconds`` are spent;
 * ``heuristic``: every call on the whole cluster, tp inside hosts, pp across hosts;
 * ``colocated``: every call on all devices, FSDP over all of them (verl's layout);
 * ``manual``: meshes and strategies written in the config.
@@ -28,13 +30,13 @@ from rlflow.planner.cluster import ClusterSpec, cluster_preset
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
-from rlflow.planner.profile import MachineProfile
-from rlflow.planner.search import search
+from rlflow.planner.profile import MachineProfile, save_profile
+from rlflow.planner.search import plan_search
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
-from rlflow.workers.profiling import profile_or_measure, run_profile
+from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
 from rlflow.workers.residency import PARAM_DTYPE
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
@@ -173,13 +175,14 @@ def _choose(
         for keep in ties:  # one search per shared generation layout, the best kept
             sub = problem.restricted(keep)
             seeds = [_restricted_choice(b.choice, keep) for b in baselines if b.feasible]
-            result = search(
+            result = plan_search(
                 sub,
-                seconds=seconds,
+                max_seconds=seconds,
                 seed=cfg.seed,
                 initial_plans=[c for c in seeds if c is not None],
                 progress=progress,
             )
+            print(result.summary())  # how much of the budget the problem needed
             if best is None or result.cost < best[1].cost:
                 best = (sub, result)
         sub, result = best
@@ -301,10 +304,18 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
 
 def load_profile_for(
     cfg: RLFlowConfig, use_gpu: bool, run_dir: Path, spec: ModelSpec | None = None
-) -> MachineProfile | None:
-    """A measured profile of this machine at the run's shapes when ``placement.profile`` asks for
-    one (CPU only: GPU clusters are priced from the presets), with whole calls of ``spec`` (the
-    actor) when given."""
+) -> CachedProfile | None:
+    """A profile of this machine at the run's shapes when ``placement.profile`` asks for one (CPU
+    only: GPU clusters are priced from the presets), with whole calls of ``spec`` (the actor) when
+    given: the cached one of this host and shapes unless ``placement.profile_cache`` is false,
+    else measured now and cached. Either way it is copied to ``run_dir/profile.json``, the
+    profile the run planned with."""
     if use_gpu or not cfg.placement.profile:
         return None
-    return run_profile(path=run_dir / "profile.json", progress=True, **profile_shapes(cfg, spec))
+    found = cached_profile(profile_shapes(cfg, spec), refresh=not cfg.placement.profile_cache, progress=True)
+    save_profile(found.profile, run_dir / "profile.json")
+    if found.cached:
+        print(f"profile: reusing {found.path} (placement.profile_cache=false measures this machine again)")
+    else:
+        print(f"profile: measured in {found.profile.elapsed_s:.1f} s, cached at {found.path} for runs of this shape")
+    return found

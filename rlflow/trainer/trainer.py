@@ -123,6 +123,7 @@ class Trainer:
         algorithm: str | Algorithm | None = None,
         progress_bars: bool = True,
     ) -> None:
+        self._created = time.perf_counter()
         self.progress_bars = progress_bars
         self.cfg = self._build_config(config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset)
         self.run_dir = build.run_dir_of(self.cfg)
@@ -139,6 +140,8 @@ class Trainer:
         self.graph = build.build_dataflow(self.cfg, rule_reward)
         self.callbacks = Callbacks(callbacks)
         self.launched, self._started_ray = False, False
+        # Seconds of each start-up stage, logged once with the first step (``startup/*``).
+        self.startup: dict[str, float] | None = {"startup/construct_s": time.perf_counter() - self._created}
 
     def _build_config(
         self, config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset
@@ -157,14 +160,18 @@ class Trainer:
         if self.launched:
             return self
         cfg = self.cfg
+        started = time.perf_counter()
         self._started_ray = build.ensure_ray(cfg)
         self.use_gpu = build.uses_gpu(cfg)
+        self._record_startup("ray_s", started)
         self.placement = self._plan()
         calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn)}
         setup = build.worker_setup(cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn)
         calls = build.with_hook_ranks(calls, setup)
         self.setup = setup
+        started = time.perf_counter()
         self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu)
+        self._record_startup("workers_s", started)
         group_size = build.row_group_size(cfg)
         main = {n: calls[n] for n in self.placement.calls}
         self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
@@ -192,10 +199,21 @@ class Trainer:
         values = {n for n in self.cfg.models if n in build.VALUE_ROLES}
         specs = model_specs(self.model_paths, values)
         actor = specs.get("actor", next(iter(specs.values()), None))
-        profile = load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
+        started = time.perf_counter()
+        found = load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
+        if found is not None:
+            self._record_startup("profile_s", started)
+            self.startup["startup/profile_cached"] = float(found.cached)
+        started = time.perf_counter()
         placement = plan_placement(
-            self.cfg, self.graph, specs, use_gpu=self.use_gpu, profile=profile, progress=self.progress_bars
+            self.cfg,
+            self.graph,
+            specs,
+            use_gpu=self.use_gpu,
+            profile=None if found is None else found.profile,
+            progress=self.progress_bars,
         )
+        self._record_startup("plan_s", started)
         if placement.plan is not None:
             (self.run_dir / "plan.json").write_text(placement.plan.to_json())
             print(placement.plan.to_table())
@@ -203,6 +221,10 @@ class Trainer:
                 est = "infeasible: " + b.reason if not b.feasible else f"{b.iteration_time_s:.3f} s/iteration"
                 print(f"  baseline {b.name:<10} {est}")
         return placement
+
+    def _record_startup(self, stage: str, started: float) -> None:
+        if self.startup is not None:  # None once logged (a launch after the first step)
+            self.startup[f"startup/{stage}"] = time.perf_counter() - started
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
@@ -389,6 +411,10 @@ class Trainer:
         metrics = call_metrics(mine)
         for name in dict.fromkeys(r.mfc for r in mine if r.kind == "call"):
             self.result.mfc_seconds.setdefault(name, []).append(metrics[f"time/{name}"])
+        if self.startup is not None:  # once: how long this run took to reach its first step
+            self.startup["startup/first_step_s"] = time.perf_counter() - self._created
+            self.logger.log(step, self.startup)
+            self.startup = None
         if step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.total_steps:
             self.logger.log(step, metrics)
 

@@ -1,0 +1,137 @@
+"""Start-up: the machine profile cached per host and shape, a search budget that fits the problem,
+and the ``startup/*`` breakdown a run logs with its first step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from recipe_helpers import TINY
+
+from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.profile import (
+    HardwareProfile,
+    LayerTiming,
+    MachineProfile,
+    ProfiledLayer,
+    load_profile,
+    save_profile,
+)
+from rlflow.planner.search import num_plans, plan_search, search
+from rlflow.trainer import Trainer, load_config
+from rlflow.trainer.build import build_dataflow
+from rlflow.trainer.placement import load_profile_for, plan_placement
+from rlflow.workers import profiling
+
+GRPO = Path(__file__).parents[2] / "recipes" / "grpo_arithmetic.yaml"
+STAGES = ("construct_s", "ray_s", "profile_s", "plan_s", "workers_s", "first_step_s")
+
+# A synthetic CPU profile: planning with it needs no measurement.
+_TIMINGS = (LayerTiming(1, 16, 1e-3), LayerTiming(4, 64, 5e-3))
+PROFILE = MachineProfile(
+    "h",
+    "cpu",
+    "float32",
+    HardwareProfile(2e10, 1e10, 5e8, 4e-5, 16e9, collective_latency_s=2e-3),
+    ProfiledLayer(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32),
+    forward=_TIMINGS,
+    backward=_TIMINGS,
+    decode=_TIMINGS,
+)
+SHAPES = {"layer": {"hidden_size": 64}, "passes": ((1, 64), (4, 128)), "decodes": ((1, 128),)}
+
+
+@pytest.fixture
+def measurements(tmp_path, monkeypatch) -> list[dict]:
+    """The cache in ``tmp_path/cache``, and ``run_profile`` replaced by one that writes
+    :data:`PROFILE` where it is asked to; the list of the shapes it was asked to measure."""
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    asked: list[dict] = []
+
+    def run_profile(path, device, progress, **shapes):
+        assert device == "cpu"
+        asked.append(shapes)
+        save_profile(PROFILE, path)
+        return PROFILE
+
+    monkeypatch.setattr(profiling, "run_profile", run_profile)
+    return asked
+
+
+def test_a_profile_is_measured_once_per_host_and_shape(tmp_path, measurements):
+    first = profiling.cached_profile(SHAPES, progress=False)
+    assert not first.cached and first.path.parent == tmp_path / "cache" / "profiles"
+    again = profiling.cached_profile(SHAPES, progress=False)
+    assert again.cached and again.path == first.path and again.profile == PROFILE and len(measurements) == 1
+    other = profiling.cached_profile({**SHAPES, "passes": ((2, 64),)}, progress=False)
+    assert not other.cached and other.path != first.path and len(measurements) == 2
+    refreshed = profiling.cached_profile(SHAPES, refresh=True, progress=False)
+    assert not refreshed.cached and len(measurements) == 3
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [("{", "not JSON"), (json.dumps({**json.loads(PROFILE.to_json()), "version": 0}), "version 0")],
+)
+def test_an_unreadable_cached_profile_is_measured_again_with_a_warning(measurements, content, reason):
+    path = profiling.cached_profile(SHAPES, progress=False).path
+    path.write_text(content)  # a file cut short, or one of another format
+    with pytest.warns(UserWarning, match=f"cached profile {path} is unusable \\({reason}.*measuring again"):
+        found = profiling.cached_profile(SHAPES, progress=False)
+    assert not found.cached and len(measurements) == 2 and load_profile(path) == PROFILE
+
+
+def test_a_run_records_the_profile_it_planned_with_and_says_where_it_came_from(tmp_path, measurements, capsys):
+    cfg = load_config(GRPO, [*TINY, "placement.profile=true"])
+    runs = [tmp_path / "a", tmp_path / "b"]
+    found = [load_profile_for(cfg, False, run, None) for run in runs]
+    assert [f.cached for f in found] == [False, True] and len(measurements) == 1
+    assert all(load_profile(run / "profile.json") == PROFILE for run in runs)
+    out = capsys.readouterr().out
+    assert f"cached at {found[0].path}" in out and f"reusing {found[0].path}" in out
+    assert "placement.profile_cache=false" in out
+    remeasure = load_config(GRPO, [*TINY, "placement.profile=true", "placement.profile_cache=false"])
+    assert not load_profile_for(remeasure, False, tmp_path / "c", None).cached and len(measurements) == 2
+    assert load_profile_for(cfg, True, tmp_path / "d", None) is None  # GPUs: priced from the presets
+
+
+def test_two_cpu_workers_plan_in_a_dozen_evaluations_and_find_the_full_searchs_plan(capsys):
+    cfg = load_config(GRPO, [*TINY, "placement.mode=auto", "placement.devices_per_node=2"])
+    actor = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+    graph = build_dataflow(cfg, rule_reward=True)
+    placement = plan_placement(cfg, graph, {"actor": actor}, use_gpu=False, profile=PROFILE, progress=False)
+    problem = placement.problem
+    quick = plan_search(problem, max_seconds=cfg.placement.search_seconds, seed=cfg.seed, progress=False)
+    assert quick.method == "exhaustive" and quick.steps == num_plans(problem) <= 100
+    assert f"every one of {quick.steps} plans" in capsys.readouterr().out  # the planner reports it
+    full = search(problem, max_steps=20_000, seed=cfg.seed, progress=False)  # no early stop
+    assert full.steps >= 20_000 and quick.cost == pytest.approx(full.cost, rel=1e-12)
+    assert placement.plan.iteration_time_s == pytest.approx(quick.result.iteration_time_s, rel=1e-12)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_session, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    overrides = [*TINY, "warmup.steps=0", "placement.profile=true"]
+    first = Trainer(load_config(GRPO, [*overrides, f"logging.dir={tmp_path / 'a'}"]), progress_bars=False)
+    try:
+        first.fit()
+    finally:
+        first.close()
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    startup = [r for r in records if any(k.startswith("startup/") for k in r)]
+    assert len(startup) == 1 and startup[0]["step"] == 1  # once, with the first step
+    logged = {k.removeprefix("startup/"): v for k, v in startup[0].items() if k.startswith("startup/")}
+    assert logged.keys() == {*STAGES, "profile_cached"} and all(v >= 0 for v in logged.values())
+    assert logged["profile_cached"] == 0.0 and logged["first_step_s"] >= logged["profile_s"]
+    capsys.readouterr()
+    second = Trainer(load_config(GRPO, [*overrides, f"logging.dir={tmp_path / 'b'}"]), progress_bars=False)
+    try:
+        second.launch()
+        assert second.startup["startup/profile_cached"] == 1.0
+    finally:
+        second.close()
+    assert "profile: reusing" in capsys.readouterr().out
+    assert (tmp_path / "b" / "profile.json").read_text() == (tmp_path / "a" / "profile.json").read_text()
