@@ -3,23 +3,26 @@ paths line up (SFT policy → reward model → PPO), and the PPO recipe trains a
 first and then runs PPO scored by it, with held-out accuracy still scored by the task's rule.
 
 The PPO run is a smoke run of tiny models (a few steps each), not a learning test: the learning
-figures of each recipe are measured by running it (see the comments at the top of each YAML).
+figures of each recipe are measured by running it (see docs/benchmarks.md, section "Recipes").
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-from rlflow.dataflow import list_algorithms
+from rlflow.dataflow import Algorithm, list_algorithms
 from rlflow.trainer import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 YAMLS = sorted(RECIPES.glob("*.yaml"))
 pytestmark = [pytest.mark.slow]
+USER_ALGORITHM_RECIPES = ("a2c_custom",)  # trained by tests/dataflow/test_custom_algorithm.py
+HELPERS = {"stages"}
 
 # A 2-layer, 64-wide policy; 2 SFT steps, 2 reward-model steps and 2 PPO steps of 8 prompts.
 TINY_MODEL = ["hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=4", "num_kv_heads=2"]
@@ -35,6 +38,18 @@ def test_there_is_a_recipe_per_algorithm():
     names = {p.stem for p in YAMLS}
     assert {f"{a}_arithmetic" for a in list_algorithms()} <= names
     assert all((RECIPES / f"{n}.py").is_file() for n in names), "every YAML has its runnable recipe"
+    # Any other script is a user's algorithm in one file (its record, graph and config in the
+    # module) or a helper the recipes share.
+    scripts = {p.stem for p in RECIPES.glob("*.py")}
+    assert scripts - names == set(USER_ALGORITHM_RECIPES) | HELPERS
+
+
+@pytest.mark.parametrize("module", USER_ALGORITHM_RECIPES)
+def test_a_user_algorithm_recipe_is_not_a_shipped_algorithm(module):
+    """It defines its own record, under a name no shipped algorithm has; importing it registers
+    nothing (``Trainer(algorithm=...)`` in its ``main`` does)."""
+    records = [v for v in vars(importlib.import_module(f"recipes.{module}")).values() if isinstance(v, Algorithm)]
+    assert len(records) == 1 and records[0].name not in list_algorithms()
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
