@@ -4,7 +4,7 @@ One CPU worker, the heuristic placement, a 2-layer 64-wide model, no warm-up: a 
 worker process and a few seconds of compute. Each run must train every model its graph trains
 (finite losses and gradient norms logged for every train call, exported weights that differ
 from the initial ones) and, for algorithms that sample, log rollout scores. Learning itself is
-measured by running the recipes (see the comments at the top of each YAML).
+measured by running the recipes (docs/benchmarks.md, section "Recipes").
 """
 
 from __future__ import annotations
