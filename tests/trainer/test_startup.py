@@ -96,7 +96,7 @@ def test_a_run_records_the_profile_it_planned_with_and_says_where_it_came_from(t
     assert load_profile_for(cfg, True, tmp_path / "d", None) is None  # GPUs: priced from the presets
 
 
-def test_two_cpu_workers_plan_in_a_dozen_evaluations_and_find_the_full_searchs_plan(capsys):
+def test_two_cpu_workers_plan_by_evaluating_their_few_plans_and_find_the_full_searchs_plan(capsys):
     cfg = load_config(GRPO, [*TINY, "placement.mode=auto", "placement.devices_per_node=2"])
     actor = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
     graph = build_dataflow(cfg, rule_reward=True)
