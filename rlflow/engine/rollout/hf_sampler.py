@@ -22,6 +22,7 @@ number of collectives). Greedy decoding gives the same tokens under every (dp, t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
@@ -116,16 +117,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _next_logits(model: nn.Module, input_ids, attention_mask, position_ids, cache: DynamicCache) -> torch.Tensor:
+def _cache_kwarg(model: nn.Module) -> str:
+    """The forward's name for the KV cache: ``cache`` in newer transformers, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _next_logits(
+    model: nn.Module, cache_kwarg: str, cache: DynamicCache, **inputs: torch.Tensor | None
+) -> torch.Tensor:
     """``(N, V)`` float32 logits of the last position, extending ``cache``."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = model(**inputs, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]
     if isinstance(logits, DTensor):  # a head left vocabulary-sharded: gather the full vocabulary
         logits = logits.full_tensor()
@@ -144,7 +145,66 @@ def _choose_synced(logits, params, generator, tp_group) -> torch.Tensor:
     return tokens
 
 
-@torch.no_grad()
+def _builds_own_masks(model: nn.Module, total_len: int) -> bool:
+    """Whether the decode masks can be built once here rather than by the model at every step.
+
+    They can when every layer attends causally over the whole sequence — full attention, or a
+    sliding window at least as long as ``total_len`` — through sdpa or eager attention, whose
+    per-step mask is just the padding mask (bool for sdpa, additive for eager). Other
+    attention kinds (flash, flex, chunked or linear layers) get a 2-D mask and build their own.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    if set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}:
+        return False
+    window = getattr(config, "sliding_window", None)
+    return window is None or total_len <= window
+
+
+class _DecodeMasks:
+    """Attention masks of all decode steps, allocated once; step ``s`` takes a view of them.
+
+    Building the mask inside the model costs about as much as a decoder layer at small sizes,
+    so where :func:`_builds_own_masks` allows it the masks are what the model would have built:
+    sdpa gets the bool padding mask ``(N, 1, 1, P+R)`` (None when no row has padding, which is
+    what sdpa sees from the model then), eager the additive one. Otherwise the model gets the
+    2-D ``(N, P+R)`` mask and builds its own.
+
+    Args:
+        model: the model being decoded (its config picks the mask kind).
+        prompt_mask: ``(N, P)`` prompt attention mask of the decoding rows.
+        max_new_tokens: ``R``.
+    """
+
+    def __init__(self, model: nn.Module, prompt_mask: torch.Tensor, max_new_tokens: int):
+        num_rows, prompt_len = prompt_mask.shape
+        self._prompt_len = prompt_len
+        self._prompt_mask = prompt_mask.bool()
+        full = torch.cat([self._prompt_mask, self._prompt_mask.new_ones(num_rows, max_new_tokens)], dim=1)
+        self._kind = model.config._attn_implementation if _builds_own_masks(model, full.shape[1]) else "hf"
+        if self._kind == "sdpa":
+            self._mask = full[:, None, None, :]
+        elif self._kind == "eager":
+            dtype = next(model.parameters()).dtype
+            additive = torch.zeros(full.shape, dtype=dtype, device=full.device)
+            self._mask = additive.masked_fill_(~full, torch.finfo(dtype).min)[:, None, None, :]
+        else:
+            self._mask = full.long()
+        self._no_padding = bool(self._prompt_mask.all())
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the rows ``keep`` (indices into the current rows)."""
+        self._mask, self._prompt_mask = self._mask[keep], self._prompt_mask[keep]
+        self._no_padding = bool(self._prompt_mask.all())
+
+    def step(self, step: int) -> torch.Tensor | None:
+        """The mask of decode step ``step``: prompt plus ``step + 1`` response tokens."""
+        if self._kind == "sdpa" and self._no_padding:
+            return None
+        return self._mask[..., : self._prompt_len + step + 1]
+
+
 def sample_responses(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -169,32 +229,72 @@ def sample_responses(
 
     Returns:
         ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` with rows interleaved by
-        prompt; int64, int64, float32.
+        prompt; int64, int64, float32. Ordinary tensors (not inference tensors), so training
+        may use them.
     """
-    n, max_new = params.n, params.max_new_tokens
-    num_rows, device = input_ids.shape[0] * n, input_ids.device
-    responses = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
-    response_mask = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
-    old_logp = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
-    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+    num_rows, max_new, device = input_ids.shape[0] * params.n, params.max_new_tokens, input_ids.device
+    with torch.no_grad():  # outside inference mode: the outputs must be usable by autograd later
+        responses = torch.full((num_rows, max_new), pad_token_id, dtype=torch.long, device=device)
+        response_mask = torch.zeros((num_rows, max_new), dtype=torch.long, device=device)
+        old_logp = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
+    with torch.inference_mode():
+        _decode(
+            model,
+            input_ids,
+            attention_mask,
+            params,
+            pad_token_id,
+            generator,
+            tp_group,
+            responses,
+            response_mask,
+            old_logp,
+        )
+    return responses, response_mask, old_logp
+
+
+def _decode(
+    model, input_ids, attention_mask, params, pad_token_id, generator, tp_group, responses, response_mask, old_logp
+) -> None:
+    """The prefill and decoding loop of :func:`sample_responses`, writing its three outputs in place."""
+    n, max_new, num_rows, device = params.n, params.max_new_tokens, responses.shape[0], input_ids.device
     temperature = 1.0 if params.greedy else params.temperature
+    cache_kwarg = _cache_kwarg(model)
 
     cache = DynamicCache(config=model.config)
-    logits = _next_logits(model, input_ids, attention_mask, position_ids_from_mask(attention_mask), cache)
+    position_ids = position_ids_from_mask(attention_mask)
+    logits = _next_logits(
+        model, cache_kwarg, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    )
     if n > 1:  # one prefill per prompt, then n copies of its cache
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
+    masks = _DecodeMasks(model, attention_mask.repeat_interleave(n, dim=0), max_new)
+    next_pos = attention_mask.sum(dim=1, keepdim=True).repeat_interleave(n, dim=0)  # (N, 1)
+    if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
+        for step in range(max_new):
+            tokens = _choose_synced(logits, params, generator, tp_group)
+            responses[:, step] = tokens
+            old_logp[:, step] = token_logprobs(logits, tokens, temperature)
+            if step == max_new - 1:
+                break
+            logits = _next_logits(
+                model, cache_kwarg, cache, input_ids=tokens[:, None], attention_mask=masks.step(step),
+                position_ids=next_pos,
+            )  # fmt: skip
+            next_pos = next_pos + 1
+        response_mask.fill_(1)
+        return
+
+    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     rows = torch.arange(num_rows, device=device)  # output row of each decoding row
     alive = torch.ones(num_rows, dtype=torch.bool, device=device)
-    mask = attention_mask.repeat_interleave(n, dim=0)
-    next_pos = mask.sum(dim=1)
     for step in range(max_new):
         tokens = _choose_synced(logits, params, generator, tp_group)
-        # Finished rows not yet pruned keep decoding; their tokens are discarded here.
-        out_rows = rows[alive]
-        responses[out_rows, step] = tokens[alive]
-        response_mask[out_rows, step] = 1
-        old_logp[out_rows, step] = token_logprobs(logits[alive], tokens[alive], temperature)
+        # Finished rows not yet pruned keep decoding; their outputs stay pad / 0 here.
+        responses[rows, step] = torch.where(alive, tokens, pad_token_id)
+        response_mask[rows, step] = alive.long()
+        old_logp[rows, step] = token_logprobs(logits, tokens, temperature).masked_fill_(~alive, 0.0)
         alive &= ~torch.isin(tokens, stop_ids)
         num_alive = int(alive.sum())
         if num_alive == 0 or step == max_new - 1:
@@ -202,11 +302,12 @@ def sample_responses(
         if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
             keep = alive.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
-            rows, alive, mask, next_pos, tokens = rows[keep], alive[keep], mask[keep], next_pos[keep], tokens[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        logits = _next_logits(model, tokens.unsqueeze(1), mask, next_pos.unsqueeze(1), cache)
+            masks.select(keep)
+            rows, alive, next_pos, tokens = rows[keep], alive[keep], next_pos[keep], tokens[keep]
+        logits = _next_logits(
+            model, cache_kwarg, cache, input_ids=tokens[:, None], attention_mask=masks.step(step), position_ids=next_pos
+        )
         next_pos = next_pos + 1
-    return responses, response_mask, old_logp
 
 
 def _mesh_coords(device_mesh: DeviceMesh | None) -> tuple[int, dist.ProcessGroup | None, DeviceMesh | None]:
