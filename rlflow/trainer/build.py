@@ -21,7 +21,11 @@ from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.planner.compiled import compile_problem
+from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
+from rlflow.planner.simulate import node_table, simulate
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig
+from rlflow.trainer.placement import Placement
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
@@ -281,10 +285,16 @@ def worker_setup(
     paths: Mapping[str, str],
     tokenizer_path: str,
     reward_fn: str | None,
+    placement: Placement | None = None,
+    use_gpu: bool = False,
 ) -> WorkerSetup:
+    """The :class:`WorkerSetup` every worker gets; ``placement`` (the planner's outcome, for
+    workers on GPUs when ``use_gpu``) decides ``keep_copies`` when ``placement.keep_copies`` is
+    null (:func:`kept_copies`)."""
     sample, evaluate = sampling_params(cfg, load_tokenizer(tokenizer_path).eos_token_id)
+    models = model_setups(cfg, paths, calls, reward_fn)
     return WorkerSetup(
-        models=model_setups(cfg, paths, calls, reward_fn),
+        models=models,
         mfcs={name: c.mfc for name, c in calls.items()},
         layouts={name: CallLayout(c.ranks, c.strategy) for name, c in calls.items()},
         algo=cfg.algorithm.resolved(),
@@ -292,9 +302,56 @@ def worker_setup(
         eval_sampling=evaluate,
         tokenizer_path=str(Path(tokenizer_path).resolve()),
         seed=cfg.seed,
+        keep_copies=kept_copies(cfg, [n for n, m in models.items() if not m.rule_based], placement, use_gpu),
         rollout_engine=cfg.rollout.engine,
         rollout_memory_fraction=cfg.rollout.gpu_memory_utilization,
     )
+
+
+def kept_copies(
+    cfg: RLFlowConfig, models: list[str], placement: Placement | None, use_gpu: bool = False
+) -> tuple[str, ...]:
+    """The models whose copies the workers keep between calls (``WorkerSetup.keep_copies``); prints why.
+
+    ``placement.keep_copies`` true: every model with weights; false: none; null: the models whose
+    copies, made static memory, keep every device's peak under the planner's memory model within
+    ``1 - KEEP_COPY_MARGIN`` of its memory (:func:`rlflow.planner.memory.copies_that_fit`); none
+    without a plan. On CPU workers the device memory is the host's share per worker.
+    """
+    setting = cfg.placement.keep_copies
+    if setting is not None:
+        kept = tuple(sorted(models)) if setting else ()
+        print(f"keep_copies={setting} (placement.keep_copies): kept copies of {list(kept)}")
+        return kept
+    if placement is None or placement.plan is None:
+        print("keep_copies=null: no device plan to price kept copies with; copies are freed after each call")
+        return ()
+    problem, plan = placement.problem, placement.plan
+    choice = [problem.option_index(i, c.mesh, c.strategy) for i, c in enumerate(plan.calls)]
+    cp = compile_problem(problem)
+    copy = node_table(cp, cp.check_choice(choice))[3]
+    memory = []
+    for i, j in enumerate(choice):
+        o = problem.options[i][j]
+        memory.append(
+            CallMemory(
+                problem.models[problem.mfc_models[i]].name,
+                tuple(o.mesh.device_ids),
+                o.act_bytes,
+                o.weight_bytes if copy[i] else 0.0,
+                (o.mesh, o.strategy, o.replicated),
+            )
+        )
+    static = simulate(cp, choice).static_bytes
+    kept = tuple(m for m in copies_that_fit(static, memory, problem.device_memory_bytes) if m in models)
+    peak = max(peak_bytes_with_kept_copies(static, memory, kept))
+    where = "GPU memory" if use_gpu else "CPU workers: the host memory's share of each worker"
+    print(
+        f"keep_copies=null (planner's memory model): kept copies of {list(kept)}, freed for "
+        f"{sorted({c.model for c in memory if c.copy_bytes > 0} - set(kept))}; peak {peak / 2**30:.3f} GiB of "
+        f"{problem.device_memory_bytes / 2**30:.3f} GiB per device ({where}; {KEEP_COPY_MARGIN:.0%} kept free)"
+    )
+    return kept
 
 
 def row_group_size(cfg: RLFlowConfig) -> int:

@@ -307,6 +307,11 @@ class PlacementConfig(_Section):
     devices_per_node: int = _f(1, "workers per node: GPUs, or CPU worker processes without GPUs", ge=1)
     cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", gt=0.0)
     use_gpu: bool | None = _f(None, "null: use GPUs when Ray sees them")
+    keep_copies: bool | None = _f(
+        None,
+        "keep each model's rollout and off-home copies between calls, resharded only after its weights change; "
+        "null: for the models whose copies fit device memory by the planner's memory model",
+    )
     ray_address: str | None = _f(None, "null: start Ray in this process; 'auto' or 'ray://host:port': join a cluster")
     search_seconds: float = _f(
         10.0, "most seconds of the auto search; it stops sooner once it has every plan or stops improving", ge=0.0

@@ -166,7 +166,9 @@ class Trainer:
         self._record_startup("ray_s", started)
         self.placement = self._plan()
         calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn)}
-        setup = build.worker_setup(cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn)
+        setup = build.worker_setup(
+            cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn, self.placement, self.use_gpu
+        )
         calls = build.with_hook_ranks(calls, setup)
         self.setup = setup
         started = time.perf_counter()
