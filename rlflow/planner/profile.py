@@ -109,6 +109,12 @@ class HardwareProfile:
     def to_dict(self) -> dict[str, float]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "hardware") -> HardwareProfile:
+        """The record of :meth:`to_dict`'s object; ``ValueError`` naming ``where`` and the field
+        when one is missing or unknown."""
+        return _from_dict(cls, data, where)
+
 
 @dataclass(frozen=True)
 class ProfiledLayer:
@@ -290,7 +296,7 @@ class MachineProfile:
             host=data["host"],
             device=data["device"],
             dtype=data["dtype"],
-            hardware=_from_dict(HardwareProfile, data["hardware"], "hardware"),
+            hardware=HardwareProfile.from_dict(data["hardware"]),
             layer=_from_dict(ProfiledLayer, data["layer"], "layer"),
             calls=CallTimings.from_dict(data["calls"]) if data.get("calls") is not None else None,
             elapsed_s=float(data.get("elapsed_s", 0.0)),
@@ -298,23 +304,27 @@ class MachineProfile:
         )
 
 
-def save_profile(profile: MachineProfile, path: str | Path) -> Path:
-    """Write ``profile`` as JSON to ``path`` (creating its directory); returns the path.
-
-    The file is written next to ``path`` and renamed onto it, so a reader (another run sharing
-    the cache) sees the old file or the new one, never half of one.
-    """
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` (creating its directory) through a file next to it renamed onto
+    it, so that a reader (another run sharing the cache) sees the old file or the new one, never
+    half of one; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(profile.to_json())
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def save_profile(profile: MachineProfile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON to ``path`` (creating its directory, :func:`write_atomic`);
+    returns the path."""
+    return write_atomic(path, profile.to_json())
 
 
 def load_profile(path: str | Path) -> MachineProfile:

@@ -74,7 +74,8 @@ def model_specs(model_paths: Mapping[str, str | None], value_heads: set[str]) ->
 
 def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile | None) -> ClusterSpec:
     """The cluster the planner prices: CPU workers priced from ``profile`` (else this host's
-    profile, else its hardware measured now), or GPUs of the preset type."""
+    profile, else its hardware rates, cached unless ``placement.profile_cache`` is false), or
+    GPUs of the preset type."""
     p = cfg.placement
     if use_gpu:
         cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
@@ -86,7 +87,8 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
         if engine.holds_memory_fraction:
             cluster = replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
         return cluster
-    return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=profile_or_measure(profile))
+    rates = profile_or_measure(profile, refresh=not p.profile_cache)
+    return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=rates)
 
 
 def planning_workload(cfg: RLFlowConfig) -> Workload:

@@ -15,6 +15,7 @@ spawned gloo processes import only the engine, not the driver.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -29,6 +30,7 @@ import numpy as np
 
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import (
+    PROFILE_VERSION,
     BatchTiming,
     CallTimings,
     HardwareProfile,
@@ -41,6 +43,7 @@ from rlflow.planner.profile import (
     load_profile,
     profile_cache_key,
     save_profile,
+    write_atomic,
 )
 
 # Layer shapes and sizes profiled per device kind: (batch, seq) for forward/backward,
@@ -511,15 +514,18 @@ def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
     )
 
 
-def profile_or_measure(profile: MachineProfile | str | Path | None = None) -> MachineProfile | HardwareProfile:
+def profile_or_measure(
+    profile: MachineProfile | str | Path | None = None, *, refresh: bool = False
+) -> MachineProfile | HardwareProfile:
     """What prices a CPU cluster (``cluster_preset("cpu", profile=...)``): ``profile`` (a path is
     loaded) when given, else this host's profile at :func:`~rlflow.planner.profile.default_profile_path`
-    when there is one, else the hardware measured now (about a second)."""
+    when there is one, else this host's hardware rates (:func:`cached_hardware`; ``refresh``:
+    measured again)."""
     if profile is not None:
         return profile if isinstance(profile, MachineProfile) else load_profile(profile)
     if default_profile_path().exists():
         return load_profile(default_profile_path())
-    return measure_hardware()
+    return cached_hardware(refresh=refresh)
 
 
 # ----------------------------------------------------------------------------- the profile cache
@@ -599,3 +605,21 @@ def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool = True
     if profile is not None:
         return CachedProfile(profile, path, cached=True)
     return CachedProfile(run_profile(path=path, device="cpu", progress=progress, **shapes), path, cached=False)
+
+
+def cached_hardware(*, refresh: bool = False) -> HardwareProfile:
+    """This host's hardware rates (:func:`measure_hardware`, about a second), cached as the
+    profiles are (keyed by :func:`host_identity`): read from the cache unless ``refresh`` or the
+    file is unusable (then with a warning), else measured now and written there."""
+    path = cached_profile_path(profile_cache_key(host_identity("cpu"), {"measured": "hardware"}))
+    if path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") != PROFILE_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+            return HardwareProfile.from_dict(data.get("hardware"))
+        except (OSError, ValueError, AttributeError) as exc:
+            warnings.warn(f"the cached hardware rates {path} are unusable ({exc}); measuring again", stacklevel=2)
+    hardware = measure_hardware()
+    write_atomic(path, json.dumps({"version": PROFILE_VERSION, "hardware": hardware.to_dict()}, indent=1))
+    return hardware

@@ -21,7 +21,7 @@ from rlflow.planner.profile import (
 from rlflow.planner.search import num_plans, plan_search, search
 from rlflow.trainer import Trainer, load_config
 from rlflow.trainer.build import build_dataflow
-from rlflow.trainer.placement import load_profile_for, plan_placement
+from rlflow.trainer.placement import load_profile_for, plan_placement, planning_cluster
 from rlflow.workers import profiling
 
 GRPO = Path(__file__).parents[2] / "recipes" / "grpo_arithmetic.yaml"
@@ -135,3 +135,26 @@ def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_
         second.close()
     assert "profile: reusing" in capsys.readouterr().out
     assert (tmp_path / "b" / "profile.json").read_text() == (tmp_path / "a" / "profile.json").read_text()
+
+
+def test_without_a_profile_the_hardware_rates_are_measured_once_per_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path))
+    measured: list[HardwareProfile] = []
+
+    def measure_hardware():
+        measured.append(PROFILE.hardware)
+        return PROFILE.hardware
+
+    monkeypatch.setattr(profiling, "measure_hardware", measure_hardware)
+    cfg = load_config(GRPO, [*TINY, "placement.devices_per_node=2"])
+    clusters = [planning_cluster(cfg, use_gpu=False, profile=None) for _ in range(2)]
+    assert len(measured) == 1 and clusters[0] == clusters[1]
+    assert clusters[0].collective_latency_s == PROFILE.hardware.collective_latency_s
+    [path] = (tmp_path / "profiles").iterdir()
+    path.write_text('{"version": 1, "hardware": {"matmul_flops": 1.0}}')  # a field missing
+    with pytest.warns(UserWarning, match=f"cached hardware rates {path} are unusable .*missing fields"):
+        assert profiling.profile_or_measure() == PROFILE.hardware
+    assert len(measured) == 2 and profiling.profile_or_measure() == PROFILE.hardware and len(measured) == 2
+    remeasure = load_config(GRPO, [*TINY, "placement.profile_cache=false"])
+    planning_cluster(remeasure, use_gpu=False, profile=None)
+    assert len(measured) == 3
