@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-from rollout_helpers import PAD, VOCAB, left_padded_prompts, naive_greedy, tiny_model
+from rollout_helpers import PAD, VOCAB, left_padded_prompts, naive_greedy, tiny_config, tiny_model
 
+from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams, get_rollout_engine
 from rlflow.engine.rollout.hf_sampler import apply_top_k, apply_top_p, choose_tokens
 from rlflow.protocol import DataProto
@@ -87,6 +88,124 @@ def test_left_padding_does_not_change_the_continuation(model, engine):
     assert torch.equal(narrow["responses"], wide["responses"])
     assert torch.equal(narrow["responses"][1:], alone["responses"])
     torch.testing.assert_close(narrow["old_logp"], wide["old_logp"], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def reference_sample(model, input_ids, attention_mask, params: SamplingParams) -> dict[str, torch.Tensor]:
+    """The sampler's contract decoded the slow way: a full forward over every sequence each step, no cache.
+
+    Rows are dropped from the batch on the documented schedule (once a quarter of the batch has
+    finished), so the generator draws for the same rows in the same order as the engine's.
+    """
+    generator = torch.Generator().manual_seed(params.seed)
+    ids, mask = input_ids.repeat_interleave(params.n, 0), attention_mask.repeat_interleave(params.n, 0)
+    num_rows, max_new = ids.shape[0], params.max_new_tokens
+    temperature = 1.0 if params.greedy else params.temperature
+    responses = torch.full((num_rows, max_new), PAD, dtype=torch.long)
+    old_logp = torch.zeros((num_rows, max_new))
+    batch, finished = list(range(num_rows)), set()
+    for step in range(max_new):
+        rows = torch.tensor(batch)
+        logits = (
+            model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=position_ids_from_mask(mask[rows]))
+            .logits[:, -1]
+            .float()
+        )
+        tokens = choose_tokens(logits, params, generator)
+        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        column, column_mask = (
+            torch.full((num_rows, 1), PAD, dtype=torch.long),
+            torch.zeros((num_rows, 1), dtype=torch.long),
+        )
+        for i, row in enumerate(batch):
+            column[row], column_mask[row] = tokens[i], 1
+            if row not in finished:
+                responses[row, step], old_logp[row, step] = tokens[i], logp[i]
+                if tokens[i].item() in params.stop_token_ids:
+                    finished.add(row)
+        ids, mask = torch.cat([ids, column], 1), torch.cat([mask, column_mask], 1)
+        alive = [row for row in batch if row not in finished]
+        if not alive:
+            break
+        if len(alive) <= 0.75 * len(batch):
+            batch = alive
+    lengths = torch.tensor([max_new] * num_rows)
+    for row in range(num_rows):
+        stops = [t for t in range(max_new) if responses[row, t].item() in params.stop_token_ids]
+        lengths[row] = stops[0] + 1 if stops else max_new
+    response_mask = (torch.arange(max_new)[None, :] < lengths[:, None]).long()
+    return {"responses": responses, "response_mask": response_mask, "old_logp": old_logp}
+
+
+def _stops_hit_early(model, ids, mask) -> tuple[int, ...]:
+    """Stop tokens that several rows emit in their first steps, so rows finish at different steps."""
+    return tuple(naive_greedy(model, ids, mask, 10)[:, :3].flatten().unique()[:4].tolist())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("with_stops", [False, True])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"greedy": True},
+        {"temperature": 0.8},
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
+    ],
+    ids=["greedy", "tempered", "top_k_top_p"],
+)
+def test_sampler_equals_full_recompute_reference(arch, with_stops, sampling):
+    model = tiny_model(arch, seed=4)
+    ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6], seed=11)
+    stops = _stops_hit_early(model, ids, mask) if with_stops else ()
+    params = SamplingParams(n=3, max_new_tokens=14, seed=21, stop_token_ids=stops, **sampling)
+    out = HFRolloutEngine(model).generate((ids, mask), params)
+    expected = reference_sample(model, ids, mask, params)
+    assert torch.equal(out["responses"], expected["responses"])
+    assert torch.equal(out["response_mask"], expected["response_mask"])
+    # the cached and the recomputed forwards round differently in the last bits
+    torch.testing.assert_close(out["old_logp"], expected["old_logp"], atol=1e-5, rtol=1e-5)
+    if with_stops:  # the case must exercise rows finishing (and being dropped) at different steps
+        assert len(set(out["response_mask"].sum(1).tolist())) > 2
+
+
+def test_outputs_can_be_trained_on(model, engine):
+    # The sampler decodes in inference mode; its outputs must still be ordinary tensors, or a
+    # training forward that saves them for backward (the embedding's indices) would fail.
+    ids, mask = left_padded_prompts([4, 6], seed=14)
+    out = engine.generate((ids, mask), SamplingParams(n=2, max_new_tokens=5, seed=0, stop_token_ids=(7,)))
+    assert not any(out[key].is_inference() for key in ("responses", "response_mask", "old_logp", "input_ids"))
+    trained = tiny_model(seed=0).train()
+    logits = trained(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits
+    (logits.float().log_softmax(-1).mean() * out["old_logp"].sum()).backward()
+    assert trained.model.embed_tokens.weight.grad is not None
+
+
+def test_eager_attention_equals_naive():
+    model = tiny_model(seed=1)
+    model.config._attn_implementation = "eager"  # the sampler then builds additive masks
+    ids, mask = left_padded_prompts(LENGTHS, seed=12)
+    params = SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=_stops_hit_early(model, ids, mask))
+    out = HFRolloutEngine(model).generate((ids, mask), params)
+    assert torch.equal(out["responses"], naive_greedy(model, ids, mask, 10, stop_token_ids=params.stop_token_ids))
+
+
+def test_sliding_window_shorter_than_the_sequence_is_respected():
+    # A window shorter than prompt + response: the sampler leaves the masks to the model.
+    config = tiny_config("qwen2")
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    torch.manual_seed(2)
+    model = type(tiny_model("qwen2"))(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    ids, mask = left_padded_prompts(LENGTHS, seed=13)
+    out = HFRolloutEngine(model).generate((ids, mask), SamplingParams(greedy=True, max_new_tokens=10))
+    windowed = naive_greedy(model, ids, mask, 10)
+    assert torch.equal(out["responses"], windowed)
+    config.sliding_window = 64  # the same weights attending to everything decode differently
+    assert not torch.equal(naive_greedy(model, ids, mask, 10), windowed)
 
 
 # --------------------------------------------------------------------------- output layout
