@@ -211,7 +211,8 @@ class RolloutConfig(_Section):
     """How responses are sampled."""
 
     engine: str = _f(
-        "hf", "rollout engine (registry in rlflow.engine.rollout; vllm needs a GPU and the vllm package)",
+        "hf",
+        "rollout engine (registry in rlflow.engine.rollout; vllm needs a GPU and the vllm package)",
         choices=list_rollout_engines,
     )
     temperature: float = _f(1.0, "sampling temperature", gt=0.0)
@@ -543,7 +544,8 @@ class RLFlowConfig(_Section):
         if self.placement.use_gpu is False and not engine.supports_device("cpu"):
             on_cpu = [n for n in list_rollout_engines() if get_rollout_engine(n).supports_device("cpu")]
             raise ConfigError(
-                "rollout.engine", f"{self.rollout.engine!r} needs GPUs but placement.use_gpu is false; use one of {on_cpu}"
+                "rollout.engine",
+                f"{self.rollout.engine!r} needs GPUs but placement.use_gpu is false; use one of {on_cpu}",
             )
 
 
