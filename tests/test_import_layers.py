@@ -27,6 +27,7 @@ import rlflow
 
 LAYERS = (
     "protocol",
+    "fields",
     "strategy",
     "rendezvous",
     "families",

@@ -13,31 +13,18 @@ form of the trainer's ``_f`` fields.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
 from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.dataflow.algorithms import DEFAULT_REF_EMA_ETA, get_algorithm, list_algorithms
+from rlflow.fields import declared_field
 
 __all__ = ["DPO_LOSSES", "AlgorithmParams", "estimator_reads"]
 
 DPO_LOSSES = ("sigmoid", "ipo")
-
-
-def _param(
-    default: Any,
-    help: str,
-    *,
-    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt})
 
 
 def estimator_reads(estimator: str, key: str) -> bool:
@@ -54,38 +41,42 @@ def estimator_reads(estimator: str, key: str) -> bool:
 class AlgorithmParams:
     """What is optimised: the algorithm, its advantage estimator and loss coefficients."""
 
-    name: str = _param("grpo", "training algorithm; decides the dataflow graph", choices=list_algorithms)
-    adv_estimator: str | None = _param(
+    name: str = declared_field("grpo", "training algorithm; decides the dataflow graph", choices=list_algorithms)
+    adv_estimator: str | None = declared_field(
         None, "null: the algorithm's (ppo: gae, grpo: grpo...)", choices=list_adv_estimators
     )
-    policy_loss: str = _param(
+    policy_loss: str = declared_field(
         "ppo", "policy-gradient loss (registry in rlflow.algos.losses)", choices=list_policy_losses
     )
-    n_samples: int = _param(8, "responses sampled per prompt (the GRPO/RLOO group size)", ge=1)
-    gamma: float = _param(1.0, "discount factor of GAE / discounted returns", ge=0.0, le=1.0)
-    lam: float = _param(1.0, "GAE lambda", ge=0.0, le=1.0)
-    clip_ratio_low: float = _param(0.2, "PPO clip: ratio kept above 1 - clip_ratio_low", gt=0.0, lt=1.0)
-    clip_ratio_high: float = _param(0.2, "PPO clip: ratio kept below 1 + clip_ratio_high (DAPO clip-higher)", gt=0.0)
-    dual_clip_c: float | None = _param(None, "dual-clip bound c for negative advantages; null: off", gt=1.0)
-    entropy_coef: float = _param(0.0, "weight of the entropy bonus in the policy loss", ge=0.0)
-    kl_coef: float = _param(0.0, "weight of KL(actor || ref); 0 disables the reference model's KL", ge=0.0)
-    kl_estimator: str = _param("k3", "per-token KL estimator", choices=KL_ESTIMATORS)
-    kl_in_reward: bool | None = _param(
+    n_samples: int = declared_field(8, "responses sampled per prompt (the GRPO/RLOO group size)", ge=1)
+    gamma: float = declared_field(1.0, "discount factor of GAE / discounted returns", ge=0.0, le=1.0)
+    lam: float = declared_field(1.0, "GAE lambda", ge=0.0, le=1.0)
+    clip_ratio_low: float = declared_field(0.2, "PPO clip: ratio kept above 1 - clip_ratio_low", gt=0.0, lt=1.0)
+    clip_ratio_high: float = declared_field(
+        0.2, "PPO clip: ratio kept below 1 + clip_ratio_high (DAPO clip-higher)", gt=0.0
+    )
+    dual_clip_c: float | None = declared_field(None, "dual-clip bound c for negative advantages; null: off", gt=1.0)
+    entropy_coef: float = declared_field(0.0, "weight of the entropy bonus in the policy loss", ge=0.0)
+    kl_coef: float = declared_field(0.0, "weight of KL(actor || ref); 0 disables the reference model's KL", ge=0.0)
+    kl_estimator: str = declared_field("k3", "per-token KL estimator", choices=KL_ESTIMATORS)
+    kl_in_reward: bool | None = declared_field(
         None,
         "true: subtract kl_coef*KL from the token rewards; false: add a KL loss; null: the algorithm's "
         "(reinforce_pp: true, others: false)",
     )
-    kl_target: float | None = _param(None, "target KL of the adaptive controller; null: fixed kl_coef", gt=0.0)
-    kl_horizon: int = _param(10000, "horizon (in samples) of the adaptive KL controller", ge=1)
-    loss_agg_mode: str = _param("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
-    norm_adv_by_std: bool = _param(True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)")
-    value_clip: float | None = _param(0.5, "clip of value predictions around the old values; null: off", gt=0.0)
-    vf_coef: float = _param(0.5, "weight of the value loss in the critic's loss", gt=0.0)
-    n_minibatches: int = _param(1, "optimizer steps per epoch over one batch (PPO mini-batches)", ge=1)
-    ppo_epochs: int = _param(1, "passes over each batch of samples", ge=1)
-    dpo_beta: float = _param(0.1, "DPO inverse temperature beta", gt=0.0)
-    dpo_loss: str = _param("sigmoid", "DPO loss variant", choices=DPO_LOSSES)
-    ema_eta: float = _param(
+    kl_target: float | None = declared_field(None, "target KL of the adaptive controller; null: fixed kl_coef", gt=0.0)
+    kl_horizon: int = declared_field(10000, "horizon (in samples) of the adaptive KL controller", ge=1)
+    loss_agg_mode: str = declared_field("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
+    norm_adv_by_std: bool = declared_field(
+        True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)"
+    )
+    value_clip: float | None = declared_field(0.5, "clip of value predictions around the old values; null: off", gt=0.0)
+    vf_coef: float = declared_field(0.5, "weight of the value loss in the critic's loss", gt=0.0)
+    n_minibatches: int = declared_field(1, "optimizer steps per epoch over one batch (PPO mini-batches)", ge=1)
+    ppo_epochs: int = declared_field(1, "passes over each batch of samples", ge=1)
+    dpo_beta: float = declared_field(0.1, "DPO inverse temperature beta", gt=0.0)
+    dpo_loss: str = declared_field("sigmoid", "DPO loss variant", choices=DPO_LOSSES)
+    ema_eta: float = declared_field(
         DEFAULT_REF_EMA_ETA, "ppo_ema: weight of the actor in the reference's moving average per step", gt=0.0, le=1.0
     )
 

@@ -8,13 +8,12 @@ Every config dataclass in :mod:`rlflow.trainer.config` declares its fields with 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Sequence
-from dataclasses import field
 from typing import Any
+
+from rlflow.fields import declared_field
 
 __all__ = ["ConfigError"]
 
@@ -43,25 +42,7 @@ class ConfigError(ValueError):
 # --- Field declarations: default + one-line help + allowed values, checked by _check_fields. ---
 
 
-def _f(
-    default: Any,
-    help: str,
-    *,
-    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-) -> Any:
-    """A dataclass field with its documentation and constraints in ``metadata``.
-
-    ``choices`` may be a callable so that registries users extend (advantage estimators,
-    policy losses) are read when a config is validated, not when this module is imported.
-    """
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return field(default=default, metadata=meta)
+_f = declared_field  # the short name every config section declares its fields with
 
 
 def _choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
