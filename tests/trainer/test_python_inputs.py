@@ -182,7 +182,8 @@ def test_prompt_rows_carry_every_field():
 
 
 def test_datasets_dataset_rows_keep_their_columns(tmp_path, no_ray):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # in the test extra: the optional input type is tested for real
+
     trainer = make(tmp_path, train_dataset=datasets.Dataset.from_list(ROWS))
     assert trainer.data.columns == ("prompt", "label", "weight")
 
