@@ -17,6 +17,15 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 RAY_NUM_CPUS = 16
 
 
+@pytest.fixture(autouse=True)
+def algorithm_registry(monkeypatch):
+    """Every test sees the shipped algorithms only: whatever one registers (``Trainer(algorithm=record)``
+    registers its record) is gone after it, so tests that read the registry do not depend on order."""
+    from rlflow.dataflow import algorithms
+
+    monkeypatch.setattr(algorithms, "_ALGORITHMS", dict(algorithms._ALGORITHMS))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def rlflow_cache_dir(tmp_path_factory):
     """rlflow's cache (machine profiles) in the session's temporary directory: tests neither write

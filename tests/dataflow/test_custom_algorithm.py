@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from recipes.a2c_custom import A2C, main
-from rlflow.dataflow import algorithms, register_algorithm
+from rlflow.dataflow import register_algorithm
 from rlflow.planner.model_spec import model_preset
 from rlflow.trainer.build import build_dataflow, row_group_size
 from rlflow.trainer.config import ConfigError, load_config
@@ -58,14 +58,8 @@ def digit_share(prompts: list[str], completions: list[str], **columns) -> list[f
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """The algorithm registry of one test: whatever a test registers is gone afterwards."""
-    monkeypatch.setattr(algorithms, "_ALGORITHMS", dict(algorithms._ALGORITHMS))
-
-
-@pytest.fixture
-def a2c(registry):
-    """A2C registered for one test."""
+def a2c():
+    """A2C registered for one test (tests/conftest.py restores the registry after each test)."""
     return register_algorithm(A2C)
 
 
@@ -98,7 +92,7 @@ def test_build_dataflow_and_the_heuristic_planner_place_its_calls(a2c):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_the_recipe_trains_the_actor_and_the_critic(registry, ray_session, tmp_path):
+def test_the_recipe_trains_the_actor_and_the_critic(ray_session, tmp_path):
     result = main([*TINY_RUN, f"logging.dir={tmp_path}"], reward_funcs=[digit_share])
 
     assert result.steps == STEPS
