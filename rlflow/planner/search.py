@@ -238,8 +238,9 @@ def _drive(
                 return "budget", best_step
             until = min(max_steps or steps + chunk, steps + chunk) if bounded else 0
             native.run(until, 0.0 if left_s is None else min(slice_seconds, left_s))
-            if native.top()[0][0] < best:
-                best, best_step = native.top()[0][0], native.min_steps
+            cost = native.top()[0][0]
+            if cost < best:
+                best, best_step = cost, native.min_steps
             bar.n = min(seconds, round(time.perf_counter() - t0, 1)) if seconds is not None else native.min_steps
             bar.set_postfix_str(f"best {best:.4g} s/iter", refresh=True)
 
