@@ -50,7 +50,7 @@ def default_profile_path() -> Path:
 
 def profile_cache_key(identity: Mapping[str, Any], shapes: Mapping[str, Any]) -> str:
     """The name of a cached profile: a hash of everything its timings depend on — the measuring
-    host's ``identity`` (hostname, CPU model, cores, torch version, device, threads) and the
+    host's ``identity`` (hostname, CPU model, cores, torch version, device) and the
     ``shapes`` it measured — and of :data:`PROFILE_VERSION`, so a profile of another format is
     never looked up.
 
