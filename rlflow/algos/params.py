@@ -27,14 +27,15 @@ __all__ = ["DPO_LOSSES", "AlgorithmParams", "estimator_reads"]
 DPO_LOSSES = ("sigmoid", "ipo")
 
 
-def estimator_reads(estimator: str, key: str) -> bool:
+def estimator_reads(estimator: str | None, key: str) -> bool:
     """Whether advantage estimator ``estimator`` takes input ``key`` (``"values"``: it needs a
     critic; ``"index"``: it compares the samples of a prompt, which must then share a dp rank).
+    ``None`` (an algorithm that samples nothing) reads nothing.
 
-    >>> estimator_reads("gae", "values"), estimator_reads("grpo", "index")
-    (True, True)
+    >>> estimator_reads("gae", "values"), estimator_reads("grpo", "index"), estimator_reads(None, "index")
+    (True, True, False)
     """
-    return key in inspect.signature(get_adv_estimator(estimator)).parameters
+    return estimator is not None and key in inspect.signature(get_adv_estimator(estimator)).parameters
 
 
 @dataclass(frozen=True)

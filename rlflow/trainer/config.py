@@ -453,14 +453,12 @@ class RLFlowConfig(_Section):
 
     def needs_critic(self) -> bool:
         """The advantage estimator reads values (GAE): a critic computes them."""
-        estimator = self.algorithm.resolved_adv_estimator
-        return estimator is not None and estimator_reads(estimator, "values")
+        return estimator_reads(self.algorithm.resolved_adv_estimator, "values")
 
     def row_group_size(self) -> int:
         """Rows that must share a dp rank (:meth:`rlflow.dataflow.algorithms.Algorithm.row_group_size`)."""
-        algo, estimator = self.algorithm, self.algorithm.resolved_adv_estimator
-        group_relative = estimator is not None and estimator_reads(estimator, "index")
-        return algo.record.row_group_size(algo.n_samples, group_relative)
+        algo = self.algorithm
+        return algo.record.row_group_size(algo.n_samples, estimator_reads(algo.resolved_adv_estimator, "index"))
 
     def required_models(self) -> tuple[str, ...]:
         """The roles the algorithm uses, in ``MODEL_ROLES`` order; other configured models are not built."""
@@ -502,7 +500,7 @@ class RLFlowConfig(_Section):
             raise ConfigError("algorithm.adv_estimator", f"algorithm {algo.name!r} needs an estimator")
         estimator = algo.resolved_adv_estimator
         # Estimators that compare the responses of one prompt need at least two of them.
-        if estimator is not None and estimator_reads(estimator, "index") and algo.n_samples < 2:
+        if estimator_reads(estimator, "index") and algo.n_samples < 2:
             raise ConfigError(
                 "algorithm.n_samples", f"{algo.n_samples}; the {algo.resolved_adv_estimator} estimator needs >= 2"
             )
