@@ -32,15 +32,15 @@ import heapq
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+from rlflow.files import write_atomic
 
 __all__ = ["DataProto", "balanced_partition", "restore_order"]
 
@@ -395,17 +395,7 @@ class DataProto:
         from safetensors.torch import save as st_save
 
         payload = st_save(tensors, metadata={_FORMAT: json.dumps(header)})
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, payload, fsync=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DataProto:

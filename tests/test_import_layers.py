@@ -26,6 +26,7 @@ import pytest
 import rlflow
 
 LAYERS = (
+    "files",
     "protocol",
     "fields",
     "strategy",

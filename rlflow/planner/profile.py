@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import socket
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from rlflow.files import write_atomic
 from rlflow.planner.cluster import ClusterSpec
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import BACKWARD_FLOPS_FACTOR, Rates, layer_work
@@ -302,23 +302,6 @@ class MachineProfile:
             elapsed_s=float(data.get("elapsed_s", 0.0)),
             **timings,
         )
-
-
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` (creating its directory) through a file next to it renamed onto
-    it, so that a reader (another run sharing the cache) sees the old file or the new one, never
-    half of one; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def save_profile(profile: MachineProfile, path: str | Path) -> Path:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from rlflow.files import write_atomic
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import (
     PROFILE_VERSION,
@@ -43,7 +44,6 @@ from rlflow.planner.profile import (
     load_profile,
     profile_cache_key,
     save_profile,
-    write_atomic,
 )
 
 # Layer shapes and sizes profiled per device kind: (batch, seq) for forward/backward,
