@@ -24,26 +24,18 @@ from rlflow.planner.model_spec import model_preset
 from rlflow.trainer.build import build_dataflow, row_group_size
 from rlflow.trainer.config import ConfigError, load_config
 from rlflow.trainer.placement import plan_placement
+from tests.trainer.recipe_helpers import QUICK_FIT, TINY_ACTOR
 
 COPIES = [f"models.critic.{k}" for k in ("init=copy", "init_from=actor")]
 STEPS = 2
 # The recipe shrunk to two steps of 4 prompts on one CPU worker: a 2-layer, 64-wide actor, no warm-up.
 TINY_RUN = [
-    *(f"models.actor.{o}" for o in ("hidden_size=64", "intermediate_size=128", "num_layers=2", "num_kv_heads=2")),
-    "models.actor.lr=1e-3",
+    *TINY_ACTOR,
     "algorithm.reward_fn=null",  # scored by digit_share instead
     f"trainer.total_steps={STEPS}",
-    "trainer.eval_every=0",
     "trainer.eval_before_train=false",
     "trainer.max_wall_seconds=null",
-    "warmup.steps=0",
-    "data.batch_size=4",
-    "data.eval_size=4",
-    "placement.mode=heuristic",
-    "placement.devices_per_node=1",
-    "placement.profile=false",
-    "logging.console=false",
-    "logging.tensorboard=false",
+    *QUICK_FIT,
 ]
 
 

@@ -1,4 +1,5 @@
-"""Overrides shared by the trainer tests: the GRPO recipe shrunk to a one-step run, and turned into PPO."""
+"""Overrides shared by the tests that run recipes: the GRPO recipe shrunk to a one-step run, a
+few-step run on one worker, and the recipe turned into PPO."""
 
 # One step of warm-up and of GRPO on a 2-layer, 64-wide model: seconds of compute.
 TINY = [
@@ -35,4 +36,21 @@ PPO_FROM_GRPO = [
     "models.critic.init=copy",
     "models.critic.init_from=actor",
     "models.critic.lr=1e-3",
+]
+
+# A few steps on one CPU worker with no warm-up, planning or profile: a 2-layer, 64-wide actor.
+TINY_ACTOR = [
+    f"models.actor.{o}"
+    for o in ("hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=4", "num_kv_heads=2", "lr=1e-3")
+]
+QUICK_FIT = [
+    "trainer.eval_every=0",
+    "warmup.steps=0",
+    "data.batch_size=4",
+    "data.eval_size=4",
+    "placement.mode=heuristic",
+    "placement.devices_per_node=1",
+    "placement.profile=false",
+    "logging.console=false",
+    "logging.tensorboard=false",
 ]

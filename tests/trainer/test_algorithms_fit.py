@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_helpers import PPO_FROM_GRPO
+from recipe_helpers import PPO_FROM_GRPO, QUICK_FIT, TINY_ACTOR
 from safetensors.torch import load_file
 
 from rlflow.dataflow import get_algorithm, list_algorithms
@@ -24,21 +24,8 @@ from rlflow.trainer import Trainer, load_config
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 STEPS = 2
 TINY_MODEL = ["hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=4", "num_kv_heads=2"]
-COMMON = [
-    f"trainer.total_steps={STEPS}",
-    "trainer.eval_every=0",
-    "warmup.steps=0",
-    "data.batch_size=4",
-    "data.eval_size=4",
-    "placement.mode=heuristic",
-    "placement.devices_per_node=1",
-    "placement.profile=false",
-    "logging.console=false",
-    "logging.tensorboard=false",
-    "checkpoint.save_final=true",
-    "checkpoint.save_hf=true",
-]
-ACTOR = [f"models.actor.{o}" for o in TINY_MODEL] + ["models.actor.lr=1e-3"]
+COMMON = [f"trainer.total_steps={STEPS}", *QUICK_FIT, "checkpoint.save_final=true", "checkpoint.save_hf=true"]
+ACTOR = TINY_ACTOR
 
 # recipe, overrides on top of COMMON. An untrained model scores 0 on every response, so the
 # critic-free estimators give zero advantages; their entropy bonus moves the weights all the same.

@@ -117,7 +117,8 @@ WANDB_BLOCK = 32768
 
 
 def test_wandb_offline_run_holds_the_config_and_every_step(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    import wandb  # noqa: F401  (in the test extra: a missing package fails, it does not skip)
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = LoggingConfig(console=False, jsonl=False, tensorboard=False, wandb=True, project="p")
@@ -133,7 +134,8 @@ def test_wandb_offline_run_holds_the_config_and_every_step(tmp_path, monkeypatch
 
 
 def test_mlflow_run_holds_the_params_and_every_finite_step(tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    import mlflow  # in the test extra: a missing package fails, it does not skip
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     cfg = LoggingConfig(console=False, jsonl=False, tensorboard=False, mlflow=True, project="p")

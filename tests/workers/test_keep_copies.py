@@ -34,6 +34,7 @@ from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
+from tests.trainer.recipe_helpers import QUICK_FIT, TINY_ACTOR
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -259,21 +260,11 @@ def test_null_keep_copies_follows_the_planners_memory_model(capsys):
 
 FIT = [
     "trainer.total_steps=2",
-    "trainer.eval_every=0",
-    "warmup.steps=0",
-    "data.batch_size=4",
-    "data.eval_size=4",
-    "placement.mode=heuristic",
-    "placement.devices_per_node=1",
-    "placement.profile=false",
-    "logging.console=false",
-    "logging.tensorboard=false",
+    *QUICK_FIT,
     "checkpoint.save_final=true",
     "algorithm.n_samples=2",
     "algorithm.entropy_coef=0.1",
-    *(f"models.actor.{o}" for o in ("hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=4")),
-    "models.actor.num_kv_heads=2",
-    "models.actor.lr=1e-3",
+    *TINY_ACTOR,
 ]
 
 
