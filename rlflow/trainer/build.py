@@ -354,12 +354,6 @@ def kept_copies(
     return kept
 
 
-def row_group_size(cfg: RLFlowConfig) -> int:
-    """Rows that must share a dp rank: a prompt's samples for group-relative estimators (and
-    ReMax), a (chosen, rejected) pair for DPO and reward modelling (:meth:`RLFlowConfig.row_group_size`)."""
-    return cfg.row_group_size()
-
-
 def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> dict[str, CallPlacement]:
     """The placements with the ranks of each call's pre/post hooks, as the workers define them."""
     return {name: replace(c, hook_ranks=setup.hook_ranks(name)) for name, c in calls.items()}

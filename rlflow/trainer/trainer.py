@@ -174,7 +174,7 @@ class Trainer:
         started = time.perf_counter()
         self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu)
         self._record_startup("workers_s", started)
-        group_size = build.row_group_size(cfg)
+        group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
         self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
         extra = {n: c for n, c in calls.items() if n not in self.placement.calls}

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from recipes.a2c_custom import A2C, main
 from rlflow.dataflow import register_algorithm
 from rlflow.planner.model_spec import model_preset
-from rlflow.trainer.build import build_dataflow, row_group_size
+from rlflow.trainer.build import build_dataflow
 from rlflow.trainer.config import ConfigError, load_config
 from rlflow.trainer.placement import plan_placement
 from tests.trainer.recipe_helpers import QUICK_FIT, TINY_ACTOR
@@ -59,7 +59,7 @@ def test_config_validation_reads_the_new_record(a2c):
     cfg = load_config(None, ["algorithm.name=a2c", "algorithm.kl_coef=0.1", *COPIES])
     assert cfg.algorithm.resolved_adv_estimator == "gae"
     assert cfg.required_models() == ("actor", "critic")  # ref="never": no reference for the KL weight
-    assert cfg.is_trainable("critic") and row_group_size(cfg) == 1
+    assert cfg.is_trainable("critic") and cfg.row_group_size() == 1
     with pytest.raises(ConfigError, match="missing: algorithm 'a2c' needs a critic model"):
         load_config(None, ["algorithm.name=a2c"])
 
