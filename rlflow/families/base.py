@@ -254,8 +254,10 @@ class ModelFamily:
 
     def layer_param_shapes(self, config: Any, layer: int) -> dict[str, tuple[int, ...]]:
         """Full HF names and shapes of the parameters of decoder layer ``layer``, in registration order."""
+        return self._prefixed(layer, self.layer_shapes(self.dims(config), self.features(config)))
+
+    def _prefixed(self, layer: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         prefix = f"{self.layers_module}.{layer}."
-        shapes = self.layer_shapes(self.dims(config), self.features(config))
         return {prefix + name: shape for name, shape in shapes.items()}
 
     def head_param_shapes(self, config: Any, head: str = "lm") -> dict[str, tuple[int, ...]]:
@@ -286,7 +288,8 @@ class ModelFamily:
         """
         dims = self.dims(config)
         items = [("embed", {self.embed_name: (dims.vocab_size, dims.hidden_size)})]
-        items += [(f"layer.{i}", self.layer_param_shapes(config, i)) for i in range(dims.num_layers)]
+        shapes = self.layer_shapes(dims, self.features(config))  # the same for every layer
+        items += [(f"layer.{i}", self._prefixed(i, shapes)) for i in range(dims.num_layers)]
         items.append(("norm", {f"{self.norm_module}.weight": (dims.hidden_size,)}))
         items.append(("head", self.head_param_shapes(config, head)))
         return items

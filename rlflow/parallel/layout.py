@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from rlflow.families import family_of
+from rlflow.families import ModelFamily, family_of
 from rlflow.strategy import ParallelStrategy, RankCoords
 
 # A box is a rectangular slice of a full parameter: one half-open [start, stop) per tensor dim.
@@ -204,12 +204,14 @@ class ParamSpec:
         return _numel(self.shape)
 
 
-def _tp_dim(config: Any, name: str, tp: int) -> int | None:
-    """The tensor dim ``apply_tp`` shards parameter ``name`` along, or ``None`` when it is replicated."""
-    family = family_of(config)
+def _tp_dim(family: ModelFamily, name: str, kv_split: bool) -> int | None:
+    """The tensor dim ``apply_tp`` shards parameter ``name`` along, or ``None`` when it is replicated.
+
+    ``kv_split``: tp divides the kv heads (else the family's kv modules are replicated).
+    """
     module, _, leaf = name.rpartition(".")
     kind = family.tp_kind(module)
-    if family.is_kv_module(module) and family.dims(config).num_kv_heads % tp != 0:
+    if not kv_split and family.is_kv_module(module):
         return None  # kv heads cannot be split evenly: every tp rank keeps all of them
     if kind in ("vocab", "colwise"):
         return 0  # vocabulary rows; output features of a column-parallel linear (weight and bias)
@@ -229,17 +231,19 @@ def model_param_specs(config: Any, tp: int = 1, head: str = "lm") -> tuple[Param
     Returns:
         Parameters in model order; a tied embedding appears once, with items ``("embed", "head")``.
     """
-    num_heads = family_of(config).dims(config).num_heads
-    if tp < 1 or num_heads % tp != 0:
-        raise ValueError(f"tp={tp} does not divide num_attention_heads={num_heads}")
+    family = family_of(config)
+    dims = family.dims(config)
+    if tp < 1 or dims.num_heads % tp != 0:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads={dims.num_heads}")
+    kv_split = dims.num_kv_heads % tp == 0
     specs: dict[str, ParamSpec] = {}
-    for item, shapes in item_param_shapes(config, head):
+    for item, shapes in family.item_param_shapes(config, head):
         for name, shape in shapes.items():
             if name in specs:  # the tied embedding, seen again as the head
                 old = specs[name]
                 specs[name] = ParamSpec(name, old.shape, (*old.items, item), old.tp_dim)
             else:
-                specs[name] = ParamSpec(name, tuple(shape), (item,), _tp_dim(config, name, tp))
+                specs[name] = ParamSpec(name, tuple(shape), (item,), _tp_dim(family, name, kv_split))
     return tuple(specs.values())
 
 
