@@ -155,8 +155,9 @@ def _choose_synced(logits, params, generator, tp_group) -> torch.Tensor:
     return tokens
 
 
-def _builds_own_masks(model: nn.Module, total_len: int) -> bool:
-    """Whether the decode masks can be built once here rather than by the model at every step.
+def _mask_kind(model: nn.Module, total_len: int) -> str:
+    """``"sdpa"`` or ``"eager"`` when the decode masks can be built once here rather than by the
+    model at every step, else ``"hf"``.
 
     They can when every layer attends causally over the whole sequence — full attention, or a
     sliding window at least as long as ``total_len`` — through sdpa or eager attention, whose
@@ -164,19 +165,20 @@ def _builds_own_masks(model: nn.Module, total_len: int) -> bool:
     attention kinds (flash, flex, chunked or linear layers) get a 2-D mask and build their own.
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        return False
+    kind = getattr(config, "_attn_implementation", None)
+    if kind not in ("sdpa", "eager"):
+        return "hf"
     if set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}:
-        return False
+        return "hf"
     window = getattr(config, "sliding_window", None)
-    return window is None or total_len <= window
+    return kind if window is None or total_len <= window else "hf"
 
 
 class _DecodeMasks:
     """Attention masks of all decode steps, allocated once; step ``s`` takes a view of them.
 
     Building the mask inside the model costs about half a decoder layer per step at small sizes,
-    so where :func:`_builds_own_masks` allows it the masks are what the model would have built:
+    so where :func:`_mask_kind` allows it the masks are what the model would have built:
     sdpa gets the bool padding mask ``(N, 1, 1, P+R)`` (None when no row has padding, which is
     what sdpa sees from the model then), eager the additive one. Otherwise the model gets the
     2-D ``(N, P+R)`` mask and builds its own.
@@ -192,7 +194,7 @@ class _DecodeMasks:
         self._prompt_len = prompt_len
         self._prompt_mask = prompt_mask.bool()
         full = torch.cat([self._prompt_mask, self._prompt_mask.new_ones(num_rows, max_new_tokens)], dim=1)
-        self._kind = model.config._attn_implementation if _builds_own_masks(model, full.shape[1]) else "hf"
+        self._kind = _mask_kind(model, full.shape[1])
         if self._kind == "sdpa":
             self._mask = full[:, None, None, :]
         elif self._kind == "eager":
