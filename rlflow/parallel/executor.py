@@ -86,7 +86,7 @@ class ParamViews(Protocol):
         ...
 
 
-def module_param_tensors(module: nn.Module | ParamViews, tied: bool | None = None) -> dict[str, list[torch.Tensor]]:
+def module_param_tensors(module: nn.Module | ParamViews) -> dict[str, list[torch.Tensor]]:
     """This rank's local parameter tensors of ``module``, keyed by layout (canonical HF) names.
 
     FSDP2 modules are resharded first, so FSDP parameters are read/written as their sharded
@@ -96,7 +96,6 @@ def module_param_tensors(module: nn.Module | ParamViews, tied: bool | None = Non
     Args:
         module: an HF model, a pipeline stage of one, TP/FSDP2-parallelized or plain; or a
             :class:`ParamViews` engine, whose ``param_tensors()`` is returned as is.
-        tied: whether ``lm_head.weight`` is the tied embedding; from ``module.config`` if None.
 
     Returns:
         ``{name: [local tensors]}``; writes into these tensors change the module's parameters.
@@ -112,9 +111,12 @@ def module_param_tensors(module: nn.Module | ParamViews, tied: bool | None = Non
             sub.reshard()
     config = getattr(module, "config", None)
     family = family_of(config) if config is not None else None
-    if tied is None:
-        has_head = family is not None and hasattr(module, family.lm_head_module.split(".")[0])
-        tied = bool(getattr(config, "tie_word_embeddings", False)) and has_head
+    # The LM head is the tied embedding: the config says so and the module has an LM head.
+    tied = (
+        family is not None
+        and bool(getattr(config, "tie_word_embeddings", False))
+        and hasattr(module, family.lm_head_module.split(".")[0])
+    )
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, param in module.named_parameters(remove_duplicate=False):
         local = _local(param.data)
