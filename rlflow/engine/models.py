@@ -20,6 +20,7 @@ checkpoint under the final name.
 from __future__ import annotations
 
 import copy
+import inspect
 import shutil
 import tempfile
 import uuid
@@ -38,6 +39,7 @@ from transformers.utils import logging as hf_logging
 from rlflow.engine.packing import position_ids_from_mask
 
 __all__ = [
+    "cache_kwarg",
     "build_value_model",
     "compute_values",
     "init_value_model_from_lm",
@@ -48,6 +50,12 @@ __all__ = [
 ]
 
 _VALUE_HEAD_KEYS = ("score.weight", "score.bias")
+
+
+def cache_kwarg(fn) -> str:
+    """The name ``fn`` (a model's ``forward``, HF's mask builders) takes the KV cache under:
+    ``cache`` in newer transformers, ``past_key_values`` before (``pyproject`` admits both)."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

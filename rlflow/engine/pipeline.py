@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rlflow.engine.attention import check_varlen_implementation, varlen_kwargs
+from rlflow.engine.models import cache_kwarg
 from rlflow.families import family_of
 from rlflow.parallel.layout import pipeline_stages
 
@@ -161,9 +162,9 @@ class DecoderStage(nn.Module):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            cache=None,
             position_ids=position_ids,
         )
+        kwargs[cache_kwarg(create_causal_mask)] = None  # no KV cache: whole sequences
         masks = {}
         if "full_attention" in self.layer_types:
             masks["full_attention"] = create_causal_mask(**kwargs)

@@ -320,11 +320,14 @@ def _decode_step(config, model, batch: int, context: int, device: str):
     import torch
     from transformers.cache_utils import DynamicCache
 
+    from rlflow.engine.models import cache_kwarg
+
     ids = torch.randint(config.vocab_size, (batch, context), device=device)
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
     cache = DynamicCache(config=config)
+    cached = {cache_kwarg(model.forward): cache}  # the name this transformers takes the cache under
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask[:, :-1], **cached, use_cache=True)
     new, pos = ids[:, -1:], torch.full((batch, 1), context, device=device)
 
     @torch.no_grad()
@@ -333,7 +336,7 @@ def _decode_step(config, model, batch: int, context: int, device: str):
             input_ids=new,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=cache,
+            **cached,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -363,6 +366,8 @@ def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync
     import torch
     from transformers.cache_utils import DynamicCache
 
+    from rlflow.engine.models import cache_kwarg
+
     config, layer, rope, model = parts
     if kind == "model_decode":
         return _timed(_decode_step(config, model, batch, seq, device), 5, sync)
@@ -384,13 +389,14 @@ def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync
             fwd = _timed(lambda: layer(x, position_embeddings=pe), 2, sync)
         return max(_timed(step, 2, sync) - fwd, 1e-9)
     cache = DynamicCache(config=config)
+    cached = {cache_kwarg(layer.forward): cache}
     with torch.no_grad():
-        layer(x, position_embeddings=pe, past_key_values=cache, use_cache=True)
+        layer(x, position_embeddings=pe, **cached, use_cache=True)
         new = torch.randn(batch, 1, h, device=device, dtype=dtype)
         pe1 = rope(new, torch.full((batch, 1), seq, device=device))
 
         def decode():
-            layer(new, position_embeddings=pe1, past_key_values=cache, use_cache=True)
+            layer(new, position_embeddings=pe1, **cached, use_cache=True)
             cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
 
         return _timed(decode, 5, sync)

@@ -32,7 +32,6 @@ number of collectives). Greedy decoding gives the same tokens under every (dp, t
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
@@ -43,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from rlflow.engine.models import cache_kwarg
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import (
     PER_CALL,
@@ -127,16 +127,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    """The forward's name for the KV cache: ``cache`` in newer transformers, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _next_logits(
-    model: nn.Module, cache_kwarg: str, cache: DynamicCache, **inputs: torch.Tensor | None
-) -> torch.Tensor:
+def _next_logits(model: nn.Module, cache_name: str, cache: DynamicCache, **inputs: torch.Tensor | None) -> torch.Tensor:
     """``(N, V)`` float32 logits of the last position, extending ``cache``."""
-    out = model(**inputs, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+    out = model(**inputs, **{cache_name: cache}, use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]
     if isinstance(logits, DTensor):  # a head left vocabulary-sharded: gather the full vocabulary
         logits = logits.full_tensor()
@@ -271,12 +264,12 @@ def _decode(
     """The prefill and decoding loop of :func:`sample_responses`, writing its three outputs in place."""
     n, max_new, num_rows, device = params.n, params.max_new_tokens, responses.shape[0], input_ids.device
     temperature = 1.0 if params.greedy else params.temperature
-    cache_kwarg = _cache_kwarg(model)
+    cache_name = cache_kwarg(model.forward)
 
     cache = DynamicCache(config=model.config)
     position_ids = position_ids_from_mask(attention_mask)
     logits = _next_logits(
-        model, cache_kwarg, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        model, cache_name, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
     )
     if n > 1:  # one prefill per prompt, then n copies of its cache
         cache.batch_repeat_interleave(n)
@@ -291,7 +284,7 @@ def _decode(
             if step == max_new - 1:
                 break
             logits = _next_logits(
-                model, cache_kwarg, cache, input_ids=tokens[:, None], attention_mask=masks.step(step),
+                model, cache_name, cache, input_ids=tokens[:, None], attention_mask=masks.step(step),
                 position_ids=next_pos,
             )  # fmt: skip
             next_pos = next_pos + 1
@@ -317,7 +310,7 @@ def _decode(
             masks.select(keep)
             rows, alive, next_pos, tokens = rows[keep], alive[keep], next_pos[keep], tokens[keep]
         logits = _next_logits(
-            model, cache_kwarg, cache, input_ids=tokens[:, None], attention_mask=masks.step(step), position_ids=next_pos
+            model, cache_name, cache, input_ids=tokens[:, None], attention_mask=masks.step(step), position_ids=next_pos
         )
         next_pos = next_pos + 1
 
