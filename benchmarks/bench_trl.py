@@ -1,0 +1,341 @@
+"""rlflow against TRL's ``GRPOTrainer`` on the same GRPO tasks: completions/s, start-up, reward per sample.
+
+Issue 12's goal: on the 2-core machine, rlflow's default setup delivers at least 2x the
+completions per second of TRL's ``GRPOTrainer`` (its faster of 1 and 2 torch threads) on the
+same tiny-model GRPO task, learning at least as well per sample. Both trainers run the tasks
+of :data:`benchmarks.grpo_tasks.TASKS` from the same initial weights (one model built with
+``build_tiny_model`` and saved with rlflow's character tokenizer), the arithmetic task's
+train prompts and the ``numeric_match`` rule, each in a process of its own, interleaved:
+
+* **TRL**: ``benchmarks/trl_grpo.py`` in a venv of its own (``.venv-trl/``, made on first use:
+  the main venv's torch and transformers versions, then :data:`TRL_REQUIREMENT`), with 1 and
+  with 2 torch threads;
+* **rlflow**: ``benchmarks/rlflow_grpo.py`` in this venv, ``Trainer(config).fit()`` with the
+  default placement on two CPU worker processes, and again with ``algorithm.policy_lag: 1``
+  when the config accepts that field (otherwise the record says why it was skipped).
+
+Each run writes event lines (``train_begin``, one ``step`` per optimizer step, ``done``);
+:func:`benchmarks.grpo_tasks.summarize` gives completions/s (first step excluded), step time
+median and p90, start-up seconds and the reward per step. One record per run, one per task
+with ``ratio`` = rlflow's completions/s / TRL's best, and a PNG of the smoothed reward
+against samples seen per task in the output directory.
+
+    python -m benchmarks.run trl
+
+Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main``), ``RLFLOW_BENCH_TRL_TINY_STEPS`` (150),
+``RLFLOW_BENCH_TRL_MAIN_STEPS`` (30), ``RLFLOW_BENCH_TRL_REPEATS`` (1),
+``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.grpo_tasks import TASKS, rlflow_config, smooth, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_REQUIREMENT = "trl==1.16.0"  # the version whose GRPOConfig field names trl_grpo.py uses
+NUM_PROMPTS_FILE = 4096  # distinct train prompts TRL cycles through (rlflow draws from the same split)
+RUN_TIMEOUT_S = 1800
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < 2 and name.endswith("_STEPS"):
+        raise ValueError(f"{name}={value}: the figures need at least 2 steps")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    return value
+
+
+def _env_tasks() -> list[str]:
+    names = [n.strip() for n in os.environ.get("RLFLOW_BENCH_TRL_TASKS", "tiny,main").split(",") if n.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise ValueError(f"RLFLOW_BENCH_TRL_TASKS={names}: expected names among {sorted(TASKS)}")
+    return names
+
+
+# ----------------------------------------------------------------------------- TRL's venv
+
+
+def trl_python() -> Path:
+    """The python of TRL's venv, made on first use with this venv's torch and transformers.
+
+    The venv is remade only when the requirements recorded in it differ from today's.
+    """
+    import torch
+    import transformers
+
+    venv = Path(os.environ.get("RLFLOW_BENCH_TRL_VENV", ROOT / ".venv-trl"))
+    python = venv / "bin" / "python"
+    requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"]
+    requirements.append(TRL_REQUIREMENT)
+    stamp = venv / ".rlflow-bench-requirements"
+    if python.exists() and stamp.is_file() and stamp.read_text().split() == requirements:
+        return python
+    print(f"# making TRL's venv {venv}: {' '.join(requirements)}", file=sys.stderr, flush=True)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, requirements[0]], check=True)  # torch first: its CPU build, as `make install` does
+    subprocess.run([*pip, *requirements], check=True)
+    stamp.write_text(" ".join(requirements) + "\n")
+    return python
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def prepare(task: str, steps: int, workdir: Path) -> dict[str, Any]:
+    """The task's spec with its initial model, tokenizer and prompts written under ``workdir``."""
+    from rlflow.data.tasks import ArithmeticTask
+    from rlflow.data.tiny_models import build_tiny_model
+    from rlflow.data.tokenizer import build_char_tokenizer
+
+    spec = {**TASKS[task], "name": task, "steps": steps}
+    model_dir = workdir / "model"
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        family="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=spec["hidden_size"],
+        num_layers=spec["num_layers"],
+        num_heads=spec["num_heads"],
+        num_kv_heads=spec["num_kv_heads"],
+        intermediate_size=spec["intermediate_size"],
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        seed=spec["seed"],
+    )
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    arithmetic = ArithmeticTask(spec["num_digits"], tuple(spec["ops"]), spec["reverse_answer"], seed=spec["seed"])
+    prompts = workdir / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for example in arithmetic.sample("train", NUM_PROMPTS_FILE, seed=spec["seed"]):
+            f.write(json.dumps({"prompt": example.prompt, "ground_truth": example.ground_truth}) + "\n")
+    return {**spec, "model_dir": str(model_dir), "prompts_file": str(prompts)}
+
+
+def policy_lag_refusal(spec: dict[str, Any]) -> str | None:
+    """None when rlflow's config accepts ``algorithm.policy_lag: 1`` for ``spec``, else the config's error."""
+    from rlflow.trainer.config import ConfigError, load_config
+
+    try:
+        load_config(rlflow_config(spec, tempfile.gettempdir(), policy_lag=1))
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def run_side(side: str, spec: dict[str, Any], threads: int, workdir: Path, label: str, **extra: Any) -> dict:
+    """Runs one trainer on ``spec`` in a fresh process; returns its summary and versions.
+
+    Args:
+        side: ``"trl"`` or ``"rlflow"``.
+        spec: the prepared task spec.
+        threads: torch threads of the process (``OMP_NUM_THREADS`` too).
+        workdir: where the run's spec, events, log and output go.
+        label: the run's name in records and file names.
+        extra: more spec keys (``policy_lag``).
+    """
+    run_dir = workdir / label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    spec = {**spec, **extra, "threads": threads, "output_dir": str(run_dir / "out")}
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    python = trl_python() if side == "trl" else Path(sys.executable)
+    script = ROOT / "benchmarks" / ("trl_grpo.py" if side == "trl" else "rlflow_grpo.py")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.pop("PYTHONPATH", None)  # TRL's venv must not see this venv's packages
+    events_path = run_dir / "events.jsonl"
+    load = os.getloadavg()
+    with (run_dir / "log.txt").open("w") as log:
+        spawned_at = time.time()
+        proc = subprocess.run(
+            [str(python), str(script), str(run_dir / "spec.json"), str(events_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=RUN_TIMEOUT_S,
+        )
+    if proc.returncode != 0:
+        tail = (run_dir / "log.txt").read_text()[-3000:]
+        raise RuntimeError(f"{label}: {script.name} exited {proc.returncode}; log {run_dir / 'log.txt'}:\n{tail}")
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    figures = summarize(events, spawned_at)
+    versions = next((e for e in events if e["event"] == "versions"), {})
+    startup = next((e for e in events if e["event"] == "startup"), None)
+    figures["versions"] = {k: v for k, v in versions.items() if k != "event"}
+    if startup is not None:
+        figures["rlflow_startup"] = {k: v for k, v in startup.items() if k != "event"}
+    figures["load_average_1m_before"] = round(load[0], 2)
+    figures["load_average_1m_after"] = round(os.getloadavg()[0], 2)
+    return figures
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _quarter_mean(values: list[float], last: bool) -> float:
+    n = max(1, len(values) // 4)
+    part = values[-n:] if last else values[:n]
+    return round(sum(part) / len(part), 4)
+
+
+def _run_record(task: str, label: str, figures: dict) -> dict:
+    rewards = figures["rewards"]
+    record = {"name": f"trl_{task}_{label}", "task": task, "trainer": label}
+    record.update({k: v for k, v in figures.items() if k not in ("rewards", "samples")})
+    record["reward_first_quarter"] = _quarter_mean(rewards, last=False)
+    record["reward_last_quarter"] = _quarter_mean(rewards, last=True)
+    record["samples_seen"] = figures["samples"][-1]
+    record["units"] = {
+        "completions_per_s": "completions sampled / wall s from the end of step 1 to the end of the last step",
+        "step_s": "wall s between consecutive step ends",
+        "startup": "wall s from process start to the first step's start / end",
+        "reward": "mean numeric_match reward of a quarter of the steps' completions",
+    }
+    return record
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _commit() -> str | None:
+    """This checkout's commit, with ``+dirty`` when files differ from it (other work in the tree)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def task_record(task: str, spec: dict, runs: dict[str, list[dict]], notes: list[str], plot: str | None) -> dict:
+    """One task's comparison: medians over repeats, TRL's faster thread count, rlflow / TRL ratios."""
+    cps = {label: _median([r["completions_per_s"] for r in rs]) for label, rs in runs.items()}
+    first = {label: _median([r["startup_first_step_done_s"] for r in rs]) for label, rs in runs.items()}
+    trl_labels = [label for label in cps if label.startswith("trl")]
+    best_trl = max(trl_labels, key=cps.get)
+    record = {
+        "name": f"trl_{task}_summary",
+        "task": task,
+        "steps": spec["steps"],
+        "completions_per_step": spec["num_prompts"] * spec["n_samples"],
+        "repeats": len(next(iter(runs.values()))),
+        "completions_per_s": {label: round(v, 2) for label, v in cps.items()},
+        "trl_best": best_trl,
+    }
+    for label in cps:
+        if label.startswith("rlflow"):
+            record[f"ratio_{label}"] = round(cps[label] / cps[best_trl], 3)
+            record[f"startup_gap_s_{label}"] = round(first[label] - first[best_trl], 2)
+    record["reward_last_quarter"] = {
+        label: _median([_quarter_mean(r["rewards"], last=True) for r in rs]) for label, rs in runs.items()
+    }
+    record["versions"] = {label: rs[0]["versions"] for label, rs in runs.items()}
+    record["load_average_1m"] = sorted(
+        {r[k] for rs in runs.values() for r in rs for k in ("load_average_1m_before", "load_average_1m_after")}
+    )
+    record["rlflow_commit"] = _commit()
+    record["notes"] = notes
+    record["plot"] = plot
+    record["units"] = {"ratio": "rlflow completions/s / TRL's faster completions/s (medians over repeats)"}
+    return record
+
+
+def plot_rewards(task: str, runs: dict[str, list[dict]], path: Path) -> None:
+    """Reward per step against samples seen, each run smoothed over a tenth of its steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rs in runs.items():
+        for i, r in enumerate(rs):
+            window = max(1, len(r["rewards"]) // 10)
+            ax.plot(r["samples"], smooth(r["rewards"], window), label=label if i == 0 else None, alpha=0.85)
+    ax.set_xlabel("completions sampled")
+    ax.set_ylabel(f"mean reward (moving average, {max(1, len(r['rewards']) // 10)} steps)")
+    ax.set_title(f"GRPO, task {task!r}: rlflow vs TRL GRPOTrainer")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def _variants(spec: dict) -> tuple[list[tuple[str, str, int, dict]], list[str]]:
+    """``(label, side, threads, extra spec)`` of each run of a task, interleaved in this order."""
+    variants = [("trl_1thread", "trl", 1, {}), ("rlflow", "rlflow", 1, {}), ("trl_2threads", "trl", 2, {})]
+    refusal = policy_lag_refusal(spec)
+    notes = []
+    if refusal is None:
+        variants.append(("rlflow_lag1", "rlflow", 1, {"policy_lag": 1}))
+    else:
+        notes.append(f"rlflow_lag1 skipped: the config refuses algorithm.policy_lag=1: {refusal}")
+    return variants, notes
+
+
+def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, repeats: int | None = None) -> list[dict]:
+    """One record per run and one per task; arguments override the environment variables."""
+    tasks = tasks or _env_tasks()
+    steps = steps or {}
+    repeats = repeats or _env_int("RLFLOW_BENCH_TRL_REPEATS", 1)
+    out = Path(os.environ.get("RLFLOW_BENCH_TRL_OUT", ROOT / "outputs" / "bench_trl"))
+    out.mkdir(parents=True, exist_ok=True)
+    trl_python()  # before any timing: the first call may install
+    records = []
+    for task in tasks:
+        n_steps = steps.get(task) or _env_int(f"RLFLOW_BENCH_TRL_{task.upper()}_STEPS", TASKS[task]["steps"])
+        workdir = out / task
+        workdir.mkdir(exist_ok=True)
+        spec = prepare(task, n_steps, workdir)
+        variants, notes = _variants(spec)
+        runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
+        for repeat in range(repeats):
+            for label, side, threads, extra in variants:
+                figures = run_side(side, spec, threads, workdir, f"{label}_r{repeat}", **extra)
+                runs[label].append(figures)
+                records.append({**_run_record(task, label, figures), "repeat": repeat})
+                print(f"# {task} {label} r{repeat}: {figures['completions_per_s']} completions/s", file=sys.stderr)
+        (workdir / "curves.json").write_text(
+            json.dumps(
+                {label: [{"samples": r["samples"], "rewards": r["rewards"]} for r in rs] for label, rs in runs.items()}
+            )
+        )
+        plot = out / f"reward_vs_samples_{task}.png"
+        plot_rewards(task, runs, plot)
+        records.append(task_record(task, spec, runs, notes, str(plot)))
+    return records
+
+
+if __name__ == "__main__":
+    for record in run():
+        print(json.dumps(record))
