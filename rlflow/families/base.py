@@ -180,6 +180,11 @@ class ModelFamily:
         embed_module, layers_module, norm_module, rotary_module, lm_head_module,
             value_head_module: module paths in the HF model (``*ForCausalLM`` /
             ``*ForTokenClassification``) of the pipeline items and the rotary embedding.
+        fast_decode: the layers are the Llama decoder with this family's :class:`LayerFeatures`
+            (pre-norm RMSNorm, RoPE attention, optional per-head q/k RMSNorm, gated MLP of
+            ``config.hidden_act``) and full or sliding-window attention, so the built-in
+            sampler's lean decoder (:mod:`rlflow.engine.rollout.fast_decode`) may run them;
+            False sends the family through HF's modules.
     """
 
     name: str
@@ -199,6 +204,7 @@ class ModelFamily:
     rotary_module: str = "model.rotary_emb"
     lm_head_module: str = "lm_head"
     value_head_module: str = "score"
+    fast_decode: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_tp", MappingProxyType(dict(self.layer_tp)))  # read-only tables

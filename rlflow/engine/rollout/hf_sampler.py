@@ -32,6 +32,7 @@ number of collectives). Greedy decoding gives the same tokens under every (dp, t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
@@ -54,6 +55,7 @@ from rlflow.engine.rollout.base import (
     register_rollout_engine,
     split_prompts,
 )
+from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker
 from rlflow.protocol import DataProto
 
 __all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "choose_tokens", "sample_responses", "token_logprobs"]
@@ -62,6 +64,7 @@ __all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "choose_tokens", "sa
 # whole KV cache, so doing it on every finished row would cost more than it saves.
 _PRUNE_FRACTION = 0.25
 _MESH_DIMS = ("pp", "dp", "tp")
+_log = logging.getLogger(__name__)
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -110,8 +113,13 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     """
     if params.greedy:
         return logits.argmax(dim=-1)
-    scaled = apply_top_p(apply_top_k(logits / params.temperature, params.top_k), params.top_p)
-    return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits  # x / 1 is x: skip the op
+    probs = apply_top_p(apply_top_k(scaled, params.top_k), params.top_p).softmax(dim=-1)
+    # torch.multinomial's own algorithm for one sample (ATen's Distributions.cpp: argmax of p / q,
+    # q ~ Exp(1) from the generator), so the same draws and tokens, without its validity checks,
+    # whose host sync costs more than the draw (sample_responses checks the log-probs once instead).
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.div(probs, noise, out=noise).argmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -123,7 +131,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     Returns:
         ``(N,)`` float32.
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -219,6 +228,7 @@ def sample_responses(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    fast_decode: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample ``params.n`` responses per prompt with a KV cache (module docstring).
 
@@ -231,6 +241,9 @@ def sample_responses(
         generator: random source (used on tp rank 0 only).
         tp_group: the tensor-parallel group when the model is split; every rank of it calls
             this function with the same prompts.
+        fast_decode: decode with :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` where
+            :func:`~rlflow.engine.rollout.fast_decode.fast_decode_blocker` allows it; False
+            always decodes through HF's modules.
 
     Returns:
         ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` with rows interleaved by
@@ -244,38 +257,23 @@ def sample_responses(
         old_logp = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
     with torch.inference_mode():
         _decode(
-            model,
-            input_ids,
-            attention_mask,
-            params,
-            pad_token_id,
-            generator,
-            tp_group,
-            responses,
-            response_mask,
-            old_logp,
-        )
+            model, input_ids, attention_mask, params, pad_token_id, generator, tp_group, responses, response_mask,
+            old_logp, fast_decode,
+        )  # fmt: skip
+    if bool(torch.isnan(old_logp).any()):  # choose_tokens draws without torch.multinomial's checks
+        raise ValueError("sample_responses: the model's logits contain NaN (see old_logp)")
     return responses, response_mask, old_logp
 
 
 def _decode(
-    model, input_ids, attention_mask, params, pad_token_id, generator, tp_group, responses, response_mask, old_logp
-) -> None:
+    model, input_ids, attention_mask, params, pad_token_id, generator, tp_group, responses, response_mask, old_logp,
+    fast_decode,
+) -> None:  # fmt: skip
     """The prefill and decoding loop of :func:`sample_responses`, writing its three outputs in place."""
-    n, max_new, num_rows, device = params.n, params.max_new_tokens, responses.shape[0], input_ids.device
+    max_new, num_rows, device = params.max_new_tokens, responses.shape[0], input_ids.device
     temperature = 1.0 if params.greedy else params.temperature
-    cache_name = cache_kwarg(model.forward)
-
-    cache = DynamicCache(config=model.config)
-    position_ids = position_ids_from_mask(attention_mask)
-    logits = _next_logits(
-        model, cache_name, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-    )
-    if n > 1:  # one prefill per prompt, then n copies of its cache
-        cache.batch_repeat_interleave(n)
-        logits = logits.repeat_interleave(n, dim=0)
-    masks = _DecodeMasks(model, attention_mask.repeat_interleave(n, dim=0), max_new)
-    next_pos = attention_mask.sum(dim=1, keepdim=True).repeat_interleave(n, dim=0)  # (N, 1)
+    decoder = _decoder(model, max_new, tp_group, fast_decode)
+    logits = decoder.prefill(input_ids, attention_mask, params.n)
     if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
         for step in range(max_new):
             tokens = _choose_synced(logits, params, generator, tp_group)
@@ -283,11 +281,7 @@ def _decode(
             old_logp[:, step] = token_logprobs(logits, tokens, temperature)
             if step == max_new - 1:
                 break
-            logits = _next_logits(
-                model, cache_name, cache, input_ids=tokens[:, None], attention_mask=masks.step(step),
-                position_ids=next_pos,
-            )  # fmt: skip
-            next_pos = next_pos + 1
+            logits = decoder.step(tokens, step)
         response_mask.fill_(1)
         return
 
@@ -306,13 +300,66 @@ def _decode(
             break
         if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
             keep = alive.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            masks.select(keep)
-            rows, alive, next_pos, tokens = rows[keep], alive[keep], next_pos[keep], tokens[keep]
+            decoder.select(keep)
+            rows, alive, tokens = rows[keep], alive[keep], tokens[keep]
+        logits = decoder.step(tokens, step)
+
+
+def _decoder(model: nn.Module, max_new_tokens: int, tp_group, fast_decode: bool) -> FastDecoder | _HFDecoder:
+    """The lean decoder where it applies (module :mod:`~rlflow.engine.rollout.fast_decode`), else HF's modules."""
+    if not fast_decode:
+        reason = "fast_decode=False"
+    elif tp_group is not None and dist.get_world_size(tp_group) > 1:
+        reason = "tensor parallelism"
+    else:
+        reason = fast_decode_blocker(model)
+    if reason is None:
+        return FastDecoder(model, max_new_tokens)
+    _log.debug("sampler decodes through HF's modules: %s", reason)
+    return _HFDecoder(model, max_new_tokens)
+
+
+class _HFDecoder:
+    """Prefill and decode steps through the HF model's forward and its ``DynamicCache``.
+
+    Args:
+        model: any HF causal LM (plain or split by ``apply_tp``).
+        max_new_tokens: ``R``, the decode steps the masks are built for.
+    """
+
+    def __init__(self, model: nn.Module, max_new_tokens: int):
+        self._model, self._max_new = model, max_new_tokens
+        self._cache_name = cache_kwarg(model.forward)
+        self._cache = DynamicCache(config=model.config)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int) -> torch.Tensor:
+        """One prefill per prompt, then ``n`` copies of its cache; ``(B*n, V)`` float32 logits."""
+        position_ids = position_ids_from_mask(attention_mask)
         logits = _next_logits(
-            model, cache_name, cache, input_ids=tokens[:, None], attention_mask=masks.step(step), position_ids=next_pos
-        )
-        next_pos = next_pos + 1
+            self._model, self._cache_name, self._cache, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids,
+        )  # fmt: skip
+        if n > 1:
+            self._cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        self._masks = _DecodeMasks(self._model, attention_mask.repeat_interleave(n, dim=0), self._max_new)
+        self._next_pos = attention_mask.sum(dim=1, keepdim=True).repeat_interleave(n, dim=0)  # (N, 1)
+        return logits
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed ``(N,)`` tokens (response position ``step``); ``(N, V)`` float32 next logits."""
+        logits = _next_logits(
+            self._model, self._cache_name, self._cache, input_ids=tokens[:, None],
+            attention_mask=self._masks.step(step), position_ids=self._next_pos,
+        )  # fmt: skip
+        self._next_pos = self._next_pos + 1
+        return logits
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the decoding rows ``keep`` (indices into the current rows)."""
+        self._cache.batch_select_indices(keep)
+        self._masks.select(keep)
+        self._next_pos = self._next_pos[keep]
 
 
 def _mesh_coords(device_mesh: DeviceMesh | None) -> tuple[int, dist.ProcessGroup | None, DeviceMesh | None]:
@@ -375,6 +422,8 @@ class HFRolloutEngine:
             None for a single process.
         pad_token_id: written after a row's stop token; defaults to the model config's
             ``pad_token_id``, else 0.
+        fast_decode: decode with the lean decoder of :mod:`~rlflow.engine.rollout.fast_decode`
+            where it applies (else HF's modules, said in a debug log); False forces HF's modules.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -393,7 +442,14 @@ class HFRolloutEngine:
     weight_dtype: ClassVar[torch.dtype | None] = None
     holds_memory_fraction: ClassVar[bool] = False
 
-    def __init__(self, model: nn.Module, device_mesh: DeviceMesh | None = None, *, pad_token_id: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        device_mesh: DeviceMesh | None = None,
+        *,
+        pad_token_id: int | None = None,
+        fast_decode: bool = True,
+    ):
         self._dp_rank, self._tp_group, tp_mesh = _mesh_coords(device_mesh)
         if tp_mesh is not None and tp_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             from rlflow.parallel.tensor_parallel import apply_tp
@@ -403,6 +459,7 @@ class HFRolloutEngine:
             pad_token_id = getattr(model.config, "pad_token_id", None)
         self._pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self._model = model.eval()
+        self._fast_decode = fast_decode
 
     @classmethod
     def available(cls) -> bool:
@@ -458,6 +515,7 @@ class HFRolloutEngine:
             pad_token_id=self._pad_token_id,
             generator=self._generator(params.seed, device),
             tp_group=self._tp_group,
+            fast_decode=self._fast_decode,
         )
         out_device = input_ids.device
         return assemble_rollout(

@@ -1,0 +1,355 @@
+"""A lean decoder for the built-in sampler: the family's decoder math on the module's weights.
+
+On small models a decode step through HF's modules costs about 2 ms of Python dispatch per
+token (hooks, cache objects, mask checks, many small ops), ten times the arithmetic. This
+module runs the same math in a fraction of the ops, for every family whose layers are the
+Llama decoder with the variations :class:`rlflow.families.LayerFeatures` names (q/k/v biases,
+o and MLP biases, per-head q/k RMSNorm) and whose attention is full or sliding-window
+(:attr:`rlflow.families.ModelFamily.fast_decode`):
+
+* **Weights** are read by the family's parameter names; q/k/v and gate/up are concatenated so
+  that each is one matmul (cached per model until any source weight changes in place, so a
+  rollout engine kept between calls concatenates once per weight version).
+* **KV cache**: one preallocated ``(N, kv_heads, P + R, head_dim)`` buffer per layer for k and
+  v, written in place at each step; attention reads a view of its first ``P + s + 1`` slots.
+* **RoPE** from cos/sin tables built once per call by the model's own rotary module (so every
+  rope type whose angles depend on the position alone is exact); ``rotate_half`` is a ``roll``
+  against a sine table with its first half negated, the same products as HF's.
+* **Masks** (padding, causality, sliding windows) are built once per call; a step takes a view.
+* **Attention** is torch's ``scaled_dot_product_attention`` over the prompts and two matmuls
+  and a softmax over grouped-query heads per decode step; the final norm and the LM head run on
+  the last position only.
+
+:func:`fast_decode_blocker` says why a model cannot take this path (the sampler then decodes
+through HF's modules); the outputs match HF's forward to float rounding
+(``tests/engine/test_fast_decode.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers.activations import ACT2FN
+
+from rlflow.engine.packing import position_ids_from_mask
+from rlflow.families import ModelFamily, config_value, family_of
+
+__all__ = ["FastDecoder", "fast_decode_blocker"]
+
+# Rope types whose angle depends on the position alone, so one table serves the whole call;
+# "dynamic" and "longrope" rescale with the sequence length and decode through HF's modules.
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+_ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def fast_decode_blocker(model: nn.Module) -> str | None:
+    """Why :class:`FastDecoder` cannot decode ``model``, or None when it can.
+
+    Args:
+        model: an HF causal LM.
+
+    Returns:
+        A reason for the debug log (tensor-parallel weights, an unknown family, a family that
+        declares no fast decode, a rope type or attention kind it does not implement, parameters
+        other than the family's), or None.
+    """
+    config = _text_config(model)
+    try:
+        family = family_of(config)
+    except ValueError as err:
+        return str(err)
+    if not family.fast_decode:
+        return f"family {family.name!r} declares fast_decode=False"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "the weights are tensor-parallel DTensors"
+    kinds = set(family.layer_types(config)) - _ATTENTION_KINDS
+    if kinds:
+        return f"attention kinds {sorted(kinds)} are not implemented"
+    if config_value(config, "hidden_act", "silu") not in ACT2FN:
+        return f"hidden_act={config_value(config, 'hidden_act')!r} is not an HF activation"
+    try:
+        rotary = model.get_submodule(family.rotary_module)
+    except AttributeError:
+        return f"no rotary module at {family.rotary_module!r}"
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return f"rope_type={rope_type!r} is not one of {sorted(_STATIC_ROPE_TYPES)}"
+    expected = {name for _, shapes in family.item_param_shapes(config) for name in shapes}
+    actual = {name for name, _ in model.named_parameters()}
+    if expected != actual:
+        missing, extra = sorted(expected - actual), sorted(actual - expected)
+        parts = [
+            f"{what} {names[:3]}{' …' if len(names) > 3 else ''}"
+            for what, names in (("missing", missing), ("unexpected", extra))
+            if names
+        ]
+        return f"parameters differ from family {family.name!r}'s: {', '.join(parts)}"
+    return None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's weights in the decoder's form; biases and q/k norm None when absent."""
+
+    input_norm: torch.Tensor  # (hidden,)
+    qkv_weight: torch.Tensor  # ((H + 2 Hkv) D, hidden): q, k, v stacked
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # (H + Hkv, D): q_norm for the H q heads, k_norm for the Hkv k heads
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # (2 I, hidden): gate, up stacked
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    window: int | None  # attend to the last `window` positions; None: all
+
+
+def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+
+def _build_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]:
+    dims = family.dims(config)
+    params = dict(model.named_parameters())
+    window = config_value(config, "sliding_window")
+
+    def get(layer: int, name: str) -> torch.Tensor | None:
+        return params.get(f"{family.layers_module}.{layer}.{name}")
+
+    layers = []
+    for i, kind in enumerate(family.layer_types(config)):
+        q_norm = get(i, "self_attn.q_norm.weight")
+        qk_norm = None
+        if q_norm is not None:
+            k_norm = get(i, "self_attn.k_norm.weight")
+            qk_norm = torch.cat([q_norm.expand(dims.num_heads, -1), k_norm.expand(dims.num_kv_heads, -1)])
+        layers.append(
+            _Layer(
+                input_norm=get(i, "input_layernorm.weight"),
+                qkv_weight=_cat([get(i, f"self_attn.{p}_proj.weight") for p in "qkv"]),
+                qkv_bias=_cat([get(i, f"self_attn.{p}_proj.bias") for p in "qkv"]),
+                qk_norm=qk_norm,
+                o_weight=get(i, "self_attn.o_proj.weight"),
+                o_bias=get(i, "self_attn.o_proj.bias"),
+                post_norm=get(i, "post_attention_layernorm.weight"),
+                gate_up_weight=_cat([get(i, "mlp.gate_proj.weight"), get(i, "mlp.up_proj.weight")]),
+                gate_up_bias=_cat([get(i, "mlp.gate_proj.bias"), get(i, "mlp.up_proj.bias")]),
+                down_weight=get(i, "mlp.down_proj.weight"),
+                down_bias=get(i, "mlp.down_proj.bias"),
+                window=int(window) if kind == "sliding_attention" and window is not None else None,
+            )
+        )
+    return layers
+
+
+# model -> (weight key, layers): the concatenated weights, reused while no source weight changed.
+_LAYER_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weight_key(model: nn.Module) -> tuple:
+    """Identity and in-place version of every parameter: any copy into a weight changes it."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def _cached_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]:
+    key = _weight_key(model)
+    cached = _LAYER_CACHE.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, _build_layers(model, family, config))
+        _LAYER_CACHE[model] = cached
+    return cached[1]
+
+
+class FastDecoder:
+    """The prefill and decode steps of :func:`~rlflow.engine.rollout.hf_sampler.sample_responses`
+    on a model :func:`fast_decode_blocker` accepts; the same interface as the sampler's HF path.
+
+    Args:
+        model: an HF causal LM of a family with ``fast_decode``.
+        max_new_tokens: ``R``, the decode steps the KV buffers are sized for.
+
+    >>> from rlflow.data.tiny_models import build_tiny_model
+    >>> model = build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    >>> decoder = FastDecoder(model, max_new_tokens=3)
+    >>> with torch.inference_mode():
+    ...     logits = decoder.prefill(torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]]), n=2)
+    ...     logits = decoder.step(logits.argmax(-1), 0)
+    >>> tuple(logits.shape)
+    (2, 32)
+    """
+
+    def __init__(self, model: nn.Module, max_new_tokens: int):
+        config = _text_config(model)
+        family = family_of(config)
+        dims = family.dims(config)
+        self._model, self._rotary = model, model.get_submodule(family.rotary_module)
+        self._layers = _cached_layers(model, family, config)
+        self._embed = model.get_parameter(family.embed_name)
+        self._norm = model.get_parameter(f"{family.norm_module}.weight")
+        self._head = model.get_submodule(family.lm_head_module).weight
+        self._eps = float(config_value(config, "rms_norm_eps", 1e-6))
+        self._act = ACT2FN[config_value(config, "hidden_act", "silu")].forward  # skip nn.Module's call hooks
+        self._heads, self._kv_heads, self._head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        self._inter, self._scale = dims.intermediate_size, dims.head_dim**-0.5
+        self._max_new = max_new_tokens
+
+    # ------------------------------------------------------------------ the sampler's interface
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int) -> torch.Tensor:
+        """Run the ``(B, P)`` left-padded prompts, fill the KV buffers, repeat them ``n`` times.
+
+        Returns:
+            ``(B*n, V)`` float32 logits of the next position, rows interleaved by prompt.
+        """
+        batch, prompt_len = input_ids.shape
+        total = prompt_len + self._max_new
+        dtype, device = self._embed.dtype, self._embed.device
+        positions = position_ids_from_mask(attention_mask)  # (B, P)
+        self._build_tables(positions, attention_mask, total, dtype, device)
+        shape = (batch, self._kv_heads, total, self._head_dim)
+        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in self._layers]
+        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in self._layers]
+        self._length = prompt_len
+
+        cos, sin = self._cos[positions][:, :, None], self._sin[positions][:, :, None]  # (B, P, 1, D)
+        valid = attention_mask.bool()
+        hidden = torch.embedding(self._embed, input_ids)
+        for index, layer in enumerate(self._layers):
+            hidden = self._layer(hidden, index, layer, cos, sin, self._prompt_mask(valid, layer.window))
+        logits = self._logits(hidden[:, -1])
+        # the n samples of a prompt share its cache, positions and masks
+        self._k = [k.repeat_interleave(n, dim=0) for k in self._k]
+        self._v = [v.repeat_interleave(n, dim=0) for v in self._v]
+        next_pos = attention_mask.sum(dim=1, keepdim=True).repeat_interleave(n, dim=0)  # (N, 1)
+        steps = next_pos + torch.arange(self._max_new, device=device)  # (N, R) position of every step
+        self._step_cos, self._step_sin = self._cos[steps][:, :, None], self._sin[steps][:, :, None]  # (N, R, 1, D)
+        self._step_masks = self._decode_masks(valid.repeat_interleave(n, dim=0), prompt_len)
+        return logits.repeat_interleave(n, dim=0)
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed ``(N,)`` tokens (response position ``step``); ``(N, V)`` float32 next logits."""
+        slot = self._length + step
+        cos, sin = self._step_cos[:, step], self._step_sin[:, step]  # (N, 1, D)
+        hidden = torch.embedding(self._embed, tokens)  # (N, hidden)
+        for index, layer in enumerate(self._layers):
+            masks = self._step_masks[layer.window]
+            mask = None if masks is None else masks[:, step, :, :, : slot + 1]
+            hidden = self._step_layer(hidden, index, layer, cos, sin, mask, slot)
+        return self._logits(hidden)
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the decoding rows ``keep`` (indices into the current rows)."""
+        self._k = [k[keep] for k in self._k]
+        self._v = [v[keep] for v in self._v]
+        self._step_cos, self._step_sin = self._step_cos[keep], self._step_sin[keep]
+        self._step_masks = {w: None if m is None else m[keep] for w, m in self._step_masks.items()}
+
+    # ------------------------------------------------------------------ the decoder
+
+    def _qk_rope(self, qkv: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k heads ``(..., H + Hkv, D)`` of ``qkv`` after the q/k norm and RoPE.
+
+        HF's ``q * cos + rotate_half(q) * sin`` with ``rotate_half(q) = cat(-q2, q1)``: here
+        ``roll(q) = cat(q2, q1)`` times ``sin`` with its first half negated, the same products.
+        """
+        qk = qkv[..., : self._heads + self._kv_heads, :]
+        if layer.qk_norm is not None:  # per-head RMSNorm of q and k, before RoPE
+            qk = torch.rms_norm(qk, qk.shape[-1:], None, self._eps) * layer.qk_norm
+        return qk * cos + qk.roll(self._head_dim // 2, -1) * sin
+
+    def _mlp(self, hidden: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        x = torch.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self._eps)
+        gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).split(self._inter, dim=-1)
+        return hidden + F.linear(self._act(gate) * up, layer.down_weight, layer.down_bias)
+
+    def _layer(self, hidden, index, layer: _Layer, cos, sin, mask) -> torch.Tensor:
+        """One decoder layer over the prompts' ``(B, P, hidden)``; k/v go to the first P slots."""
+        rows, length, _ = hidden.shape
+        heads = self._heads
+        x = torch.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self._eps)
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, length, -1, self._head_dim).transpose(1, 2)
+        qk = self._qk_rope(qkv.transpose(1, 2), layer, cos, sin).transpose(1, 2)  # (B, H + Hkv, P, D)
+        k, v = qk[:, heads:], qkv[:, heads + self._kv_heads :]
+        self._k[index][:, :, :length] = k
+        self._v[index][:, :, :length] = v
+        attn = F.scaled_dot_product_attention(
+            qk[:, :heads], k, v, attn_mask=mask, scale=self._scale, enable_gqa=heads != self._kv_heads
+        )
+        attn = attn.transpose(1, 2).reshape(rows, length, heads * self._head_dim)
+        return self._mlp(hidden + F.linear(attn, layer.o_weight, layer.o_bias), layer)
+
+    def _step_layer(self, hidden, index, layer: _Layer, cos, sin, mask, slot: int) -> torch.Tensor:
+        """One decoder layer over one token per row, ``(N, hidden)``; its k/v go to KV slot ``slot``.
+
+        Attention is two matmuls and a softmax over the grouped heads ``(N, Hkv, H/Hkv, D)``: at
+        these sizes that is cheaper than ``scaled_dot_product_attention``'s kernel set-up.
+        """
+        rows, heads, kv_heads = hidden.shape[0], self._heads, self._kv_heads
+        x = torch.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self._eps)
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, -1, self._head_dim)
+        qk = self._qk_rope(qkv, layer, cos, sin)  # (N, H + Hkv, D)
+        k_cache, v_cache = self._k[index], self._v[index]
+        k_cache[:, :, slot] = qk[:, heads:]
+        v_cache[:, :, slot] = qkv[:, heads + kv_heads :]
+        query = qk[:, :heads].unflatten(1, (kv_heads, heads // kv_heads))  # (N, Hkv, G, D)
+        scores = torch.matmul(query, k_cache[:, :, : slot + 1].transpose(-1, -2)) * self._scale  # (N, Hkv, G, S)
+        if mask is not None:
+            scores = scores + mask
+        attn = torch.matmul(scores.softmax(dim=-1), v_cache[:, :, : slot + 1]).view(rows, heads * self._head_dim)
+        return self._mlp(hidden + F.linear(attn, layer.o_weight, layer.o_bias), layer)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """``(rows, V)`` float32 logits from the last position's ``(rows, hidden)`` states."""
+        return F.linear(torch.rms_norm(last, last.shape[-1:], self._norm, self._eps), self._head).float()
+
+    # ------------------------------------------------------------------ tables and masks, once per call
+
+    def _build_tables(self, positions, attention_mask, total: int, dtype, device) -> None:
+        # the rotary module computes cos/sin per position, so a table of positions 0..max is exact
+        max_pos = int(attention_mask.sum(dim=1).max()) + self._max_new
+        table_pos = torch.arange(max(max_pos, total), device=device)[None]
+        cos, sin = self._rotary(torch.empty(0, dtype=dtype, device=device), table_pos)
+        half = self._head_dim // 2
+        self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # (L, D)
+
+    def _prompt_mask(self, valid: torch.Tensor, window: int | None) -> torch.Tensor:
+        """``(B, 1, P, P)`` bool: causal over real tokens (within ``window``); a padding query
+        attends to itself only, so no row is empty (its output is never read)."""
+        length = valid.shape[1]
+        query = torch.arange(length, device=valid.device)[:, None]
+        allowed = query >= query.T
+        if window is not None:
+            allowed = allowed & (query.T > query - window)
+        mask = allowed[None] & valid[:, None, :]
+        return (mask | torch.eye(length, dtype=torch.bool, device=valid.device))[:, None]
+
+    def _decode_masks(self, valid: torch.Tensor, prompt_len: int) -> dict[int | None, torch.Tensor | None]:
+        """Per window: ``(N, R, 1, 1, P+R)`` additive masks of the decode steps (None: nothing to mask)."""
+        rows, total = valid.shape[0], prompt_len + self._max_new
+        keys = torch.cat([valid, valid.new_ones(rows, self._max_new)], dim=1)  # (N, P+R)
+        query = prompt_len + torch.arange(self._max_new, device=valid.device)[:, None]  # (R, 1) slot of step s
+        key = torch.arange(total, device=valid.device)[None]
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in {layer.window for layer in self._layers}:
+            allowed = key <= query
+            if window is not None:
+                allowed = allowed & (key > query - window)
+            needed = window is not None and window < total or not bool(valid.all())
+            if needed:
+                allowed = keys[:, None, :] & allowed[None]  # (N, R, P+R)
+                additive = torch.zeros(allowed.shape, dtype=self._embed.dtype, device=valid.device)
+                masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, :, None, None]
+            else:
+                masks[window] = None
+        return masks
