@@ -22,9 +22,11 @@ from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
 from rlflow.dataflow.algorithms import DEFAULT_REF_EMA_ETA, get_algorithm, list_algorithms
 from rlflow.fields import declared_field
 
-__all__ = ["DPO_LOSSES", "AlgorithmParams", "estimator_reads"]
+__all__ = ["BEHAVIOUR_CORRECTIONS", "DPO_LOSSES", "AlgorithmParams", "estimator_reads"]
 
 DPO_LOSSES = ("sigmoid", "ipo")
+# How the policy loss treats rollouts from older weights (``policy_lag``): see AlgorithmParams.behaviour_correction.
+BEHAVIOUR_CORRECTIONS = ("auto", "none", "decoupled")
 
 
 def estimator_reads(estimator: str | None, key: str) -> bool:
@@ -80,6 +82,22 @@ class AlgorithmParams:
     ema_eta: float = declared_field(
         DEFAULT_REF_EMA_ETA, "ppo_ema: weight of the actor in the reference's moving average per step", gt=0.0, le=1.0
     )
+    policy_lag: int = declared_field(
+        0,
+        "bounded staleness: rollouts may use weights this many optimizer steps behind the step that trains on "
+        "them, so generation of step t+lag overlaps training of step t on a disjoint mesh; 0: on-policy",
+        ge=0,
+    )
+    behaviour_correction: str = declared_field(
+        "auto",
+        "decoupled: clip the PPO ratio around the weights before this step (recomputed log-probs) and weight each "
+        "token by min(pi_prox / pi_rollout, is_cap); none: ratio against the rollout's log-probs; auto: decoupled "
+        "when policy_lag > 0",
+        choices=BEHAVIOUR_CORRECTIONS,
+    )
+    is_cap: float = declared_field(
+        2.0, "decoupled correction: truncation of the importance weight pi_prox / pi_rollout (TIS)", gt=0.0
+    )
 
     def __post_init__(self) -> None:
         for f in fields(AlgorithmParams):
@@ -95,10 +113,22 @@ class AlgorithmParams:
         """``kl_in_reward``, or the algorithm's default when null."""
         return get_algorithm(self.name).kl_in_reward if self.kl_in_reward is None else self.kl_in_reward
 
+    @property
+    def resolved_behaviour_correction(self) -> str:
+        """``behaviour_correction``, ``auto`` resolved: ``decoupled`` when rollouts may lag, else ``none``."""
+        if self.behaviour_correction != "auto":
+            return self.behaviour_correction
+        return "decoupled" if self.policy_lag > 0 else "none"
+
     def resolved(self) -> AlgorithmParams:
-        """A plain record with the estimator and the KL placement resolved: what the workers receive."""
+        """A plain record with the estimator, the KL placement and the behaviour correction resolved:
+        what the workers receive."""
         values = {f.name: getattr(self, f.name) for f in fields(AlgorithmParams)}
-        values.update(adv_estimator=self.resolved_adv_estimator, kl_in_reward=self.resolved_kl_in_reward)
+        values.update(
+            adv_estimator=self.resolved_adv_estimator,
+            kl_in_reward=self.resolved_kl_in_reward,
+            behaviour_correction=self.resolved_behaviour_correction,
+        )
         return AlgorithmParams(**values)
 
 

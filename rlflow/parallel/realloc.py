@@ -146,6 +146,11 @@ class ReallocManager:
     def version(self, name: str) -> int:
         return self._model(name).version
 
+    def copy_version(self, name: str, layout: Layout) -> int | None:
+        """The home version this rank's copy of ``name`` in ``layout`` was made from; None without a copy."""
+        copy = self._model(name).copies.get(layout)
+        return copy.version if copy is not None else None
+
     def home_module(self, name: str) -> nn.Module | None:
         return self._model(name).module
 

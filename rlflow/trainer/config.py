@@ -96,6 +96,14 @@ class AlgorithmConfig(_Section, AlgorithmParams):
         """The registered :class:`~rlflow.dataflow.algorithms.Algorithm` of ``name``."""
         return get_algorithm(self.name)
 
+    def _check(self) -> None:
+        if self.policy_lag > 0 and self.record.dataset != "prompts":
+            raise ConfigError(
+                "policy_lag",
+                f"{self.policy_lag} needs an algorithm that samples rollouts; {self.name!r} trains on "
+                f"{self.record.dataset} (set 0)",
+            )
+
 
 @dataclass(kw_only=True)
 class ModelConfig(_Section):

@@ -18,7 +18,7 @@ wherever the parameter-version order allows, as in the ReaLHF paper.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,7 @@ class DataflowRunner:
         call_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
         *,
         step: int,
+        upstream: Submitted | None = None,
     ) -> Submitted:
         """Issues the calls of one iteration (all of the graph, or the listed subset) without waiting.
 
@@ -148,6 +149,9 @@ class DataflowRunner:
             call_kwargs: extra keyword arguments per call name (e.g. ``{"actor_gen": {"greedy": True}}``).
             step: the training step the calls belong to; every call and hook gets it, and the
                 workers' records of them carry it (``ModelWorker.pop_metrics``).
+            upstream: calls of the same iteration issued earlier (its rollout, issued ahead when
+                rollouts may lag: :meth:`rollout_calls`); their outputs feed these calls, and
+                the returned submission includes them, so :meth:`wait` waits for the whole iteration.
 
         Returns:
             the futures of every issued call and of its hooks.
@@ -156,8 +160,9 @@ class DataflowRunner:
         unknown = set(mfcs or ()) - set(self.order)
         if unknown:
             raise ValueError(f"unknown MFC(s) {sorted(unknown)}; the graph has {self.order}")
-        rollout = next((n for n in names if self.placements[n].mfc.interface_type == "generate"), None)
-        submitted = Submitted()
+        submitted = Submitted() if upstream is None else Submitted(dict(upstream.outputs), list(upstream.hooks))
+        issued = [*submitted.outputs, *names]
+        rollout = next((n for n in issued if self.placements[n].mfc.interface_type == "generate"), None)
         for name in names:
             mfc = self.placements[name].mfc
             args = self._sources(mfc, submitted.outputs, batch, rollout if name != rollout else None)
@@ -169,6 +174,29 @@ class DataflowRunner:
             if hook_view is not None:
                 submitted.hooks.append((hook_view, hook_view.async_execute_all("post_call", name, step)))
         return submitted
+
+    def rollout_calls(self) -> list[str]:
+        """The calls an iteration may issue ahead of the train steps of earlier iterations when
+        rollouts may run behind training (``algorithm.policy_lag``), in issue order.
+
+        They are the generate calls with the calls they read from, and the calls downstream of
+        them that read only those and run on weights no call of the graph trains, without weight
+        hooks (a rule or a frozen reward model, a fixed reference): such a call gives the same
+        rows whenever it runs, and issued with the rollout it never holds up a train step queued
+        behind the next rollout on a shared worker. Empty for a graph that samples nothing.
+        """
+        generate = [n for n in self.order if self.placements[n].mfc.interface_type == "generate"]
+        if not generate:
+            return []
+        trained = {self.placements[n].mfc.model_name for n in self.order if self.placements[n].mfc.is_train}
+        ahead = set(generate).union(*(nx.ancestors(self.graph, n) for n in generate))
+        for name in self.order:
+            mfc = self.placements[name].mfc
+            producers = set(self.graph.predecessors(name))
+            if name not in ahead and producers and producers <= ahead:
+                if mfc.model_name not in trained and not mfc.hook_sources and not mfc.is_train:
+                    ahead.add(name)
+        return [n for n in self.order if n in ahead]
 
     def wait(self, submitted: Submitted, fetch: Sequence[str] = ()) -> dict[str, DataProto]:
         """Waits for every call of a submission; returns the collected outputs of the ``fetch`` calls.
@@ -188,6 +216,50 @@ class DataflowRunner:
             else:
                 _wait_without_payload(future)
         return results
+
+
+class LaggedIssuer:
+    """Issues the iterations of a run, each one's rollout up to ``lag`` steps ahead of its training.
+
+    Iteration ``t``'s rollout calls (:meth:`DataflowRunner.rollout_calls`) are issued before the
+    train calls of iteration ``t - lag``, so on every worker they come first in issue order: the
+    weights they read (through their reallocation pre-hooks) are those after step ``t - 1 - lag``
+    and, on a mesh of their own, they run while step ``t - lag`` trains. ``lag = 0`` issues each
+    iteration's calls in the order :meth:`DataflowRunner.submit` issues a whole iteration, so the
+    run is the synchronous one, call for call.
+
+    Args:
+        runner: the runner of the algorithm's graph.
+        lag: ``algorithm.policy_lag``.
+        last_step: no rollout is issued for a later step.
+    """
+
+    def __init__(self, runner: DataflowRunner, lag: int, last_step: int) -> None:
+        if lag < 0:
+            raise ValueError(f"policy_lag={lag} must be >= 0")
+        self.runner, self.lag, self.last_step = runner, lag, last_step
+        self.rollouts = runner.rollout_calls()
+        self.rest = [n for n in runner.order if n not in set(self.rollouts)]
+        # Step -> (its dataset batch, its issued rollout), for steps whose other calls are not issued yet.
+        self.ahead: dict[int, tuple[DataProto, Submitted]] = {}
+
+    def issue(self, step: int, batches: Iterator[DataProto]) -> Submitted:
+        """Issues what step ``step`` needs now: the rollouts of steps up to ``step + lag`` not yet
+        issued (drawing their batches from ``batches``), then ``step``'s other calls."""
+        if not self.rollouts:
+            return self.runner.submit(next(batches), step=step)
+        for ahead in range(step, min(step + self.lag, self.last_step) + 1):
+            if ahead not in self.ahead:
+                batch = next(batches)
+                self.ahead[ahead] = (batch, self.runner.submit(batch, self.rollouts, step=ahead))
+        batch, rollout = self.ahead.pop(step)
+        return self.runner.submit(batch, self.rest, step=step, upstream=rollout)
+
+    def drain(self) -> None:
+        """Waits for the rollouts issued ahead (a run stopping early), raising their errors; forgets them."""
+        for _, rollout in self.ahead.values():
+            self.runner.wait(rollout)
+        self.ahead.clear()
 
 
 def _wait_without_payload(future: DataFuture) -> None:

@@ -26,7 +26,6 @@ import ray
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow.algorithms import Algorithm
 from rlflow.planner.timeline import Interval, draw_timeline
-from rlflow.protocol import DataProto
 from rlflow.trainer import build, inputs
 from rlflow.trainer.callbacks import Callbacks, NotifyingLogger
 from rlflow.trainer.checkpoint import (
@@ -39,7 +38,7 @@ from rlflow.trainer.config import RLFlowConfig, to_yaml
 from rlflow.trainer.data import build_trainer_data
 from rlflow.trainer.metrics import MetricsLogger, call_metrics, progress, timing_table
 from rlflow.trainer.placement import Placement, load_profile_for, model_specs, plan_placement
-from rlflow.trainer.runner import DataflowRunner, Submitted
+from rlflow.trainer.runner import DataflowRunner, LaggedIssuer, Submitted
 from rlflow.workers.records import CallRecord
 from rlflow.workers.reward_funcs import RewardFunc, check_reward_signature, pack_reward_funcs
 
@@ -177,6 +176,7 @@ class Trainer:
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
         self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
+        self.issuer = LaggedIssuer(self.runner, self.cfg.algorithm.policy_lag, self.cfg.trainer.total_steps)
         extra = {n: c for n, c in calls.items() if n not in self.placement.calls}
         self.side_runner = _side_runner(self.workers, extra) if extra else None
         self.logger = NotifyingLogger(MetricsLogger(cfg.logging, self.run_dir, run_config=_plain(cfg)), self.callbacks)
@@ -259,14 +259,14 @@ class Trainer:
         pending: tuple[int, Submitted] | None = None
         while self.step < total or pending is not None:
             if pending is None:
-                pending = (self.step + 1, self._submit(next(batches), self.step + 1))
+                pending = (self.step + 1, self.issuer.issue(self.step + 1, batches))
             step, submitted = pending
             # Overlap: issue the next iteration before waiting when no evaluation or checkpoint
             # needs the workers quiet at this step (ReaLHF's cross-iteration overlap).
             following = None
             stopping = self._out_of_time(started) or self.callbacks.stop_requested
             if step < total and not self._sync_point(step) and not stopping:
-                following = (step + 1, self._submit(next(batches), step + 1))
+                following = (step + 1, self.issuer.issue(step + 1, batches))
             self.runner.wait(submitted)
             self.step = step
             self._log_step(step)
@@ -279,6 +279,7 @@ class Trainer:
                     self._save()
             if pending is None and (self._out_of_time(started) or self.callbacks.stop_requested):
                 break
+        self.issuer.drain()  # rollouts issued ahead of a run that stopped early
         bar.close()
         self.result.steps = self.step
 
@@ -293,9 +294,6 @@ class Trainer:
     def _batches(self):
         while True:
             yield from self.data.train
-
-    def _submit(self, batch: DataProto, step: int) -> Submitted:
-        return self.runner.submit(batch, step=step)
 
     # ------------------------------------------------------------------ stages
     def _warmup(self) -> float | None:

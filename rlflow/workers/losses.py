@@ -35,7 +35,15 @@ from rlflow.algos.params import AlgorithmParams
 from rlflow.engine.models import sequence_scores
 from rlflow.workers.context import shift_right
 
-__all__ = ["dpo_loss_fn", "pair_rows", "policy_loss_fn", "reward_model_loss_fn", "sft_loss_fn", "value_loss_fn"]
+__all__ = [
+    "behaviour_weights",
+    "dpo_loss_fn",
+    "pair_rows",
+    "policy_loss_fn",
+    "reward_model_loss_fn",
+    "sft_loss_fn",
+    "value_loss_fn",
+]
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -65,11 +73,20 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         },
     )
     use_kl_loss = not algo.kl_in_reward and kl_coef > 0
+    decoupled = algo.behaviour_correction == "decoupled"
 
     def loss_fn(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
         mask = batch["response_mask"]
         log_prob = outputs["log_probs"]
-        out = policy(log_prob, batch["old_logp"], batch["advantages"], mask, **options)
+        old_logp, advantages, correction = batch["old_logp"], batch["advantages"], {}
+        if decoupled:
+            # Decoupled PPO: clip around the proximal policy (the weights before this step: the
+            # batch's prox_logp, or this forward's own log-probs when the step makes one update),
+            # and weight each token by the truncated importance ratio proximal / behaviour (TIS).
+            prox = batch["prox_logp"] if "prox_logp" in batch else log_prob.detach()
+            weight, correction = behaviour_weights(prox, old_logp, mask, algo.is_cap)
+            old_logp, advantages = prox, advantages * weight
+        out = policy(log_prob, old_logp, advantages, mask, **options)
         entropy = agg_loss(outputs["entropy"], mask, algo.loss_agg_mode)
         loss = out.loss - algo.entropy_coef * entropy
         metrics = {
@@ -78,6 +95,7 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
             "dual_clip_fraction": float(out.dual_clip_fraction),
             "approx_kl": float(out.approx_kl),
             "entropy": float(entropy.detach()),
+            **correction,
         }
         if use_kl_loss:
             kl = kl_loss(log_prob, batch["ref_logp"], mask, algo.kl_estimator, algo.loss_agg_mode)
@@ -86,6 +104,41 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         return loss, metrics
 
     return loss_fn
+
+
+def behaviour_weights(
+    prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights ``min(pi_prox / pi_behaviour, cap)`` per token, and their statistics.
+
+    Args:
+        prox_logp: log-probs under the proximal policy (the weights before this update), ``(b, t)``.
+        behaviour_logp: log-probs under the policy that sampled the tokens (the rollout's), ``(b, t)``.
+        mask: the tokens that count (response tokens).
+        cap: the truncation; the weight is detached (it corrects the sampling, not the gradient's direction).
+
+    Returns:
+        ``(weights, metrics)``: ``is_weight_mean`` / ``is_weight_max`` (before truncation),
+        ``is_truncated_fraction`` (tokens whose weight hit ``cap``) and ``behaviour_kl`` (k3 estimate
+        of KL(behaviour || proximal) over the masked tokens).
+
+    >>> w, m = behaviour_weights(torch.log(torch.tensor([[0.5, 0.4]])), torch.log(torch.tensor([[0.5, 0.1]])),
+    ...                          torch.ones(1, 2), cap=2.0)
+    >>> w.tolist(), m["is_truncated_fraction"]
+    ([[1.0, 2.0]], 0.5)
+    """
+    log_ratio = (prox_logp - behaviour_logp).detach().clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    real = mask.bool()
+    weights = torch.where(real, ratio.clamp(max=cap), torch.zeros_like(ratio))
+    count = real.sum().clamp(min=1)
+    metrics = {
+        "is_weight_mean": float(ratio[real].sum() / count),
+        "is_weight_max": float(ratio[real].max()) if bool(real.any()) else 0.0,
+        "is_truncated_fraction": float((ratio[real] > cap).sum() / count),
+        "behaviour_kl": float(masked_mean((ratio - 1.0) - log_ratio, mask)),
+    }
+    return weights, metrics
 
 
 def value_loss_fn(algo: AlgorithmParams) -> LossFn:

@@ -52,6 +52,7 @@ from rlflow.dataflow.mfc import MFCDef
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext
 from rlflow.workers.interfaces import build_interface, check_calls
+from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION
 from rlflow.workers.records import CallRecord, call_error
 from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
@@ -197,8 +198,13 @@ class ModelWorker(Worker):
 
         greedy = greedy or mfc.greedy  # the graph's greedy calls (ReMax's baseline) decode greedily
 
+        residency = self._residency()
+
         def run(interface, engine, data, ctx):
-            return interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
+            out = interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
+            # Which weights sampled the rows: the train call measures the policy lag against it.
+            out.non_tensor_batch[POLICY_VERSION] = np.full(len(out), residency.weights_version(mfc), dtype=np.int64)
+            return out
 
         return self._call(mfc, (prompts,), run, step)
 
@@ -223,6 +229,10 @@ class ModelWorker(Worker):
         residency = self._residency()
 
         def run(interface, engine, data, ctx):
+            sampled_by = data.non_tensor_batch.get(POLICY_VERSION)
+            if sampled_by is not None:
+                version = residency.weights_version(mfc)
+                data.non_tensor_batch[POLICY_LAG] = version - np.asarray(sampled_by, dtype=np.int64)
             with residency.optimizer_for(mfc.model_name, mfc.name, lr):
                 metrics = interface.train_step(engine, data, ctx)
             residency.step_done(mfc.model_name)

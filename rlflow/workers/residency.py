@@ -255,6 +255,21 @@ class Residency:
             )
         return engine
 
+    def weights_version(self, mfc: MFCDef) -> int:
+        """The version (optimizer steps) of the weights ``mfc`` runs on here: its home's, or that of
+        the copy its pre-hook made current; -1 for a model without weights."""
+        hosted = self.models[mfc.model_name]
+        if hosted.setup.rule_based:
+            return -1
+        if self.setup.uses_home(mfc.name):
+            return self.manager.version(mfc.model_name)
+        version = self.manager.copy_version(mfc.model_name, self._call_layout(mfc))
+        if version is None:
+            raise RuntimeError(
+                f"MFC {mfc.name!r}: no copy of {mfc.model_name!r} on rank {self.rank}; run pre_call first"
+            )
+        return version
+
     def step_done(self, model_name: str) -> None:
         """Record an optimizer step of ``model_name`` (its home ranks, after ``train_step``)."""
         self.manager.bump_version(model_name)

@@ -34,7 +34,13 @@ if TYPE_CHECKING:
     from rlflow.engine.rollout.base import RolloutEngine
     from rlflow.engine.train_engine import TrainEngine
 
-__all__ = ["ActorInterface", "pair_columns", "rollout_rows"]
+__all__ = ["POLICY_LAG", "POLICY_VERSION", "ActorInterface", "pair_columns", "policy_lag_metrics", "rollout_rows"]
+
+# Non-tensor columns of rollout rows: the version of the weights that sampled each row (set by the
+# generate call), and how many optimizer steps older they are than the weights training on it
+# (set by the train call); see ``AlgorithmParams.policy_lag``.
+POLICY_VERSION = "policy_version"
+POLICY_LAG = "policy_lag"
 
 # Seeds of successive rollouts are spread by a large prime so that streams do not overlap.
 _SEED_STRIDE = 1_000_003
@@ -62,6 +68,17 @@ def rollout_rows(sampled: DataProto, prompt_width: int) -> DataProto:
         "old_logp": torch.cat([zeros.float(), old_logp.float()], dim=1),
     }
     return DataProto.from_dict(tensors, dict(sampled.non_tensor_batch))
+
+
+def policy_lag_metrics(data: DataProto) -> dict[str, float]:
+    """``policy_lag`` (mean) and ``policy_lag_max`` of the rows: optimizer steps between the weights
+    that sampled each row and the weights training on it (the ``policy_lag`` column the model
+    worker sets); nothing for rows without the column."""
+    lag = data.non_tensor_batch.get(POLICY_LAG)
+    if lag is None or len(lag) == 0:
+        return {}
+    lag = np.asarray(lag, dtype=np.float64)
+    return {"policy_lag": float(lag.mean()), "policy_lag_max": float(lag.max())}
 
 
 def pair_columns(num_rows: int) -> dict[str, torch.Tensor]:
@@ -154,12 +171,19 @@ class ActorInterface(ModelInterface):
         batch["advantages"] = advantages
         if not self.algo.kl_in_reward and metrics["kl_coef"] > 0:
             batch["ref_logp"] = tensors_of(data, ("ref_logp",))["ref_logp"]
+        num_mini_batches = self.num_mini_batches(ctx)
+        if self.algo.behaviour_correction == "decoupled" and self.algo.ppo_epochs * num_mini_batches > 1:
+            # Several updates: the proximal policy is the weights before the first, computed here
+            # (one update: its own forward's log-probs are the proximal ones, see policy_loss_fn).
+            prox = log_probs(engine, data, self.temperature)
+            batch["prox_logp"] = prox.batch["logp"] if prox is not None else batch["old_logp"]
+        metrics.update(policy_lag_metrics(data))
         step = train_epochs(
             engine,
             batch,
             policy_loss_fn(self.algo, metrics["kl_coef"]),
             epochs=self.algo.ppo_epochs,
-            num_mini_batches=self.num_mini_batches(ctx),
+            num_mini_batches=num_mini_batches,
             loss_mask_key=token_mask_key(self.algo.loss_agg_mode, "response_mask"),
             temperature=self.temperature,
         )
