@@ -42,6 +42,7 @@ const std::vector<std::string> kFloatFields = {"opt_time",      "opt_act",      
 
 struct Problem {
   int D, M, T, K, W;  // devices, MFCs, iterations, nodes per iteration, bitset words
+  int F, G;           // the steady state's iterations: the period is measured from the end of F to that of G
   double mem_cap, penalty;
   std::vector<i64> opt_offset, opt_lo, opt_size, opt_layout, nbr_offset, nbr, mfc_model, pre_kind, home,
       realloc_offset, reload_offset, model_trainable, model_home, model_calls_offset, model_calls, edge_src,
@@ -50,8 +51,10 @@ struct Problem {
   std::vector<uint64_t> opt_bits;  // (num_options, W)
   std::vector<int> movable;        // MFCs with more than one option
 
-  Problem(int D_, int M_, int T_, int K_, double cap, double pen, const py::dict& arrays)
-      : D(D_), M(M_), T(T_), K(K_), W((D_ + 63) / 64), mem_cap(cap), penalty(pen) {
+  Problem(int D_, int M_, int T_, int K_, double cap, double pen, const py::dict& arrays, int F_, int G_)
+      : D(D_), M(M_), T(T_), K(K_), W((D_ + 63) / 64), F(F_), G(G_ < 0 ? T_ - 1 : G_), mem_cap(cap), penalty(pen) {
+    if (T > 1 && !(0 <= F && F < G && G <= T - 1))
+      throw std::invalid_argument("need 0 <= period_from < period_to <= num_iterations - 1");
     std::vector<std::vector<i64>*> ints = {&opt_offset, &opt_lo, &opt_size, &opt_layout, &nbr_offset, &nbr,
                                            &mfc_model, &pre_kind, &home, &realloc_offset, &reload_offset,
                                            &model_trainable, &model_home, &model_calls_offset, &model_calls,
@@ -283,7 +286,7 @@ struct Evaluator {
       iter_end[t] = m;
       total = std::max(total, m);
     }
-    period = p.T > 1 ? (iter_end[p.T - 1] - iter_end[0]) / (p.T - 1) : iter_end[0];
+    period = p.T > 1 ? (iter_end[p.G] - iter_end[p.F]) / (p.G - p.F) : iter_end[0];
     return fits ? period : period * p.penalty;
   }
 };
@@ -506,9 +509,10 @@ PYBIND11_MODULE(_C_planner, m) {
   fields.insert(fields.end(), kFloatFields.begin(), kFloatFields.end());
   problem.attr("ARRAY_FIELDS") = py::cast(fields);
   problem
-      .def(py::init<int, int, int, int, double, double, const py::dict&>(), py::arg("num_devices"),
+      .def(py::init<int, int, int, int, double, double, const py::dict&, int, int>(), py::arg("num_devices"),
            py::arg("num_mfcs"), py::arg("num_iterations"), py::arg("nodes_per_iteration"),
-           py::arg("device_memory_bytes"), py::arg("penalty"), py::arg("arrays"))
+           py::arg("device_memory_bytes"), py::arg("penalty"), py::arg("arrays"), py::arg("period_from") = 0,
+           py::arg("period_to") = -1)
       .def("cost", [](const Problem& p, const IntArray& a) {
         auto c = as_choice(p, a);
         return Evaluator(p).run(c.data());

@@ -5,9 +5,11 @@ names (attribute ``"mfc"``) and whose edges carry the keys flowing along them (a
 ``"keys"``). Keys that no MFC produces come from the dataset (``graph.graph["dataset_keys"]``).
 
 Across iterations, weights carry versions: the first call on model X in iteration t waits for
-the last call on X in iteration t-1 (:func:`version_edges`). :func:`unroll_graph` materialises
-``num_iterations`` copies of the graph joined by those edges, the graph the planner's simulator
-schedules.
+the last call on X in iteration t-1 (:func:`version_edges`). With bounded staleness
+(``algorithm.policy_lag`` L) a generation of iteration t samples with the weights of t-1-L: its
+version edges span 1+L iterations (:func:`version_spans`), so the rollout of t may run beside
+the training of t-1. :func:`unroll_graph` materialises ``num_iterations`` copies of the graph
+joined by those edges, the graph the planner's simulator schedules.
 """
 
 from __future__ import annotations
@@ -126,28 +128,52 @@ def version_edges(graph: nx.DiGraph) -> list[tuple[str, str]]:
     return edges
 
 
-def unroll_graph(graph: nx.DiGraph, num_iterations: int) -> nx.DiGraph:
+def version_spans(graph: nx.DiGraph, policy_lag: int = 0) -> list[int]:
+    """Iterations each of :func:`version_edges` spans: ``1 + policy_lag`` for an edge into a
+    generation (its rollout of iteration t samples with the weights of t-1-``policy_lag``),
+    1 for every other edge (a training or scoring call reads the newest weights).
+
+    Raises:
+        ValueError: ``policy_lag`` below 0.
+
+    >>> from rlflow.dataflow.algorithms import algorithm_graph
+    >>> g = algorithm_graph("grpo")
+    >>> list(zip(version_edges(g), version_spans(g, policy_lag=1)))[0]
+    (('actor_train', 'actor_gen'), 2)
+    """
+    if policy_lag < 0:
+        raise ValueError(f"policy_lag={policy_lag} must be >= 0")
+    generate = {n for n, mfc in graph.nodes(data="mfc") if mfc.interface_type == "generate"}
+    return [1 + policy_lag if b in generate else 1 for _, b in version_edges(graph)]
+
+
+def unroll_graph(graph: nx.DiGraph, num_iterations: int, policy_lag: int = 0) -> nx.DiGraph:
     """``num_iterations`` copies of ``graph`` joined by parameter-version edges.
 
     Args:
         graph: a graph from :func:`build_graph`.
         num_iterations: number of iterations, >= 1.
+        policy_lag: iterations a rollout may lag the newest weights (:func:`version_spans`).
 
     Returns:
         A DAG with nodes ``(t, name)`` (attributes ``"mfc"``, ``"iteration"``). Edges have
-        ``kind="data"`` (with ``"keys"``, inside one iteration) or ``kind="version"`` (from
-        iteration t-1 to t).
+        ``kind="data"`` (with ``"keys"``, inside one iteration), ``kind="version"`` (from
+        iteration t-``span`` to t, attribute ``"span"``) or, for a lagged generation,
+        ``kind="order"`` from its call of t-1 (rollouts are drawn in order). The first ``span``
+        iterations' calls at the end of a version edge read the initial weights.
     """
     if num_iterations < 1:
         raise ValueError(f"num_iterations={num_iterations} must be >= 1")
-    unrolled = nx.DiGraph(**graph.graph, num_iterations=num_iterations)
-    versions = version_edges(graph)
+    unrolled = nx.DiGraph(**graph.graph, num_iterations=num_iterations, policy_lag=policy_lag)
+    versions = list(zip(version_edges(graph), version_spans(graph, policy_lag)))
     for t in range(num_iterations):
         for name, attrs in graph.nodes(data=True):
             unrolled.add_node((t, name), mfc=attrs["mfc"], iteration=t)
         for u, v, keys in graph.edges(data="keys"):
             unrolled.add_edge((t, u), (t, v), kind="data", keys=keys)
-        if t > 0:
-            for u, v in versions:
-                unrolled.add_edge((t - 1, u), (t, v), kind="version", keys=())
+        for (u, v), span in versions:
+            if t >= span:
+                unrolled.add_edge((t - span, u), (t, v), kind="version", keys=(), span=span)
+            if t >= 1 and span > 1:
+                unrolled.add_edge((t - 1, v), (t, v), kind="order", keys=())
     return unrolled

@@ -19,7 +19,7 @@ import itertools
 import networkx as nx
 import numpy as np
 
-from rlflow.dataflow.graph import mfcs_of, version_edges
+from rlflow.dataflow.graph import mfcs_of, version_edges, version_spans
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.planner.cluster import ClusterSpec
 from rlflow.planner.cost import CallCost, Rates, Workload, call_cost
@@ -182,6 +182,7 @@ def build_problem(
     profile=None,
     num_iterations: int = 3,
     max_options_per_mfc: int | None = None,
+    policy_lag: int = 0,
 ) -> PlanProblem:
     """Price every placement of every MFC of ``graph`` and the transfers between them.
 
@@ -194,8 +195,11 @@ def build_problem(
         capabilities: what the engines support (default: no pipelined generation).
         trainable: models trained by the graph; default: every model with a train_step MFC.
         profile: measured profile (a ``MachineProfile`` or JSON path) replacing the analytic roofline.
-        num_iterations: iterations the simulator unrolls.
+        num_iterations: iterations the simulator unrolls; under ``policy_lag`` L, 2·L more, so
+            that the steady state (rollout of t beside training of t-1-L..t-1) is reached.
         max_options_per_mfc: keep only the fastest options of each MFC (after the memory filter).
+        policy_lag: iterations a rollout may lag the newest weights (``algorithm.policy_lag``):
+            the version edges into generations span 1 + ``policy_lag`` iterations.
 
     Returns:
         The :class:`PlanProblem`; MFC ``i`` is the ``i``-th device MFC in topological order.
@@ -222,6 +226,8 @@ def build_problem(
     data_edges, data_time = _data_tables(device_graph(graph), index, options, cluster, workload)
     realloc, reload = _weight_tables(mfcs, models, homes, options, costs, cluster)
     hooks = _hook_tables(mfcs, models, homes, options, cluster)
+    kept = [(e, s) for e, s in zip(version_edges(graph), version_spans(graph, policy_lag)) if set(e) <= set(index)]
+    versions, spans = [e for e, _ in kept], [s for _, s in kept]
     return PlanProblem(
         num_nodes=cluster.num_nodes,
         devices_per_node=cluster.devices_per_node,
@@ -232,9 +238,10 @@ def build_problem(
         models=[ModelEntry(n, homes[n] is not None, homes[n]) for n in model_names],
         data_edges=data_edges,
         data_time=data_time,
-        version_edges=[(index[a], index[b]) for a, b in version_edges(graph) if a in index and b in index],
+        version_edges=[(index[a], index[b]) for a, b in versions],
+        version_spans=spans,
         realloc_time=realloc,
         reload_time=reload,
         hook_time=hooks,
-        num_iterations=num_iterations,
+        num_iterations=num_iterations + 2 * policy_lag,
     )

@@ -11,8 +11,11 @@ is the transfer of data edge ``e`` (inactive when its time is 0), node ``E+2*i``
 *pre-node* of MFC ``i`` (its reallocation or reload, then its weight hook — an EMA blend — if
 any; inactive when none is needed), node ``E+2*i+1`` the call itself. Transfers come first so
 that, at equal ready times, the short transfers that unblock a consumer are placed before calls. Node ``(t, j)`` has global id ``t*K + j``. Edges: pre → call; call(i) →
-transfer(e) → pre(k) for a data edge ``e = (i, k)``; call(t-1, i) → pre(t, k) for a version
-edge ``(i, k)``. Every parent of a call thus feeds its pre-node, and the simulators place a
+transfer(e) → pre(k) for a data edge ``e = (i, k)``; call(t-s, i) → pre(t, k) for a version
+edge ``(i, k)`` of span ``s`` (1, or 1 + ``policy_lag`` into a generation); and for a lagged
+edge (``s > 1``) call(t-1, k) → pre(t, k): rollouts are drawn in order — without it the list
+scheduler would place every rollout free of a version edge first, ahead of the transfers that
+feed the training calls. Every parent of a call thus feeds its pre-node, and the simulators place a
 call right after its pre-node, so a reallocation runs just before its call — as the runtime's
 pre-call hook does — and the reallocated copy lives only for that call, which is what the
 memory model assumes.
@@ -47,7 +50,9 @@ class CompiledProblem:
     Per data edge: ``edge_src``, ``edge_dst``, ``edge_offset`` into ``data_table``
     (row-major ``(n_src, n_dst)``).
     Unrolled graph (``num_iterations * nodes_per_iteration`` nodes): ``child_offset``/``child``
-    (CSR), ``indegree``.
+    (CSR), ``indegree``; ``period_from``/``period_to``: the iterations between whose ends the
+    steady-state period is measured (``s - 1`` and ``T - s`` for the longest version span
+    ``s``; ``0`` and ``T - 1`` when that leaves nothing between them).
     """
 
     problem: PlanProblem
@@ -87,6 +92,8 @@ class CompiledProblem:
     child_offset: np.ndarray
     child: np.ndarray
     indegree: np.ndarray
+    period_from: int = 0
+    period_to: int = 0
 
     @property
     def num_edges(self) -> int:
@@ -139,7 +146,16 @@ def compile_problem(problem: PlanProblem) -> CompiledProblem:
         **mfc,
         **edges,
         **graph,
+        **_steady_state(problem),
     )
+
+
+def _steady_state(problem: PlanProblem) -> dict[str, int]:
+    t_count, span = problem.num_iterations, max(problem.spans, default=1)
+    first, last = span - 1, t_count - span
+    if last <= first:
+        first, last = 0, max(t_count - 1, 0)
+    return {"period_from": first, "period_to": last}
 
 
 def _check_meshes(problem: PlanProblem) -> None:
@@ -310,9 +326,11 @@ def _unroll(problem: PlanProblem) -> dict[str, np.ndarray]:
         for e, (src, dst) in enumerate(problem.data_edges):
             children[call + 2 * src].append(t * k + e)
             children[t * k + e].append(pre + 2 * dst)
-        if t > 0:
-            for src, dst in problem.version_edges:
-                children[call - k + 2 * src].append(pre + 2 * dst)
+        for (src, dst), span in zip(problem.version_edges, problem.spans):
+            if t >= span:
+                children[call - span * k + 2 * src].append(pre + 2 * dst)
+            if t >= 1 and span > 1:
+                children[call - k + 2 * dst].append(pre + 2 * dst)
     indegree = np.zeros(t_count * k, dtype=np.int64)
     for cs in children:
         for c in cs:

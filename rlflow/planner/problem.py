@@ -9,8 +9,9 @@ per MFC.
 Semantics the simulator implements (all times in seconds, all memory in bytes per device):
 
 * The graph is unrolled over ``num_iterations``. Node ``(t, i)`` is MFC ``i`` of iteration ``t``.
-  Data edges ``(i, k)`` join nodes of one iteration; version edges ``(i, k)`` join ``(t-1, i)``
-  to ``(t, k)`` (the first call on a model in iteration t waits for its last call in t-1).
+  Data edges ``(i, k)`` join nodes of one iteration; version edges ``(i, k)`` of span ``s`` join
+  ``(t-s, i)`` to ``(t, k)`` (the first call on a model in iteration t waits for its last call in
+  t-1; a generation under ``policy_lag`` L for the last call of t-1-L, span 1+L).
 * A call occupies the devices of its option's mesh for ``time_s``. Calls whose device sets
   overlap run one after another; disjoint ones overlap (list scheduling, ReaLHF Algorithm 1).
 * Trainable models have a *home*: the option of their ``train_mfc``. Another call of the model
@@ -79,7 +80,8 @@ class PlanProblem:
         options: ``options[i]`` lists the placements MFC ``i`` may take.
         data_edges: ``(i, k)`` pairs within one iteration; ``data_time[e]`` has shape
             ``(len(options[i]), len(options[k]))``.
-        version_edges: ``(i, k)``: call ``k`` of iteration t waits for call ``i`` of t-1.
+        version_edges: ``(i, k)``: call ``k`` of iteration t waits for call ``i`` of t-``span``.
+        version_spans: the span of every version edge (iterations, >= 1); empty: all 1.
         realloc_time: ``(train_mfc, i) -> array (len(options[train_mfc]), len(options[i]))``.
         reload_time: ``i -> array (len(options[i]),)`` for MFCs of frozen models.
         hook_time: ``(src, i) -> array (len(options[src]), len(options[i]))``: weight hooks (EMA
@@ -97,6 +99,7 @@ class PlanProblem:
     data_edges: list[tuple[int, int]] = field(default_factory=list)
     data_time: list[np.ndarray] = field(default_factory=list)
     version_edges: list[tuple[int, int]] = field(default_factory=list)
+    version_spans: list[int] = field(default_factory=list)
     realloc_time: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     reload_time: dict[int, np.ndarray] = field(default_factory=dict)
     hook_time: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
@@ -126,10 +129,19 @@ class PlanProblem:
                 expected = (len(self.options[h]), len(self.options[i]))
                 if np.shape(table) != expected:
                     raise ValueError(f"{attr}[{h},{i}] has shape {np.shape(table)}, expected {expected}")
+        if self.version_spans and len(self.version_spans) != len(self.version_edges):
+            raise ValueError(f"{len(self.version_edges)} version edges but {len(self.version_spans)} version_spans")
+        if any(s < 1 for s in self.version_spans):
+            raise ValueError(f"version_spans={self.version_spans}: every span must be >= 1 iteration")
         targets = [i for _, i in self.hook_time]
         if len(targets) != len(set(targets)):
             doubled = sorted({self.mfc_names[i] for i in targets if targets.count(i) > 1})
             raise ValueError(f"MFC(s) {doubled} have weight hooks from several sources; one source per call is priced")
+
+    @property
+    def spans(self) -> list[int]:
+        """The span of every version edge (1 where ``version_spans`` is empty)."""
+        return list(self.version_spans) or [1] * len(self.version_edges)
 
     @property
     def num_mfcs(self) -> int:

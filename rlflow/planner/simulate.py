@@ -14,9 +14,12 @@ to back and the reallocated copy exists only while the call runs. Inactive nodes
 reallocation needed, zero-size transfer) end at their ready time and touch no device.
 
 Time. ``iteration_end_s[t]`` is the latest end of a node of iteration ``t``. The plan's time per
-iteration is the steady-state period ``(iteration_end_s[-1] - iteration_end_s[0]) / (T - 1)``
-(``iteration_end_s[0]`` when ``T == 1``): it leaves out the pipeline fill of the first
-iteration, whose calls cannot overlap a previous one. ``total_time_s`` is the largest end.
+iteration is the steady-state period ``(iteration_end_s[G] - iteration_end_s[F]) / (G - F)``
+(``iteration_end_s[0]`` when ``T == 1``), ``F, G`` = ``CompiledProblem.period_from, period_to``:
+``0, T - 1`` leave out the pipeline fill of the first iteration, whose calls cannot overlap a
+previous one. Under a lagged version edge of span ``s`` they are ``s - 1, T - s``: the ``s - 1``
+iterations after the first read the initial weights and wait for nothing, and the last ``s - 1``
+end early, as no later rollout runs before their training. ``total_time_s`` is the largest end.
 
 Memory (bytes per device). ``static_bytes``: ``train_state_bytes + weight_bytes`` of each
 trainable model's home option on its mesh, plus ``weight_bytes`` of each frozen model that
@@ -221,7 +224,8 @@ def simulate_py(
 def _result(cp, choice, start, end, full_active, static, peak, penalty, detailed) -> SimResult:
     k, t_count = cp.nodes_per_iteration, cp.num_iterations
     iter_end = tuple(float(end[t * k : (t + 1) * k].max()) for t in range(t_count))
-    period = (iter_end[-1] - iter_end[0]) / (t_count - 1) if t_count > 1 else iter_end[0]
+    a, b = cp.period_from, cp.period_to
+    period = (iter_end[b] - iter_end[a]) / (b - a) if t_count > 1 else iter_end[0]
     max_bytes = float(peak.max()) if peak.size else 0.0
     fits = max_bytes <= cp.device_memory_bytes
     nodes = _scheduled_nodes(cp, choice, start, end, full_active) if detailed else ()
@@ -273,7 +277,15 @@ def cpp_problem(cp: CompiledProblem, penalty: float = DEFAULT_PENALTY):
     ext = load_extension()
     arrays = {name: getattr(cp, name) for name in ext.Problem.ARRAY_FIELDS}
     return ext.Problem(
-        cp.num_devices, cp.num_mfcs, cp.num_iterations, cp.nodes_per_iteration, cp.device_memory_bytes, penalty, arrays
+        cp.num_devices,
+        cp.num_mfcs,
+        cp.num_iterations,
+        cp.nodes_per_iteration,
+        cp.device_memory_bytes,
+        penalty,
+        arrays,
+        cp.period_from,
+        cp.period_to,
     )
 
 

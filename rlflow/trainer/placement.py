@@ -153,6 +153,7 @@ def plan_placement(
             planning_workload(cfg),
             capabilities=runtime_capabilities(cfg),
             profile=profile,
+            policy_lag=getattr(cfg.algorithm, "policy_lag", 0),
         )
         generate = [m.name for m in device_mfcs if m.interface_type == "generate"]
         baselines = baseline_plans(problem, generate)
