@@ -83,8 +83,16 @@ def hf_last_logits(model, ids, mask) -> torch.Tensor:
 LOGIT_ATOL = 3e-5
 
 
+@pytest.fixture(params=["bmm", "sdpa"])
+def attention(request, monkeypatch):
+    """Both decode attentions: bmm for few (row, kv head) batches on CPU, sdpa otherwise."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(fast_decode_module, "_BMM_MAX_BATCHES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_of_prefill_and_every_step_match_hf_forward(case):
+def test_logits_of_prefill_and_every_step_match_hf_forward(case, attention):
     model = build_model(case)
     assert fast_decode_blocker(model) is None
     ids, mask = left_padded_prompts(LENGTHS, seed=1, width=10)
@@ -141,7 +149,7 @@ def test_greedy_equals_hf_path_naive_decode_and_generate(case):
 @pytest.mark.parametrize(
     "sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 10, "top_p": 0.9}], ids=["plain", "filtered"]
 )
-def test_seeded_sampling_equals_hf_path(case, sampling):
+def test_seeded_sampling_equals_hf_path(case, sampling, attention):
     model = build_model(case, seed=3)
     ids, mask = left_padded_prompts([4, 6, 2], seed=3)
     params = SamplingParams(n=8, max_new_tokens=20, seed=7, **sampling)
@@ -153,7 +161,7 @@ def test_seeded_sampling_equals_hf_path(case, sampling):
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "mistral_window_4"])
-def test_stop_tokens_and_pruning_equal_hf_path(case):
+def test_stop_tokens_and_pruning_equal_hf_path(case, attention):
     model = build_model(case, seed=4)
     ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6, 2, 7], seed=4)
     ids = ids % VOCAB

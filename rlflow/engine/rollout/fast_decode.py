@@ -45,6 +45,10 @@ __all__ = ["FastDecoder", "fast_decode_blocker"]
 # "dynamic" and "longrope" rescale with the sequence length and decode through HF's modules.
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
+# Decode attention as baddbmm + softmax + bmm up to this many (row, kv head) batches on CPU,
+# scaled_dot_product_attention above: measured crossover between 64 and 128 batches on a
+# 2-core EPYC (sdpa 1.4x slower at 64 batches of 16-wide heads, bmm 1.4x slower at 128 of 32).
+_BMM_MAX_BATCHES = 64
 
 
 def _text_config(model: nn.Module):
@@ -99,18 +103,19 @@ def fast_decode_blocker(model: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's weights in the decoder's form; biases and q/k norm None when absent."""
+    """One decoder layer's weights in the decoder's form: matrices transposed to ``(in, out)``
+    (what ``x @ w`` takes), biases and the q/k norm None when absent."""
 
     input_norm: torch.Tensor  # (hidden,)
-    qkv_weight: torch.Tensor  # ((H + 2 Hkv) D, hidden): q, k, v stacked
+    qkv_weight: torch.Tensor  # (hidden, (H + 2 Hkv) D): q, k, v side by side
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # (H + Hkv, D): q_norm for the H q heads, k_norm for the Hkv k heads
-    o_weight: torch.Tensor
+    o_weight: torch.Tensor  # (H D, hidden)
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # (2 I, hidden): gate, up stacked
+    gate_up_weight: torch.Tensor  # (hidden, 2 I): gate, up side by side
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: torch.Tensor  # (I, hidden)
     down_bias: torch.Tensor | None
     window: int | None  # attend to the last `window` positions; None: all
 
@@ -127,6 +132,9 @@ def _build_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]
     def get(layer: int, name: str) -> torch.Tensor | None:
         return params.get(f"{family.layers_module}.{layer}.{name}")
 
+    def weight(layer: int, *modules: str) -> torch.Tensor:  # (in, out), the modules' outputs side by side
+        return torch.cat([get(layer, f"{m}.weight") for m in modules], dim=0).t()
+
     layers = []
     for i, kind in enumerate(family.layer_types(config)):
         q_norm = get(i, "self_attn.q_norm.weight")
@@ -137,20 +145,28 @@ def _build_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]
         layers.append(
             _Layer(
                 input_norm=get(i, "input_layernorm.weight"),
-                qkv_weight=_cat([get(i, f"self_attn.{p}_proj.weight") for p in "qkv"]),
+                qkv_weight=weight(i, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 qkv_bias=_cat([get(i, f"self_attn.{p}_proj.bias") for p in "qkv"]),
                 qk_norm=qk_norm,
-                o_weight=get(i, "self_attn.o_proj.weight"),
+                o_weight=get(i, "self_attn.o_proj.weight").t(),
                 o_bias=get(i, "self_attn.o_proj.bias"),
                 post_norm=get(i, "post_attention_layernorm.weight"),
-                gate_up_weight=_cat([get(i, "mlp.gate_proj.weight"), get(i, "mlp.up_proj.weight")]),
+                gate_up_weight=weight(i, "mlp.gate_proj", "mlp.up_proj"),
                 gate_up_bias=_cat([get(i, "mlp.gate_proj.bias"), get(i, "mlp.up_proj.bias")]),
-                down_weight=get(i, "mlp.down_proj.weight"),
+                down_weight=get(i, "mlp.down_proj.weight").t(),
                 down_bias=get(i, "mlp.down_proj.bias"),
                 window=int(window) if kind == "sliding_attention" and window is not None else None,
             )
         )
     return layers
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
+    """``residual + (x @ weight + bias)`` for 2-D ``x``, in one op where there is no bias."""
+    if bias is not None:
+        out = torch.addmm(bias, x, weight)
+        return out if residual is None else residual + out
+    return torch.mm(x, weight) if residual is None else torch.addmm(residual, x, weight)
 
 
 # model -> (weight key, layers): the concatenated weights, reused while no source weight changed.
@@ -197,7 +213,7 @@ class FastDecoder:
         self._layers = _cached_layers(model, family, config)
         self._embed = model.get_parameter(family.embed_name)
         self._norm = model.get_parameter(f"{family.norm_module}.weight")
-        self._head = model.get_submodule(family.lm_head_module).weight
+        self._head_t = model.get_submodule(family.lm_head_module).weight.t()
         self._eps = float(config_value(config, "rms_norm_eps", 1e-6))
         self._act = ACT2FN[config_value(config, "hidden_act", "silu")].forward  # skip nn.Module's call hooks
         self._heads, self._kv_heads, self._head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
@@ -216,7 +232,7 @@ class FastDecoder:
         total = prompt_len + self._max_new
         dtype, device = self._embed.dtype, self._embed.device
         positions = position_ids_from_mask(attention_mask)  # (B, P)
-        self._build_tables(positions, attention_mask, total, dtype, device)
+        self._build_tables(attention_mask, total, dtype, device)
         shape = (batch, self._kv_heads, total, self._head_dim)
         self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in self._layers]
         self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in self._layers]
@@ -224,17 +240,25 @@ class FastDecoder:
 
         cos, sin = self._cos[positions][:, :, None], self._sin[positions][:, :, None]  # (B, P, 1, D)
         valid = attention_mask.bool()
-        hidden = torch.embedding(self._embed, input_ids)
+        hidden = torch.embedding(self._embed, input_ids.reshape(-1))  # (B*P, hidden)
         for index, layer in enumerate(self._layers):
-            hidden = self._layer(hidden, index, layer, cos, sin, self._prompt_mask(valid, layer.window))
-        logits = self._logits(hidden[:, -1])
+            mask = self._prompt_mask(valid, layer.window)
+            hidden = self._prompt_layer(hidden, batch, index, layer, cos, sin, mask)
+        logits = self._logits(hidden.view(batch, prompt_len, -1)[:, -1])
         # the n samples of a prompt share its cache, positions and masks
         self._k = [k.repeat_interleave(n, dim=0) for k in self._k]
         self._v = [v.repeat_interleave(n, dim=0) for v in self._v]
         next_pos = attention_mask.sum(dim=1, keepdim=True).repeat_interleave(n, dim=0)  # (N, 1)
         steps = next_pos + torch.arange(self._max_new, device=device)  # (N, R) position of every step
         self._step_cos, self._step_sin = self._cos[steps][:, :, None], self._sin[steps][:, :, None]  # (N, R, 1, D)
-        self._step_masks = self._decode_masks(valid.repeat_interleave(n, dim=0), prompt_len)
+        keys = torch.cat([valid, valid.new_ones(batch, self._max_new)], dim=1).repeat_interleave(n, dim=0)
+        additive = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill_(~keys, float("-inf"))
+        self._bmm_attention = device.type == "cpu" and keys.shape[0] * self._kv_heads <= _BMM_MAX_BATCHES
+        if self._bmm_attention:  # the bmm's batches are (row, kv head): the mask repeated per kv head
+            self._key_mask = additive[:, None, None, :].expand(-1, self._kv_heads, 1, -1).contiguous()
+        else:
+            self._key_mask = additive[:, None, None, :]  # (N, 1, 1, T)
+        self._grouped_views()
         return logits.repeat_interleave(n, dim=0)
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
@@ -243,9 +267,7 @@ class FastDecoder:
         cos, sin = self._step_cos[:, step], self._step_sin[:, step]  # (N, 1, D)
         hidden = torch.embedding(self._embed, tokens)  # (N, hidden)
         for index, layer in enumerate(self._layers):
-            masks = self._step_masks[layer.window]
-            mask = None if masks is None else masks[:, step, :, :, : slot + 1]
-            hidden = self._step_layer(hidden, index, layer, cos, sin, mask, slot)
+            hidden = self._step_layer(hidden, index, layer, cos, sin, slot)
         return self._logits(hidden)
 
     def select(self, keep: torch.Tensor) -> None:
@@ -253,9 +275,16 @@ class FastDecoder:
         self._k = [k[keep] for k in self._k]
         self._v = [v[keep] for v in self._v]
         self._step_cos, self._step_sin = self._step_cos[keep], self._step_sin[keep]
-        self._step_masks = {w: None if m is None else m[keep] for w, m in self._step_masks.items()}
+        self._key_mask = self._key_mask[keep]
+        self._grouped_views()
 
     # ------------------------------------------------------------------ the decoder
+
+    def _grouped_views(self) -> None:
+        """``(N*Hkv, ...)`` views of the KV buffers and key mask, the batches of the step's bmm."""
+        if self._bmm_attention:
+            self._k3, self._v3 = [k.flatten(0, 1) for k in self._k], [v.flatten(0, 1) for v in self._v]
+            self._key_mask3 = self._key_mask.flatten(0, 1)
 
     def _qk_rope(self, qkv: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k heads ``(..., H + Hkv, D)`` of ``qkv`` after the q/k norm and RoPE.
@@ -269,53 +298,61 @@ class FastDecoder:
         return qk * cos + qk.roll(self._head_dim // 2, -1) * sin
 
     def _mlp(self, hidden: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """``hidden + mlp(norm(hidden))`` of ``(rows, hidden)``."""
         x = torch.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self._eps)
-        gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).split(self._inter, dim=-1)
-        return hidden + F.linear(self._act(gate) * up, layer.down_weight, layer.down_bias)
+        gate, up = _project(x, layer.gate_up_weight, layer.gate_up_bias).split(self._inter, dim=-1)
+        return _project(self._act(gate) * up, layer.down_weight, layer.down_bias, residual=hidden)
 
-    def _layer(self, hidden, index, layer: _Layer, cos, sin, mask) -> torch.Tensor:
-        """One decoder layer over the prompts' ``(B, P, hidden)``; k/v go to the first P slots."""
-        rows, length, _ = hidden.shape
-        heads = self._heads
+    def _prompt_layer(self, hidden, batch: int, index: int, layer: _Layer, cos, sin, mask) -> torch.Tensor:
+        """One decoder layer over the prompts' ``(B*P, hidden)``; k/v go to the first P slots."""
+        heads, length = self._heads, hidden.shape[0] // batch
         x = torch.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self._eps)
-        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, length, -1, self._head_dim).transpose(1, 2)
-        qk = self._qk_rope(qkv.transpose(1, 2), layer, cos, sin).transpose(1, 2)  # (B, H + Hkv, P, D)
-        k, v = qk[:, heads:], qkv[:, heads + self._kv_heads :]
+        qkv = _project(x, layer.qkv_weight, layer.qkv_bias).view(batch, length, -1, self._head_dim)
+        qk = self._qk_rope(qkv, layer, cos, sin).transpose(1, 2)  # (B, H + Hkv, P, D)
+        k, v = qk[:, heads:], qkv[:, :, heads + self._kv_heads :].transpose(1, 2)
         self._k[index][:, :, :length] = k
         self._v[index][:, :, :length] = v
         attn = F.scaled_dot_product_attention(
             qk[:, :heads], k, v, attn_mask=mask, scale=self._scale, enable_gqa=heads != self._kv_heads
         )
-        attn = attn.transpose(1, 2).reshape(rows, length, heads * self._head_dim)
-        return self._mlp(hidden + F.linear(attn, layer.o_weight, layer.o_bias), layer)
+        attn = attn.transpose(1, 2).reshape(batch * length, heads * self._head_dim)
+        return self._mlp(_project(attn, layer.o_weight, layer.o_bias, residual=hidden), layer)
 
-    def _step_layer(self, hidden, index, layer: _Layer, cos, sin, mask, slot: int) -> torch.Tensor:
+    def _step_layer(self, hidden, index: int, layer: _Layer, cos, sin, slot: int) -> torch.Tensor:
         """One decoder layer over one token per row, ``(N, hidden)``; its k/v go to KV slot ``slot``.
 
-        Attention is two matmuls and a softmax over the grouped heads ``(N, Hkv, H/Hkv, D)``: at
-        these sizes that is cheaper than ``scaled_dot_product_attention``'s kernel set-up.
+        A sliding window is where the keys start. With few rows on CPU, attention is a
+        ``baddbmm`` (key mask + scaled scores), a softmax and a ``bmm`` over the grouped heads
+        ``(N*Hkv, H/Hkv, ·)``: cheaper than ``scaled_dot_product_attention``'s set-up there
+        (and dearer with many rows, see ``_BMM_MAX_BATCHES``).
         """
-        rows, heads, kv_heads = hidden.shape[0], self._heads, self._kv_heads
+        rows, heads, kv_heads, dim = hidden.shape[0], self._heads, self._kv_heads, self._head_dim
         x = torch.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self._eps)
-        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, -1, self._head_dim)
+        qkv = _project(x, layer.qkv_weight, layer.qkv_bias).view(rows, -1, dim)
         qk = self._qk_rope(qkv, layer, cos, sin)  # (N, H + Hkv, D)
-        k_cache, v_cache = self._k[index], self._v[index]
-        k_cache[:, :, slot] = qk[:, heads:]
-        v_cache[:, :, slot] = qkv[:, heads + kv_heads :]
-        query = qk[:, :heads].unflatten(1, (kv_heads, heads // kv_heads))  # (N, Hkv, G, D)
-        scores = torch.matmul(query, k_cache[:, :, : slot + 1].transpose(-1, -2)) * self._scale  # (N, Hkv, G, S)
-        if mask is not None:
-            scores = scores + mask
-        attn = torch.matmul(scores.softmax(dim=-1), v_cache[:, :, : slot + 1]).view(rows, heads * self._head_dim)
-        return self._mlp(hidden + F.linear(attn, layer.o_weight, layer.o_bias), layer)
+        self._k[index][:, :, slot] = qk[:, heads:]
+        self._v[index][:, :, slot] = qkv[:, heads + kv_heads :]
+        keys = slice(0 if layer.window is None else max(0, slot + 1 - layer.window), slot + 1)
+        if self._bmm_attention:
+            query = qk[:, :heads].reshape(rows * kv_heads, heads // kv_heads, dim)
+            scores = torch.baddbmm(
+                self._key_mask3[:, :, keys], query, self._k3[index][:, keys].transpose(1, 2), alpha=self._scale
+            )
+            attn = torch.bmm(scores.softmax(dim=-1), self._v3[index][:, keys]).view(rows, heads * dim)
+        else:
+            attn = F.scaled_dot_product_attention(
+                qk[:, :heads, None], self._k[index][:, :, keys], self._v[index][:, :, keys],
+                attn_mask=self._key_mask[..., keys], scale=self._scale, enable_gqa=heads != kv_heads,
+            ).view(rows, heads * dim)  # fmt: skip
+        return self._mlp(_project(attn, layer.o_weight, layer.o_bias, residual=hidden), layer)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """``(rows, V)`` float32 logits from the last position's ``(rows, hidden)`` states."""
-        return F.linear(torch.rms_norm(last, last.shape[-1:], self._norm, self._eps), self._head).float()
+        return torch.mm(torch.rms_norm(last, last.shape[-1:], self._norm, self._eps), self._head_t).float()
 
     # ------------------------------------------------------------------ tables and masks, once per call
 
-    def _build_tables(self, positions, attention_mask, total: int, dtype, device) -> None:
+    def _build_tables(self, attention_mask, total: int, dtype, device) -> None:
         # the rotary module computes cos/sin per position, so a table of positions 0..max is exact
         max_pos = int(attention_mask.sum(dim=1).max()) + self._max_new
         table_pos = torch.arange(max(max_pos, total), device=device)[None]
@@ -333,23 +370,3 @@ class FastDecoder:
             allowed = allowed & (query.T > query - window)
         mask = allowed[None] & valid[:, None, :]
         return (mask | torch.eye(length, dtype=torch.bool, device=valid.device))[:, None]
-
-    def _decode_masks(self, valid: torch.Tensor, prompt_len: int) -> dict[int | None, torch.Tensor | None]:
-        """Per window: ``(N, R, 1, 1, P+R)`` additive masks of the decode steps (None: nothing to mask)."""
-        rows, total = valid.shape[0], prompt_len + self._max_new
-        keys = torch.cat([valid, valid.new_ones(rows, self._max_new)], dim=1)  # (N, P+R)
-        query = prompt_len + torch.arange(self._max_new, device=valid.device)[:, None]  # (R, 1) slot of step s
-        key = torch.arange(total, device=valid.device)[None]
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for window in {layer.window for layer in self._layers}:
-            allowed = key <= query
-            if window is not None:
-                allowed = allowed & (key > query - window)
-            needed = window is not None and window < total or not bool(valid.all())
-            if needed:
-                allowed = keys[:, None, :] & allowed[None]  # (N, R, P+R)
-                additive = torch.zeros(allowed.shape, dtype=self._embed.dtype, device=valid.device)
-                masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, :, None, None]
-            else:
-                masks[window] = None
-        return masks
