@@ -181,6 +181,19 @@ def test_stop_tokens_and_pruning_equal_hf_path(case, attention):
                 assert fast["responses"][row, length - 1].item() in stops
 
 
+@pytest.mark.parametrize("case", ["llama", "qwen3", "llama_biases_tied_mha"])
+def test_bfloat16_decodes_like_hf_path(case):
+    # 16-bit dtypes round where HF rounds (norms, residual adds, attention in sdpa)
+    model = build_model(case, seed=8).to(torch.bfloat16)
+    ids, mask = left_padded_prompts(LENGTHS, seed=8)
+    for sampling in ({"greedy": True}, {"seed": 1}):
+        params = SamplingParams(n=2, max_new_tokens=16, **sampling)
+        fast = HFRolloutEngine(model).generate((ids % VOCAB, mask), params)
+        slow = HFRolloutEngine(model, fast_decode=False).generate((ids % VOCAB, mask), params)
+        assert torch.equal(fast["responses"], slow["responses"])
+        torch.testing.assert_close(fast["old_logp"], slow["old_logp"], atol=1e-2, rtol=0)
+
+
 def test_new_weights_are_used_after_update():
     # the fused weights are cached per model: a copy into any parameter must invalidate them
     source, target = build_model("qwen2", seed=5), build_model("qwen2", seed=6)

@@ -162,14 +162,29 @@ def _build_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
-    """``residual + (x @ weight + bias)`` for 2-D ``x``, in one op where there is no bias."""
-    if bias is not None:
-        out = torch.addmm(bias, x, weight)
-        return out if residual is None else residual + out
-    return torch.mm(x, weight) if residual is None else torch.addmm(residual, x, weight)
+    """``residual + (x @ weight + bias)`` for 2-D ``x``, in one op where there is no bias.
+
+    The residual is folded into the matmul in float32 only: in 16-bit dtypes HF rounds the
+    projection before adding it, and one rounding fewer would move the logits by an ulp.
+    """
+    if residual is not None and bias is None and x.dtype == torch.float32:
+        return torch.addmm(residual, x, weight)
+    out = torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+    return out if residual is None else residual + out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over the last dim: computed in float32, the weight applied in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)
+    normed = torch.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+    return normed if weight is None else weight * normed
 
 
 # model -> (weight key, layers): the concatenated weights, reused while no source weight changed.
+# Kept between calls only up to _CACHE_MAX_BYTES: on a small model concatenating costs as much as
+# a decode step; on a large one a second copy of most weights outlives the call for little gain.
+_CACHE_MAX_BYTES = 256 << 20
 _LAYER_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -179,12 +194,16 @@ def _weight_key(model: nn.Module) -> tuple:
 
 
 def _cached_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]:
+    """The layers of ``model``, concatenated once per weight version where that is small."""
     key = _weight_key(model)
     cached = _LAYER_CACHE.get(model)
-    if cached is None or cached[0] != key:
-        cached = (key, _build_layers(model, family, config))
-        _LAYER_CACHE[model] = cached
-    return cached[1]
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    layers = _build_layers(model, family, config)
+    fused_bytes = sum(t.nbytes for layer in layers for t in (layer.qkv_weight, layer.gate_up_weight))
+    if fused_bytes <= _CACHE_MAX_BYTES:
+        _LAYER_CACHE[model] = (key, layers)
+    return layers
 
 
 class FastDecoder:
@@ -253,7 +272,9 @@ class FastDecoder:
         self._step_cos, self._step_sin = self._cos[steps][:, :, None], self._sin[steps][:, :, None]  # (N, R, 1, D)
         keys = torch.cat([valid, valid.new_ones(batch, self._max_new)], dim=1).repeat_interleave(n, dim=0)
         additive = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill_(~keys, float("-inf"))
-        self._bmm_attention = device.type == "cpu" and keys.shape[0] * self._kv_heads <= _BMM_MAX_BATCHES
+        # bmm would round the scores to a 16-bit dtype where sdpa keeps them in float32
+        few_batches = keys.shape[0] * self._kv_heads <= _BMM_MAX_BATCHES
+        self._bmm_attention = device.type == "cpu" and dtype == torch.float32 and few_batches
         if self._bmm_attention:  # the bmm's batches are (row, kv head): the mask repeated per kv head
             self._key_mask = additive[:, None, None, :].expand(-1, self._kv_heads, 1, -1).contiguous()
         else:
@@ -294,19 +315,19 @@ class FastDecoder:
         """
         qk = qkv[..., : self._heads + self._kv_heads, :]
         if layer.qk_norm is not None:  # per-head RMSNorm of q and k, before RoPE
-            qk = torch.rms_norm(qk, qk.shape[-1:], None, self._eps) * layer.qk_norm
+            qk = _rms_norm(qk, None, self._eps) * layer.qk_norm
         return qk * cos + qk.roll(self._head_dim // 2, -1) * sin
 
     def _mlp(self, hidden: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """``hidden + mlp(norm(hidden))`` of ``(rows, hidden)``."""
-        x = torch.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self._eps)
+        x = _rms_norm(hidden, layer.post_norm, self._eps)
         gate, up = _project(x, layer.gate_up_weight, layer.gate_up_bias).split(self._inter, dim=-1)
         return _project(self._act(gate) * up, layer.down_weight, layer.down_bias, residual=hidden)
 
     def _prompt_layer(self, hidden, batch: int, index: int, layer: _Layer, cos, sin, mask) -> torch.Tensor:
         """One decoder layer over the prompts' ``(B*P, hidden)``; k/v go to the first P slots."""
         heads, length = self._heads, hidden.shape[0] // batch
-        x = torch.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self._eps)
+        x = _rms_norm(hidden, layer.input_norm, self._eps)
         qkv = _project(x, layer.qkv_weight, layer.qkv_bias).view(batch, length, -1, self._head_dim)
         qk = self._qk_rope(qkv, layer, cos, sin).transpose(1, 2)  # (B, H + Hkv, P, D)
         k, v = qk[:, heads:], qkv[:, :, heads + self._kv_heads :].transpose(1, 2)
@@ -327,7 +348,7 @@ class FastDecoder:
         (and dearer with many rows, see ``_BMM_MAX_BATCHES``).
         """
         rows, heads, kv_heads, dim = hidden.shape[0], self._heads, self._kv_heads, self._head_dim
-        x = torch.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self._eps)
+        x = _rms_norm(hidden, layer.input_norm, self._eps)
         qkv = _project(x, layer.qkv_weight, layer.qkv_bias).view(rows, -1, dim)
         qk = self._qk_rope(qkv, layer, cos, sin)  # (N, H + Hkv, D)
         self._k[index][:, :, slot] = qk[:, heads:]
@@ -348,7 +369,7 @@ class FastDecoder:
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """``(rows, V)`` float32 logits from the last position's ``(rows, hidden)`` states."""
-        return torch.mm(torch.rms_norm(last, last.shape[-1:], self._norm, self._eps), self._head_t).float()
+        return torch.mm(_rms_norm(last, self._norm, self._eps), self._head_t).float()
 
     # ------------------------------------------------------------------ tables and masks, once per call
 

@@ -13,14 +13,19 @@ under tensor parallelism:
    loop ends when all rows are done or after ``max_new_tokens``.
 
 **Cost per token.** On small models a decode step is dominated by per-op overhead, so the
-loop keeps ops out of it: the forward runs in ``torch.inference_mode`` (into output buffers
-allocated outside it, so training can use them); the attention masks of all steps are built
-once and sliced per step, sparing the model its per-step mask construction
-(:class:`_DecodeMasks`); without stop tokens the outputs are written as whole columns and the
-loop never syncs on the host. The KV cache stays HF's ``DynamicCache``: a preallocated
-cache (HF's ``StaticCache``, or buffers written in place) was no faster on CPU at 32 or 256
-new tokens. The masks are the ones the model would build, so tokens and log-probs are the
-same bit for bit as when the model builds them.
+forward is :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` wherever
+:func:`~rlflow.engine.rollout.fast_decode.fast_decode_blocker` allows it: the family's decoder
+math on the module's weights with fused projections and a preallocated KV cache, in a fraction
+of the ops of HF's modules (2–3× faster per rollout on issue 12's task, see
+docs/benchmarks/sampler.md). Elsewhere (tensor-parallel weights, an unknown family, a rope
+type whose angles depend on the sequence length, parameters the family does not name, or
+``fast_decode=False``) the loop runs HF's modules with a ``DynamicCache`` (:class:`_HFDecoder`,
+the reason in a debug log), with the masks of all steps built once in the form the model
+builds them (:class:`_DecodeMasks`). Both run in ``torch.inference_mode`` (into output buffers
+allocated outside it, so training can use them); without stop tokens the outputs are written as
+whole columns and the loop never syncs on the host; tokens are drawn by ``torch.multinomial``'s
+own algorithm without its per-call validity check (a host sync), so both decoders draw the same
+tokens from the same generator.
 
 **Parallelism.** Under dp each rank samples its own rows with a generator seeded from
 ``(seed, dp_rank)``. Under tp the model is split with
