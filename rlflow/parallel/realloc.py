@@ -166,6 +166,14 @@ class ReallocManager:
         m.version += 1
         return m.version
 
+    def restore_version(self, name: str, version: int) -> None:
+        """Set ``name``'s version to the one a checkpoint recorded, after its weights were loaded:
+        every copy this rank holds is stale from now on (its next call reshards)."""
+        m = self._model(name)
+        m.version = version
+        for copy in m.copies.values():
+            copy.version = -1
+
     # ---- calls ----
 
     def pre_call(self, name: str, layout: Layout) -> nn.Module | ParamViews | None:

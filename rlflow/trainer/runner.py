@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -60,11 +61,12 @@ class Submitted:
     """The handles of one submitted iteration.
 
     Attributes:
-        outputs: MFC name -> the future of its output rows (collected from tp-rank-0 of the last stage).
+        outputs: MFC name -> the future of its output rows (collected from tp-rank-0 of the last
+            stage), or the rows themselves when a checkpoint brought them back (:meth:`LaggedIssuer.load`).
         hooks: refs of the pre/post hook calls, checked for errors by :meth:`DataflowRunner.wait`.
     """
 
-    outputs: dict[str, DataFuture] = field(default_factory=dict)
+    outputs: dict[str, DataFuture | DataProto] = field(default_factory=dict)
     hooks: list[tuple[RayWorkerGroup, list[ray.ObjectRef]]] = field(default_factory=list)
 
 
@@ -211,7 +213,10 @@ class DataflowRunner:
             view.get(refs)
         results = {}
         for name, future in submitted.outputs.items():
-            if name in fetch:
+            if isinstance(future, DataProto):  # rows restored from a checkpoint (LaggedIssuer.load)
+                if name in fetch:
+                    results[name] = future
+            elif name in fetch:
                 results[name] = future.get()
             else:
                 _wait_without_payload(future)
@@ -255,11 +260,31 @@ class LaggedIssuer:
         batch, rollout = self.ahead.pop(step)
         return self.runner.submit(batch, self.rest, step=step, upstream=rollout)
 
+    def save(self, directory: Path) -> list[int]:
+        """Write the rollouts issued ahead (their batch and every call's rows) under ``directory``,
+        waiting for them; returns their steps. A checkpoint holds them so that a resumed run
+        trains on the rows the interrupted one sampled, with the same lag."""
+        for step, (batch, rollout) in sorted(self.ahead.items()):
+            folder = directory / f"step_{step}"
+            folder.mkdir(parents=True)
+            batch.save(folder / "batch.safetensors")
+            for name, future in rollout.outputs.items():
+                rows = future if isinstance(future, DataProto) else future.get()
+                rows.save(folder / f"{name}.safetensors")
+        return sorted(self.ahead)
+
+    def load(self, directory: Path, steps: Sequence[int]) -> None:
+        """Take back the rollouts :meth:`save` wrote for ``steps``: their rows feed those steps' calls."""
+        for step in steps:
+            folder = directory / f"step_{step}"
+            outputs = {name: DataProto.load(folder / f"{name}.safetensors") for name in self.rollouts}
+            self.ahead[step] = (DataProto.load(folder / "batch.safetensors"), Submitted(outputs))
+
     def drain(self) -> None:
-        """Waits for the rollouts issued ahead (a run stopping early), raising their errors; forgets them."""
+        """Waits for the rollouts issued ahead (a run stopping early), raising their errors; keeps
+        them, so a final checkpoint saves them for a run that resumes to train further."""
         for _, rollout in self.ahead.values():
             self.runner.wait(rollout)
-        self.ahead.clear()
 
 
 def _wait_without_payload(future: DataFuture) -> None:

@@ -430,6 +430,7 @@ class Trainer:
 
         def write(directory: Path) -> None:
             self.workers.save_checkpoint(str(directory))
+            ahead = self.issuer.save(directory / AHEAD_DIR)
             write_trainer_state(
                 directory,
                 step=self.step,
@@ -438,6 +439,7 @@ class Trainer:
                     "eval_history": self.result.eval_history,
                     "warmup_history": self.result.warmup_history,
                     "warmup_steps": self.result.warmup_steps,
+                    "rollouts_ahead": ahead,
                 },
             )
 
@@ -455,6 +457,7 @@ class Trainer:
         self.result.eval_history = [tuple(e) for e in state["extra"].get("eval_history", [])]
         self.result.warmup_history = [tuple(e) for e in state["extra"].get("warmup_history", [])]
         self.result.warmup_steps = int(state["extra"].get("warmup_steps", 0))
+        self.issuer.load(path / AHEAD_DIR, state["extra"].get("rollouts_ahead", []))
         print(f"resumed from {path} at step {self.step}")
 
     def _report(self) -> None:
@@ -487,6 +490,10 @@ class Trainer:
         if self._started_ray:
             self._started_ray = False
             ray.shutdown()
+
+
+# Where a checkpoint keeps the rollouts issued ahead of its step (algorithm.policy_lag > 0).
+AHEAD_DIR = "rollouts_ahead"
 
 
 def _side_runner(workers, calls) -> DataflowRunner:

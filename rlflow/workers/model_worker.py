@@ -307,6 +307,9 @@ class ModelWorker(Worker):
             "numpy_rng": _numpy_rng_state(),
             "interfaces": {name: iface.state_dict() for name, iface in self.interfaces.items()},
             "copied": sorted(self._copied),
+            # Weight versions go on counting after a resume: the policy lag of rollouts saved with
+            # the checkpoint (algorithm.policy_lag) is measured against them.
+            "versions": {name: residency.manager.version(name) for name in self._stateful_models()},
         }
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
@@ -327,7 +330,10 @@ class ModelWorker(Worker):
                     engine.load_checkpoint(os.path.join(path, name, "engine"))
                 else:
                     engine.load_state_dict_full(load_file(os.path.join(path, name, FROZEN_WEIGHTS)))
-                residency.step_done(name)  # a new version: copies made before the restore are stale
+                if name in state.get("versions", {}):
+                    residency.manager.restore_version(name, int(state["versions"][name]))
+                else:  # a checkpoint without versions: a new one, so copies made before the restore are stale
+                    residency.step_done(name)
         torch.set_rng_state(state["torch_rng"])
         _set_numpy_rng_state(state["numpy_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
