@@ -1,66 +1,74 @@
-"""The built-in HF sampler against ``model.generate`` with the same sampling settings, in one process.
+"""The built-in sampler's lean decoder against its HF-module path and ``model.generate``, in one process.
 
-Issue 12 asks for generation faster than HF's own loop. Both sides run on the same model
-and prompts, alternating, with one torch thread:
+Issue 12 asks for generation several times faster than HF's own loop. Three contenders run on
+the same model and prompts with the same sampling settings, alternating, with one torch thread:
 
-* **rlflow**: :meth:`rlflow.engine.rollout.HFRolloutEngine.generate` — responses, masks and
-  the log-prob of every sampled token.
-* **HF generate**: ``model.generate`` on each prompt repeated ``n`` times, logits returned,
-  then the same log-probs taken from them (what an RL step needs from a rollout).
+* **fast**: :meth:`rlflow.engine.rollout.HFRolloutEngine.generate` with its lean decoder
+  (:mod:`rlflow.engine.rollout.fast_decode`) — responses, masks and the log-prob of every
+  sampled token.
+* **hf_modules**: the same engine with ``fast_decode=False``: the same loop, the forward
+  through HF's modules and ``DynamicCache``.
+* **generate**: ``model.generate`` on each prompt repeated ``n`` times, logits returned, then
+  the same log-probs taken from them (what an RL step needs from a rollout).
 
-Shapes are the GRPO runs': 2 prompts × 8 samples = 16 rows, prompts of 5–8 tokens
-left-padded to 8, 32 new tokens, no stop token (every row generates all of them); on the
-tiny Llama of the profiled step (hidden 64, 2 layers) and on the model of
-``recipes/grpo_arithmetic.yaml`` (hidden 128, 4 layers). Each case is timed sampled
-(temperature 1, no top-k/top-p) and greedy. Figures are the best of ``REPEATS`` wall times
-and ``speedup = seconds_generate / seconds_rlflow``; for greedy decoding the record also
-says whether both produced the same tokens.
+Two shapes (:data:`CASES`), both with the char tokenizer's 100-token vocabulary, tied
+embeddings, prompts of 5–8 tokens left-padded to 8, no stop token (every row generates every
+token): issue 12's task (``benchmarks/grpo_tasks.py: TASKS["tiny"]``: hidden 64, 2 layers,
+2 prompts × 8 samples, 32 new tokens) and the main job's GRPO step (``TASKS["main"]``:
+hidden 128, 4 layers, 32 prompts × 8 samples, 5 new tokens). Each is timed sampled
+(temperature 1) and greedy. Figures are the best of ``REPEATS`` wall times;
+``speedup_vs_*`` = that contender's seconds / fast's seconds. The record also says whether the
+three produced the same tokens (greedy; sampled: fast and hf_modules draw from the same
+generator, so they should too) and the largest log-prob difference between fast and hf_modules.
 
     python -m benchmarks.run sampler
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
-NUM_PROMPTS = 2
-SAMPLES = 8
 PROMPT_LEN = 8
-NEW_TOKENS = 32
-VOCAB = 128
-REPEATS = 5
-MODELS = {  # name -> build_tiny_model arguments
-    "tiny_llama_h64_l2": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
-    "grpo_arithmetic_h128_l4": {
-        "hidden_size": 128,
-        "num_layers": 4,
-        "num_heads": 4,
-        "num_kv_heads": 4,
-        "intermediate_size": 512,
-        "tie_word_embeddings": True,
+VOCAB = 100  # len(build_char_tokenizer())
+REPEATS = 7
+_MODEL = {"num_heads": 4, "num_kv_heads": 4, "tie_word_embeddings": True}
+CASES = {  # name -> build_tiny_model arguments, prompts, samples per prompt, new tokens
+    "issue12_task_h64_l2": {
+        "model": {**_MODEL, "hidden_size": 64, "num_layers": 2, "intermediate_size": 256},
+        "prompts": 2,
+        "samples": 8,
+        "new_tokens": 32,
+    },
+    "main_job_h128_l4": {
+        "model": {**_MODEL, "hidden_size": 128, "num_layers": 4, "intermediate_size": 512},
+        "prompts": 32,
+        "samples": 8,
+        "new_tokens": 5,
     },
 }
+CONTENDERS = ("fast", "hf_modules", "generate")
 
 
-def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    """``(NUM_PROMPTS, PROMPT_LEN)`` left-padded random prompts of 5 to ``PROMPT_LEN`` tokens."""
+def _prompts(num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_prompts, PROMPT_LEN)`` left-padded random prompts of 5 to ``PROMPT_LEN`` tokens."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.zeros((NUM_PROMPTS, PROMPT_LEN), dtype=torch.long)
+    ids = torch.zeros((num_prompts, PROMPT_LEN), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row in range(NUM_PROMPTS):
+    for row in range(num_prompts):
         length = int(torch.randint(5, PROMPT_LEN + 1, (1,), generator=gen))
         ids[row, PROMPT_LEN - length :] = torch.randint(3, VOCAB, (length,), generator=gen)
         mask[row, PROMPT_LEN - length :] = 1
     return ids, mask
 
 
-def _hf_generate(model, ids, mask, greedy: bool, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_generate(model, ids, mask, samples: int, greedy: bool, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(responses, old_logp)`` from ``model.generate``: no stop token, logits returned."""
     out = model.generate(  # each prompt repeated, as num_return_sequences would (it refuses greedy)
-        input_ids=ids.repeat_interleave(SAMPLES, dim=0),
-        attention_mask=mask.repeat_interleave(SAMPLES, dim=0),
+        input_ids=ids.repeat_interleave(samples, dim=0),
+        attention_mask=mask.repeat_interleave(samples, dim=0),
         do_sample=not greedy,
         temperature=1.0,
         top_k=0,
@@ -77,7 +85,7 @@ def _hf_generate(model, ids, mask, greedy: bool, new_tokens: int) -> tuple[torch
 
 
 def _best_times(calls: dict, repeats: int) -> dict[str, float]:
-    """Best wall time of each call, the calls alternating so that load drifts hit both alike."""
+    """Best wall time of each call, the calls alternating so that load drifts hit all alike."""
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
@@ -87,49 +95,57 @@ def _best_times(calls: dict, repeats: int) -> dict[str, float]:
     return {name: min(values) for name, values in times.items()}
 
 
-def _measure(model_name: str, greedy: bool, repeats: int, new_tokens: int) -> dict:
+def _measure(case_name: str, case: dict, greedy: bool, repeats: int) -> dict:
     from rlflow.data.tiny_models import build_tiny_model
     from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 
-    model = build_tiny_model(vocab_size=VOCAB, **MODELS[model_name]).eval()
-    engine = HFRolloutEngine(model)
-    ids, mask = _prompts()
-    params = SamplingParams(n=SAMPLES, max_new_tokens=new_tokens, greedy=greedy, seed=0)
+    model = build_tiny_model(vocab_size=VOCAB, **case["model"]).eval()
+    ids, mask = _prompts(case["prompts"])
+    samples, new_tokens = case["samples"], case["new_tokens"]
+    params = SamplingParams(n=samples, max_new_tokens=new_tokens, greedy=greedy, seed=0)
+    fast, hf_modules = HFRolloutEngine(model), HFRolloutEngine(model, fast_decode=False)
     calls = {
-        "rlflow": lambda: engine.generate((ids, mask), params),
-        "generate": lambda: _hf_generate(model, ids, mask, greedy, new_tokens),
+        "fast": lambda: fast.generate((ids, mask), params),
+        "hf_modules": lambda: hf_modules.generate((ids, mask), params),
+        "generate": lambda: _hf_generate(model, ids, mask, samples, greedy, new_tokens),
     }
-    for call in calls.values():  # warm-up
-        call()
+    outputs = {name: call() for name, call in calls.items()}  # warm-up, and the outputs compared
     best = _best_times(calls, repeats)
-    ours, (theirs, _) = calls["rlflow"](), calls["generate"]()
+    ours, theirs = outputs["fast"], outputs["generate"][0]
     if ours["responses"].shape != theirs.shape:
         raise RuntimeError(f"rlflow gave {tuple(ours['responses'].shape)} responses, generate {tuple(theirs.shape)}")
     tokens = ours["responses"].numel()
     record = {
-        "name": f"sampler_{model_name}_{'greedy' if greedy else 'sampled'}",
-        "model": model_name,
+        "name": f"sampler_{case_name}_{'greedy' if greedy else 'sampled'}",
+        "case": case_name,
         "decoding": "greedy" if greedy else "sampled, temperature 1",
         "rows": tokens // new_tokens,
         "new_tokens_per_row": new_tokens,
-        "seconds_rlflow": round(best["rlflow"], 4),
-        "seconds_generate": round(best["generate"], 4),
-        "tokens_per_s_rlflow": round(tokens / best["rlflow"], 1),
-        "tokens_per_s_generate": round(tokens / best["generate"], 1),
-        "speedup": round(best["generate"] / best["rlflow"], 2),
-        "units": {"seconds": f"s (best of {repeats}, wall, 1 torch thread)", "speedup": "generate s / rlflow s"},
+        **{f"seconds_{name}": round(best[name], 4) for name in CONTENDERS},
+        "tokens_per_s_fast": round(tokens / best["fast"], 1),
+        "speedup_vs_hf_modules": round(best["hf_modules"] / best["fast"], 2),
+        "speedup_vs_generate": round(best["generate"] / best["fast"], 2),
+        "same_tokens_as_hf_modules": bool(torch.equal(ours["responses"], outputs["hf_modules"]["responses"])),
+        "max_logp_diff_vs_hf_modules": float((ours["old_logp"] - outputs["hf_modules"]["old_logp"]).abs().max()),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "units": {
+            "seconds": f"s per rollout (best of {repeats}, wall, 1 torch thread)",
+            "speedup": "other s / fast s",
+        },
     }
     if greedy:
         record["same_tokens_as_generate"] = bool(torch.equal(ours["responses"], theirs))
     return record
 
 
-def run(repeats: int = REPEATS, new_tokens: int = NEW_TOKENS) -> list[dict]:
-    """One record per (model, greedy or sampled); ``repeats``/``new_tokens`` shrink it for a check."""
+def run(repeats: int = REPEATS, cases: dict | None = None) -> list[dict]:
+    """One record per (case, greedy or sampled); ``repeats``/``cases`` shrink it for a check."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return [_measure(model_name, greedy, repeats, new_tokens) for model_name in MODELS for greedy in (False, True)]
+        return [
+            _measure(name, case, greedy, repeats) for name, case in (cases or CASES).items() for greedy in (False, True)
+        ]
     finally:
         torch.set_num_threads(threads)
 

@@ -1,0 +1,17 @@
+"""benchmarks/bench_sampler.py runs end to end on a small case and its contenders agree."""
+
+from __future__ import annotations
+
+from benchmarks import bench_sampler
+
+
+def test_sampler_benchmark_records_agree():
+    case = {**bench_sampler.CASES["issue12_task_h64_l2"], "prompts": 2, "samples": 2, "new_tokens": 6}
+    records = bench_sampler.run(repeats=1, cases={"small": case})
+    assert [r["decoding"] for r in records] == ["sampled, temperature 1", "greedy"]
+    for record in records:
+        assert record["rows"] == 4 and record["new_tokens_per_row"] == 6
+        assert all(record[f"seconds_{name}"] > 0 for name in bench_sampler.CONTENDERS)
+        assert record["same_tokens_as_hf_modules"]  # the same generator draws on both paths
+        assert record["max_logp_diff_vs_hf_modules"] < 1e-4
+    assert records[1]["same_tokens_as_generate"]
