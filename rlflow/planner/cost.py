@@ -27,10 +27,12 @@ Training (``TrainEngine.train_step``): per mini-batch and epoch, forward, backwa
 forward FLOPs), recomputation under gradient checkpointing, the gradient-norm clip and one
 AdamW step over the fp32 master weights, gradients and moments.
 
-A profile taken with the planned model's calls (``rlflow.workers.profiling.run_profile(calls=...)``) scales the compute
-of every call (not its collectives) by the measured over estimated seconds of a whole call of
-the same type at one worker's shape (:meth:`Rates.call_scale`, see
-:class:`rlflow.planner.profile.ProfiledRates`).
+A profile taken with the planned model's calls (``rlflow.workers.profiling.run_profile(calls=...)``)
+calibrates every call type by whole calls of it timed at two batch sizes: the compute (not the
+collectives) is scaled (:meth:`Rates.call_scale`) and a fixed time added per call, or per
+optimizer step of a training call (:meth:`Rates.call_fixed_s`: per-op dispatch, the sampler's
+per-step Python, the loss and optimizer bookkeeping — what dominates a tiny model on CPU); see
+:class:`rlflow.planner.profile.ProfiledRates`.
 """
 
 from __future__ import annotations
@@ -213,19 +215,19 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     per_token = (broadcast + float(rates.sample_step_s(rows))) * workload.gen_len
     # In steady state the micro-batches circulate: each step takes max(n_mbs, pp) slots.
     decode = float(np.sum(decode_slot)) * max(n_mbs, strategy.pp) + per_token
-    scale = rates.call_scale("generate")
+    scale, fixed = rates.call_scale("generate"), rates.call_fixed_s("generate")
     prefill, repeat, decode = prefill * scale, repeat * scale, decode * scale
     act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, p_len, workload.gen_len)
     weights = memory.weight_bytes(model, strategy, prec, generate=True)
     if cluster.rollout_memory_fraction is not None:  # vLLM takes its share whatever the batch needs
         act = max(act, cluster.rollout_memory_fraction * cluster.device_memory_bytes - weights)
     return CallCost(
-        prefill + repeat + decode,
+        fixed + prefill + repeat + decode,
         act,
         weights,
         0.0,
         prefill,
-        {"prefill_s": prefill, "kv_repeat_s": repeat, "decode_s": decode},
+        {"fixed_s": fixed, "prefill_s": prefill, "kv_repeat_s": repeat, "decode_s": decode},
     )
 
 
@@ -240,16 +242,17 @@ def _inference(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost
     if strategy.pp > 1:
         slot = slot + p2p_s(cluster, mb * s * model.hidden_size * b, mesh.num_nodes > 1)
     compute = float(_pipeline(slot, n_mbs, strategy.pp)) * rates.call_scale("inference")
+    fixed = rates.call_fixed_s("inference")
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, n_mbs, train=False)
     act = memory.inference_act_bytes(model, strategy, prec, mb, s, n_mbs)
     first = compute / n_mbs
     return CallCost(
-        compute + fsdp,
+        fixed + compute + fsdp,
         act,
         memory.weight_bytes(model, strategy, prec),
         0.0,
         first,
-        {"forward_s": compute, "fsdp_exposed_s": fsdp},
+        {"fixed_s": fixed, "forward_s": compute, "fsdp_exposed_s": fsdp},
     )
 
 
@@ -277,7 +280,8 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     opt_params = memory.max_stage_params(model, strategy.pp) / (strategy.tp * strategy.dp)
     optimizer = float(rates.memory_s(adam_step_bytes_per_param(prec) * opt_params)) * scale
     sync = _step_sync_s(strategy, mesh, cluster)
-    total = n_steps * (compute + fsdp + sync + optimizer)
+    fixed = rates.call_fixed_s("train_step")
+    total = n_steps * (fixed + compute + fsdp + sync + optimizer)
     act = memory.train_act_bytes(model, strategy, prec, mb, s, n_mbs, workload.gradient_checkpointing)
     return CallCost(
         total,
@@ -286,6 +290,7 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         memory.train_state_bytes(model, strategy, prec),
         fwd * scale,
         {
+            "fixed_s": n_steps * fixed,
             "compute_s": n_steps * compute,
             "fsdp_exposed_s": n_steps * fsdp,
             "sync_s": n_steps * sync,

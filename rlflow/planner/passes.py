@@ -83,6 +83,11 @@ class Rates:
         calibration); 1 for the analytic roofline."""
         return 1.0
 
+    def call_fixed_s(self, interface_type: str) -> float:
+        """Seconds a call of this interface type takes whatever its rows (per optimizer step of
+        a training call), from a profile's calibration; 0 for the analytic roofline."""
+        return 0.0
+
     def memory_s(self, nbytes):
         """Seconds of a purely memory-bound pass (optimizer step, embedding gather, softmax)."""
         return np.asarray(nbytes) / self.bandwidth

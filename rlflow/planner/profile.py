@@ -176,37 +176,56 @@ class BatchTiming:
     dp: int
 
 
+_CALL_KINDS = {"generate": RolloutTiming, "forward": BatchTiming, "train": BatchTiming}
+
+
 @dataclass(frozen=True)
 class CallTimings:
-    """Whole calls of the planned ``model`` that calibrate the estimates of its call types."""
+    """Whole calls of the planned ``model`` that calibrate the estimates of its call types:
+    each kind at the run's per-worker shape and, in ``*_alt``, at a second batch size (the
+    whole batch on one worker, or half the rows), which splits a call's time into what does
+    not depend on its rows and what does (:meth:`ProfiledRates._calibrate`)."""
 
     model: ModelSpec
     generate: RolloutTiming
     forward: BatchTiming
     train: BatchTiming
+    generate_alt: RolloutTiming | None = None
+    forward_alt: BatchTiming | None = None
+    train_alt: BatchTiming | None = None
+
+    def timings(self, kind: str) -> list[RolloutTiming | BatchTiming]:
+        """The timings of ``kind`` (``generate``, ``forward``, ``train``): one or two shapes."""
+        alt = getattr(self, f"{kind}_alt")
+        return [getattr(self, kind)] + ([alt] if alt is not None else [])
 
     def to_dict(self) -> dict[str, dict]:
-        return {
-            "model": dataclasses.asdict(self.model),
-            **{k: dataclasses.asdict(getattr(self, k)) for k in ("generate", "forward", "train")},
-        }
+        out = {"model": dataclasses.asdict(self.model)}
+        for kind in _CALL_KINDS:
+            for key in (kind, f"{kind}_alt"):
+                if getattr(self, key) is not None:
+                    out[key] = dataclasses.asdict(getattr(self, key))
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "calls") -> CallTimings:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
-        missing = [k for k in ("model", "generate", "forward", "train") if k not in data]
+        missing = [k for k in ("model", *_CALL_KINDS) if k not in data]
         if missing:
             raise ValueError(f"{where}: missing fields {missing}")
-        return cls(
-            model=_from_dict(ModelSpec, data["model"], f"{where}.model"),
-            generate=_from_dict(RolloutTiming, data["generate"], f"{where}.generate"),
-            forward=_from_dict(BatchTiming, data["forward"], f"{where}.forward"),
-            train=_from_dict(BatchTiming, data["train"], f"{where}.train"),
-        )
+        timings = {
+            key: _from_dict(kind_cls, data[key], f"{where}.{key}")
+            for kind, kind_cls in _CALL_KINDS.items()
+            for key in (kind, f"{kind}_alt")
+            if data.get(key) is not None
+        }
+        return cls(model=_from_dict(ModelSpec, data["model"], f"{where}.model"), **timings)
 
 
 _TIMINGS = ("forward", "backward", "decode", "model_decode", "sample")
+_KIND = {"generate": "generate", "inference": "forward", "train_step": "train"}  # interface -> profiled call
+_INTERFACES = tuple(_KIND)
 
 
 @dataclass(frozen=True)
@@ -347,6 +366,7 @@ class ProfiledRates(Rates):
     def __init__(self, profile: MachineProfile, cluster: ClusterSpec, calibrate: bool = True):
         super().__init__(cluster)
         self.call_scales: dict[str, float] = {}
+        self.call_fixed: dict[str, float] = {}
         nbytes = profile.layer.bytes_per_param
         spec = profile.layer.spec()
         hw = profile.hardware
@@ -363,51 +383,69 @@ class ProfiledRates(Rates):
         rates = [BACKWARD_FLOPS_FACTOR * w[0] / self._net(w[4]) for w in backward]
         self._bwd = self._table([w[3] for w in backward], rates)
         if calibrate and profile.calls is not None:
-            self.call_scales = self._calibrate(profile.calls, cluster)
+            fits = {kind: self._calibrate(profile.calls, cluster, kind) for kind in _INTERFACES}
+            self.call_fixed = {kind: fixed for kind, (fixed, _) in fits.items()}
+            self.call_scales = {kind: scale for kind, (_, scale) in fits.items()}
 
-    def _calibrate(self, calls: CallTimings, cluster: ClusterSpec) -> dict[str, float]:
-        """Measured over estimated seconds of the profiled whole calls, per interface type.
+    def _calibrate(self, calls: CallTimings, cluster: ClusterSpec, interface: str) -> tuple[float, float]:
+        """``(fixed_s, scale)`` of one interface type from the profiled whole calls of that type.
 
         The layer timings miss what a whole call adds at the planned model's shape: the HF
-        model's per-pass work around its layers, the sampler's bookkeeping, masks with padding,
-        the loss and the optimizer, FSDP's work around its collectives and, on a CPU host,
-        what busy workers cost each other. The planned model's calls are priced by these rates
-        (no scaling) on the layout they were timed on — one device, or FSDP over the processes
-        that ran them — and compared with their measurement; the ratio of what is not
-        collectives, bounded to ``[1/4, 4]``, then scales the compute of every call of that type.
+        model's per-pass work around its layers, the sampler's bookkeeping (its Python per decode
+        step), masks with padding, the loss and the optimizer, FSDP's work around its collectives
+        and, on a CPU host, what busy workers cost each other. The planned model's calls are
+        priced by these rates (uncalibrated) on the layout they were timed on — one device, or
+        FSDP over the processes that ran them — and set against their measurement, collectives
+        left out (they are priced on their own): with two batch sizes, a line ``measured =
+        fixed_s + scale * priced`` through both (on a tiny CPU model most of a call is the fixed
+        part: per-op dispatch per layer and decode step, not FLOPs); with one, or when noise
+        makes the line's parts negative, the ratio alone (``fixed_s = 0``). ``fixed_s`` is per
+        call (generation, inference) or per optimizer step (training); ``scale`` lies in
+        ``[1/16, 16]``.
         """
+        timings = calls.timings(_KIND[interface])
+        points = [self._priced(calls.model, timing, cluster, interface) for timing in timings]
+        (p1, m1), *rest = sorted(points)
+        if rest and rest[-1][0] > p1 * 1.05:
+            p2, m2 = rest[-1]
+            scale = (m2 - m1) / (p2 - p1)
+            fixed = m1 - scale * p1
+            if fixed >= 0 and 1 / 16 <= scale <= 16:
+                return float(fixed), float(scale)
+        ratio = sum(m for _, m in points) / max(sum(p for p, _ in points), 1e-12)
+        return 0.0, float(np.clip(ratio, 1 / 16, 16))
+
+    def _priced(self, model: ModelSpec, timing, cluster: ClusterSpec, interface: str) -> tuple[float, float]:
+        """``(priced, measured)`` seconds of one profiled call without its collectives, priced
+        uncalibrated on the layout it ran on."""
         from rlflow.dataflow.mfc import MFCDef
         from rlflow.planner.cost import Workload, call_cost
         from rlflow.planner.mesh import DeviceMesh
         from rlflow.strategy import ParallelStrategy
 
-        mesh = DeviceMesh(1, 1, devices_per_node=cluster.devices_per_node)
-        scales = {}
-        gen = calls.generate
-
-        def one_pass(t: BatchTiming) -> Workload:  # the rows of every process, in one mini-batch
-            return Workload(t.rows * t.dp, t.seq, 0, n_ppo_minibatches=1, gradient_checkpointing=False,
-                            max_tokens_per_mb=None)  # fmt: skip
-
-        jobs = [
-            ("generate", gen, Workload(gen.prompts, gen.prompt_len, gen.gen_len, gen.n)),
-            ("inference", calls.forward, one_pass(calls.forward)),
-            ("train_step", calls.train, one_pass(calls.train)),
-        ]
-        for interface, timing, workload in jobs:
-            dp = timing.dp
-            objective = "rl" if interface == "train_step" else None  # the actor's calls were timed
-            mfc = MFCDef(f"profiled_{interface}", "profiled", interface, objective=objective)
-            on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=dp)
-            cost = call_cost(mfc, calls.model, ParallelStrategy(dp=dp), on, cluster, workload, self)
-            # Collectives are priced on their own and not scaled: calibrate the rest.
-            comm = cost.breakdown.get("fsdp_exposed_s", 0.0) + cost.breakdown.get("sync_s", 0.0)
-            scale = (timing.seconds - comm) / max(cost.time_s - comm, 1e-12)
-            scales[interface] = float(np.clip(scale, 0.25, 4.0))
-        return scales
+        if interface == "generate":
+            workload = Workload(timing.prompts, timing.prompt_len, timing.gen_len, timing.n)
+        else:  # the rows of every process, in one mini-batch
+            workload = Workload(timing.rows * timing.dp, timing.seq, 0, n_ppo_minibatches=1,
+                                gradient_checkpointing=False, max_tokens_per_mb=None)  # fmt: skip
+        objective = "rl" if interface == "train_step" else None  # the actor's calls were timed
+        mfc = MFCDef(f"profiled_{interface}", "profiled", interface, objective=objective)
+        dp = timing.dp
+        mesh = (
+            DeviceMesh(1, 1, devices_per_node=cluster.devices_per_node)
+            if dp == 1
+            else DeviceMesh(1, dp, devices_per_node=dp)
+        )
+        # Called before call_scales / call_fixed are set: the rates price it uncalibrated.
+        cost = call_cost(mfc, model, ParallelStrategy(dp=dp), mesh, cluster, workload, self)
+        comm = cost.breakdown.get("fsdp_exposed_s", 0.0) + cost.breakdown.get("sync_s", 0.0)
+        return max(cost.time_s - comm, 1e-12), max(timing.seconds - comm, 0.0)
 
     def call_scale(self, interface_type: str) -> float:
         return self.call_scales.get(interface_type, 1.0)
+
+    def call_fixed_s(self, interface_type: str) -> float:
+        return self.call_fixed.get(interface_type, 0.0)
 
     def _pass_overhead(self, spec: ModelSpec, profile: MachineProfile, nbytes: int) -> float:
         """Seconds a whole model's pass adds to its layers (embedding, rotary, masks, final norm,

@@ -236,42 +236,48 @@ def _left_padded(rows: int, length: int, vocab: int):
 
 
 def _time_call(kind: str, rollout, engine, shape: dict) -> float:
-    """Seconds of one whole call of the planned model, run as rlflow's engines run it:
-    ``generate`` (the rollout sampler on ``rollout``: prefill, cache repeat, ``gen_len`` decode
-    steps — no stop tokens, so every row runs to ``gen_len`` as priced), ``forward`` (log-probs
-    and entropies of every token) or ``train`` (that forward, backward, gradient clip, AdamW
-    step), both through ``engine`` (a ``TrainEngine``)."""
+    """Seconds of one whole call of the planned model, run as rlflow's workers run it:
+    ``generate`` (the HF rollout engine over ``rollout``, whatever its sampler's decode loop:
+    prefill, cache repeat, ``gen_len`` decode steps — no stop tokens, so every row runs to
+    ``gen_len`` as priced), ``forward`` (log-probs and entropies of every token) or ``train``
+    (one optimizer step of the PPO-family policy loss: that forward, the loss, backward,
+    gradient clip, AdamW step), both through ``engine`` (a ``TrainEngine``)."""
     import torch
 
+    from rlflow.algos.params import AlgorithmParams
     from rlflow.engine.rollout.base import SamplingParams
-    from rlflow.engine.rollout.hf_sampler import sample_responses
+    from rlflow.engine.rollout.hf_sampler import HFRolloutEngine
+    from rlflow.workers.interfaces.base import train_epochs
+    from rlflow.workers.losses import policy_loss_fn
 
     vocab, no_sync = rollout.config.vocab_size, lambda: None
     if kind == "generate":
         ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab)
         params = SamplingParams(n=shape["n"], max_new_tokens=shape["gen_len"], seed=0)
-
-        def generate():
-            generator = torch.Generator().manual_seed(0)
-            sample_responses(rollout, ids, mask, params, pad_token_id=0, generator=generator)
-
-        return _timed(generate, 2, no_sync)
+        sampler = HFRolloutEngine(rollout, pad_token_id=0)
+        return _timed(lambda: sampler.generate((ids, mask), params), 2, no_sync)
     ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
-    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask}
-
-    def loss(outputs, data):  # a mean over the micro-batch's tokens, as the engine expects
-        return -(outputs["log_probs"] * data["loss_mask"]).sum() / data["loss_mask"].sum(), {}
-
     if kind == "forward":
-        return _timed(lambda: engine.forward(batch), 2, no_sync)
-    return _timed(lambda: engine.train_step(batch, loss, loss_mask_key="loss_mask"), 2, no_sync)
+        return _timed(lambda: engine.forward({"input_ids": ids, "attention_mask": mask}), 2, no_sync)
+    batch = {"input_ids": ids, "attention_mask": mask, "response_mask": mask,
+             "old_logp": torch.full(ids.shape, -4.0), "advantages": torch.randn(ids.shape)}  # fmt: skip
+    loss = policy_loss_fn(AlgorithmParams(), kl_coef=0.0)
+    return _timed(
+        lambda: train_epochs(engine, batch, loss, epochs=1, num_mini_batches=1, loss_mask_key="response_mask"),
+        2,
+        no_sync,
+    )
 
 
 _CALLS = ("generate", "forward", "train")
 
 
-def _call_shapes(calls: dict) -> dict[str, dict]:
-    return {"generate": calls["generate"], "forward": calls["train"], "train": calls["train"]}
+def _call_shapes(calls: dict, alt: bool = False) -> dict[str, dict]:
+    """The shape each kind of call is timed at: the run's per-worker shape, or (``alt``) the
+    second batch size (``generate_alt``, ``train_alt``)."""
+    suffix = "_alt" if alt else ""
+    gen, train = calls["generate" + suffix], calls["train" + suffix]
+    return {"generate": gen, "forward": train, "train": train}
 
 
 def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
@@ -293,9 +299,9 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
     optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
     engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
     torch.manual_seed(rank)  # each rank its own rows
-    shapes = _call_shapes(calls)
+    shapes = [_call_shapes(calls, alt) for alt in (False, True) if not alt or "train_alt" in calls]
     dist.barrier()
-    timings = [[_time_call(k, rollout, engine, shapes[k]) for k in _CALLS] for _ in range(rounds)]
+    timings = [[_time_call(k, rollout, engine, s[k]) for s in shapes for k in _CALLS] for _ in range(rounds)]
     return np.median(timings, axis=0).tolist()
 
 
@@ -311,7 +317,8 @@ def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dic
     data-parallel call lasts as long as its slowest rank.
     """
     per_process = _in_gloo_processes(_call_seconds, processes, calls, rounds)
-    return {k: max(p[i] for p in per_process) for i, k in enumerate(_CALLS)}
+    keys = [*_CALLS, *(f"{k}_alt" for k in _CALLS)][: len(per_process[0])]
+    return {k: max(p[i] for p in per_process) for i, k in enumerate(keys)}
 
 
 def _decode_step(config, model, batch: int, context: int, device: str):
@@ -432,7 +439,8 @@ def run_profile(
             cost model's estimates of its calls (:class:`ProfiledRates`): ``model``
             (:class:`ModelSpec` fields of the actor), ``generate`` (``prompts``, ``prompt_len``,
             ``n`` samples per prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed
-            as a forward), the shapes one worker runs; see
+            as a forward), the shapes one worker runs, and optionally ``generate_alt`` and
+            ``train_alt`` at another batch size (both, or neither); see
             ``rlflow.trainer.placement.profile_shapes``.
         call_processes: the worker processes that time those calls at once
             (:func:`concurrent_call_seconds`; the workers of one host).
@@ -511,13 +519,16 @@ def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
     worker processes at once; each record says the layout it ran on (``dp``: the rollouts run
     one per process, the forward and training step on FSDP over all of them)."""
     seconds = concurrent_call_seconds(calls, processes, rounds)
-    shapes = _call_shapes(calls)
-    return CallTimings(
-        model=ModelSpec(**calls["model"]),
-        generate=RolloutTiming(**shapes["generate"], seconds=seconds["generate"], processes=processes, dp=1),
-        forward=BatchTiming(**shapes["forward"], seconds=seconds["forward"], processes=processes, dp=processes),
-        train=BatchTiming(**shapes["train"], seconds=seconds["train"], processes=processes, dp=processes),
-    )
+    timings = {}
+    for alt in (False, True):
+        if alt and "train_alt" not in calls:
+            continue
+        shapes, suffix = _call_shapes(calls, alt), "_alt" if alt else ""
+        for kind in _CALLS:
+            record, dp = (RolloutTiming, 1) if kind == "generate" else (BatchTiming, processes)
+            seconds_k = seconds[kind + suffix]
+            timings[kind + suffix] = record(**shapes[kind], seconds=seconds_k, processes=processes, dp=dp)
+    return CallTimings(model=ModelSpec(**calls["model"]), **timings)
 
 
 def profile_or_measure(

@@ -108,6 +108,8 @@ CALLS = {
     ),
     "generate": dict(prompts=4, prompt_len=6, n=2, gen_len=3),
     "train": dict(rows=8, seq=9),
+    "generate_alt": dict(prompts=2, prompt_len=6, n=2, gen_len=3),
+    "train_alt": dict(rows=4, seq=9),
 }
 
 
@@ -115,16 +117,16 @@ CALLS = {
 def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, processes):
     """The layer timings miss what a whole call adds (the sampler's bookkeeping, the HF model
     around its layers, the loss, the optimizer) and, on a CPU host, what workers running at once
-    cost each other. Profiled whole calls scale the estimates of their call types, so that a call
-    at the profiled shape is estimated at its measurement; ``processes`` times them in that many
-    worker processes at once, the forward and training step through a TrainEngine on FSDP over
-    them."""
+    cost each other. Profiled whole calls at two batch sizes calibrate the estimates of their call
+    types (a fixed part and a scale of the compute), so that a call at either profiled shape is
+    estimated at its measurement; ``processes`` times them in that many worker processes at once,
+    the forward and training step through a TrainEngine on FSDP over them."""
     layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
     prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
                        decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=CALLS, call_processes=processes)  # fmt: skip
     assert load_profile(tmp_path / "p.json") == prof
     assert prof.calls.model == ModelSpec(**CALLS["model"])
-    for name in ("generate", "forward", "train"):
+    for name in ("generate", "forward", "train", "generate_alt", "forward_alt", "train_alt"):
         timing = getattr(prof.calls, name)
         assert timing.seconds > 0 and timing.processes == processes
     cluster = cluster_preset("cpu", 1, 2, profile=prof)
@@ -138,23 +140,29 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
     train = Workload(batch_size=8, prompt_len=9, gen_len=0, n_ppo_minibatches=1, gradient_checkpointing=False,
                      max_tokens_per_mb=None)  # fmt: skip
     for mfc, workload, name in ((gen_mfc, gen, "generate"), (train_mfc, train, "train")):
-        # Timed with more processes, the training step ran on FSDP over them: priced so.
-        timing = getattr(prof.calls, name)
-        dp = timing.dp
-        assert dp == (1 if name == "generate" else processes)
-        workload = dataclasses.replace(workload, batch_size=workload.batch_size * dp)
-        on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=2)
-        calibrated = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, rates)
-        scale = rates.call_scale(mfc.interface_type)
-        if 0.25 < scale < 4:  # not at a bound: the calibrated estimate is the measurement
-            assert calibrated.time_s == pytest.approx(timing.seconds, rel=1e-6)
-        # the compute is scaled, the collectives are not
-        plain_cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, workload, plain)
-        comm = plain_cost.breakdown.get("fsdp_exposed_s", 0.0) + plain_cost.breakdown.get("sync_s", 0.0)
-        ratio = (timing.seconds - comm) / (plain_cost.time_s - comm)
-        assert scale == pytest.approx(np.clip(ratio, 0.25, 4.0), rel=1e-9)  # whether bounded or not
-        assert (comm > 0) == (dp > 1)
-        assert calibrated.time_s == pytest.approx(comm + scale * (plain_cost.time_s - comm), rel=1e-6)
+        scale, fixed = rates.call_scale(mfc.interface_type), rates.call_fixed_s(mfc.interface_type)
+        measured, priced = [], []
+        for timing in prof.calls.timings(name):
+            # Timed with more processes, the training step ran on FSDP over them: priced so.
+            dp = timing.dp
+            assert dp == (1 if name == "generate" else processes)
+            rows = timing.prompts if name == "generate" else timing.rows
+            shaped = dataclasses.replace(workload, batch_size=rows * dp)
+            on = mesh if dp == 1 else DeviceMesh(1, dp, devices_per_node=2)
+            calibrated = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, shaped, rates)
+            if fixed > 0:  # a line through both shapes: each calibrated estimate is its measurement
+                assert calibrated.time_s == pytest.approx(timing.seconds, rel=1e-6)
+            # the compute is scaled and the fixed part added; the collectives are not scaled
+            plain_cost = call_cost(mfc, model, ParallelStrategy(dp=dp), on, cluster, shaped, plain)
+            comm = plain_cost.breakdown.get("fsdp_exposed_s", 0.0) + plain_cost.breakdown.get("sync_s", 0.0)
+            assert (comm > 0) == (dp > 1)
+            expected = comm + fixed + scale * (plain_cost.time_s - comm)
+            assert calibrated.time_s == pytest.approx(expected, rel=1e-6)
+            measured.append(timing.seconds - comm)
+            priced.append(plain_cost.time_s - comm)
+        if fixed == 0:  # noise left no line with positive parts: the ratio through the origin
+            assert scale == pytest.approx(np.clip(sum(measured) / sum(priced), 1 / 16, 16), rel=1e-9)
+        assert 1 / 16 <= scale <= 16
 
 
 def test_whole_calls_are_timed_on_cpu_workers_only(tmp_path):
