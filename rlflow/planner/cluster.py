@@ -28,6 +28,25 @@ if TYPE_CHECKING:  # profile.py imports this module
 GiB = 1024**3
 GB = 1e9
 
+
+def local_devices_per_node(use_gpu: bool | None = None) -> int:
+    """The devices of this host a run may use: its GPUs (unless ``use_gpu`` is False) when it has
+    any, else the CPU cores this process may run on (``os.sched_getaffinity``: a container's or
+    ``taskset``'s share, not the machine's), one CPU worker process per core.
+
+    What ``placement.devices_per_node: null`` resolves to; the planner then picks how many of
+    them a plan uses.
+    """
+    import os
+
+    if use_gpu is not False:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # NCCL tuning model (src/graph/tuning.cc): Ring/LL base latency, per-step NVLink and network latencies.
 NCCL_BASE_LATENCY_S = 6.6e-6
 NCCL_NVLINK_STEP_S = 0.6e-6

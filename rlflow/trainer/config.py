@@ -45,6 +45,7 @@ from rlflow.dataflow.algorithms import Algorithm, get_algorithm
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
 from rlflow.families import list_families
+from rlflow.planner.cluster import local_devices_per_node
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
@@ -313,7 +314,12 @@ class PlacementConfig(_Section):
         choices=("auto", "heuristic", "colocated", "manual"),
     )
     num_nodes: int = _f(1, "nodes used", ge=1)
-    devices_per_node: int = _f(1, "workers per node: GPUs, or CPU worker processes without GPUs", ge=1)
+    devices_per_node: int | None = _f(
+        None,
+        "workers per node: GPUs, or CPU worker processes without GPUs; null: the node's GPUs, else the CPU cores "
+        "this process may use (the plan then uses as many of them as is fastest)",
+        ge=1,
+    )
     cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", gt=0.0)
     use_gpu: bool | None = _f(None, "null: use GPUs when Ray sees them")
     keep_copies: bool | None = _f(
@@ -325,7 +331,11 @@ class PlacementConfig(_Section):
     search_seconds: float = _f(
         10.0, "most seconds of the auto search; it stops sooner once it has every plan or stops improving", ge=0.0
     )
-    profile: bool = _f(False, "calibrate the cost model by a quick profile of this machine first")
+    profile: bool = _f(
+        True,
+        "CPU workers: calibrate the cost model by a profile of this machine at the run's shapes (whole calls "
+        "timed; cached per host and shape, so measured once per shape); false: priced from hardware rates alone",
+    )
     profile_cache: bool = _f(
         True, "reuse this host's profile at the run's shapes from $RLFLOW_CACHE_DIR; false: measure again"
     )
@@ -333,6 +343,8 @@ class PlacementConfig(_Section):
     manual: dict[str, ManualPlacementConfig] = _f({}, "mode manual: MFC name → mesh and strategy")
 
     def _check(self) -> None:
+        if self.devices_per_node is None:  # auto: resolved once, so every reader sees the count
+            self.devices_per_node = local_devices_per_node(self.use_gpu)
         if self.mode == "manual" and not self.manual:
             raise ConfigError("manual", "mode 'manual' needs a mesh and strategy for every MFC")
         if self.mode != "manual" and self.manual:

@@ -62,6 +62,19 @@ class Placement:
         """MFC name -> the cost model's estimate of one call (s)."""
         return {} if self.plan is None else {c.name: c.time_s for c in self.plan.calls}
 
+    @property
+    def used_ranks(self) -> tuple[int, ...]:
+        """The worker ranks (global device ids) the plan's device calls run on, sorted; every
+        rank of the pool when nothing is planned. A plan may leave devices of the pool idle (one
+        worker can be faster than two when per-call overheads dominate): the trainer need start
+        workers only for these ranks."""
+        return _used_ranks(self.plan, self.num_workers)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers of the pool the plan was made for (``num_nodes * devices_per_node``)."""
+        return 0 if self.problem is None else self.problem.num_devices
+
 
 def model_specs(model_paths: Mapping[str, str | None], value_heads: set[str]) -> dict[str, ModelSpec]:
     """Planner specs of the models that have weights, read from their HF configs."""
@@ -257,9 +270,16 @@ def _manual_config(cfg: RLFlowConfig, problem: PlanProblem) -> dict:
     }
 
 
+def _used_ranks(plan: ExecutionPlan | None, num_workers: int) -> tuple[int, ...]:
+    if plan is None or not plan.calls:
+        return tuple(range(num_workers))
+    return tuple(sorted({d for c in plan.calls for d in c.mesh.device_ids}))
+
+
 def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowConfig) -> dict[str, CallPlacement]:
-    """Turns the plan into run-time placements; host calls run data-parallel on every worker."""
-    num_workers = cfg.placement.num_nodes * cfg.placement.devices_per_node
+    """Turns the plan into run-time placements; host calls run data-parallel on the workers the
+    plan uses (every worker when nothing is planned)."""
+    ranks = _used_ranks(plan, cfg.placement.num_nodes * cfg.placement.devices_per_node)
     planned = {} if plan is None else {c.name: c for c in plan.calls}
     mfcs = mfcs_of(graph)
     layout = {}
@@ -268,7 +288,7 @@ def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowC
             c = planned[mfc.name]
             layout[mfc.name] = (tuple(c.mesh.device_ids), c.strategy)
         else:
-            layout[mfc.name] = (tuple(range(num_workers)), ParallelStrategy(dp=num_workers))
+            layout[mfc.name] = (ranks, ParallelStrategy(dp=len(ranks)))
     # Hook ranks follow from every call's layout; the trainer fills them in from the worker setup.
     return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
 
@@ -296,10 +316,15 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     if spec is not None:
         fields = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size",
                   "head_dim", "tie_embeddings", "qkv_bias", "mlp_bias")  # fmt: skip
+        # A second batch size (half, or twice a single prompt) splits each call's time into the
+        # part that grows with its rows and the part that does not (ProfiledRates._calibrate).
+        alt = prompts // 2 if prompts > 1 else 2
         shapes["calls"] = {
             "model": {k: getattr(spec, k) for k in fields},
             "generate": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
             "train": {"rows": rows, "seq": p + r},
+            "generate_alt": {"prompts": alt, "prompt_len": p, "n": samples, "gen_len": r},
+            "train_alt": {"rows": rows * alt // prompts, "seq": p + r},
         }
         shapes["call_processes"] = cfg.placement.devices_per_node  # every worker of a host busy
     return shapes
