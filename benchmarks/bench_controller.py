@@ -35,7 +35,7 @@ from rlflow.controller import (
     register,
     transfer_stats,
 )
-from rlflow.controller.data_plane import compact, payload_nbytes
+from rlflow.controller.data_plane import payload_nbytes
 from rlflow.protocol import DataProto
 
 SHAPES = [(8, 128), (1024, 512)]
@@ -95,8 +95,8 @@ def _cases(group: RayWorkerGroup, plain: list, data: DataProto) -> tuple[dict[st
         ray.wait(state["future"].refs, num_returns=len(state["future"].refs), fetch_local=False)
 
     def plain_split() -> DataProto:
-        # What a hand-written Ray program does for a dp call: split, copy the views, one call per actor.
-        parts = [compact(p) for p in data.split_even(len(plain))]
+        # What a hand-written Ray program does for a dp call: split, one call per actor, concatenate.
+        parts = data.split_even(len(plain))
         return DataProto.concat(ray.get([a.echo.remote(p) for a, p in zip(plain, parts)]))
 
     return {

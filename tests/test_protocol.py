@@ -431,3 +431,80 @@ def test_pickling_a_row_slice_does_not_ship_the_parent_batch():
     part = big[:10]
     assert len(pickle.dumps(part)) < len(pickle.dumps(big)) / 20
     assert torch.equal(pickle.loads(pickle.dumps(part)).batch["x"], big.batch["x"][:10])
+
+
+# ----------------------------------------------------------------------------- transport (pickling)
+def test_pickle_sends_each_tensor_as_one_out_of_band_buffer_and_maps_it_back():
+    d = DataProto.from_dict(
+        {"ids": torch.arange(1 << 17).view(-1, 64), "mask": torch.ones(2048, 64)}, {"uid": ["u"] * 2048}
+    )
+    buffers = []
+    header = pickle.dumps(d, protocol=5, buffer_callback=buffers.append)
+    # The tensors' bytes travel out of band, one buffer each; only names, dtypes and shapes are pickled.
+    assert [memoryview(b).nbytes for b in buffers] == [(1 << 17) * 8, 2048 * 64 * 4]
+    assert len(header) < 20_000  # the object column (2048 strings) is most of it
+    back = pickle.loads(header, buffers=buffers)
+    assert back.batch["ids"].data_ptr() == d.batch["ids"].data_ptr()  # a view, no copy
+    assert torch.equal(back.batch["mask"], d.batch["mask"]) and back.non_tensor_batch["uid"].tolist() == ["u"] * 2048
+
+
+def test_unpickling_read_only_buffers_gives_views_without_a_warning(recwarn):
+    d = make(4)
+    buffers = []
+    header = pickle.dumps(d, protocol=5, buffer_callback=buffers.append)
+    frozen = [bytes(b.raw()) for b in buffers]  # read-only, like Ray's object store memory
+    back = pickle.loads(header, buffers=frozen)
+    assert rows_of(back) == [0, 1, 2, 3] and back.batch["mask"].dtype == torch.bool
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_pickle_round_trips_dtypes_views_and_empty_parts(protocol):
+    base = torch.arange(40).view(8, 5)
+    d = DataProto.from_dict(
+        {
+            "bf16": torch.randn(8, 3).bfloat16(),
+            "flag": torch.arange(8) % 2 == 0,
+            "empty": torch.zeros(8, 0),
+            "strided": base[:, ::2],  # not contiguous: sent as its own elements
+        },
+        {"n": np.arange(8, dtype=np.int32)},
+        {"step": 3},
+    )
+    for part in (d, d[2:5], d[[6, 1]], d[0:0], d.select([], ["n"]), DataProto(meta_info={"a": 1})):
+        back = pickle.loads(pickle.dumps(part, protocol=protocol))
+        assert back.keys == part.keys and len(back) == len(part) and back.meta_info == part.meta_info
+        for k, t in part._items():
+            assert back.batch[k].dtype == t.dtype and torch.equal(back.batch[k], t)
+        for k, a in part.non_tensor_batch.items():
+            assert np.array_equal(back.non_tensor_batch[k], a)
+    assert torch.equal(pickle.loads(pickle.dumps(d)).batch["strided"], base[:, ::2])
+
+
+def test_copies_share_or_own_memory_like_copy_and_deepcopy():
+    import copy
+
+    d = make(3)
+    assert copy.copy(d).batch["x"].data_ptr() == d.batch["x"].data_ptr()
+    deep = copy.deepcopy(d)
+    deep.batch["x"].add_(10)
+    assert rows_of(d) == [0, 1, 2] and deep.batch["x"].tolist() == [10, 11, 12]
+
+
+def test_concat_equals_torch_cat_for_every_layout():
+    parts = [torch.randn(3, 4).bfloat16(), torch.randn(0, 4).bfloat16(), torch.randn(5, 8).bfloat16()[:, ::2]]
+    joined = DataProto.concat([DataProto.from_dict({"v": p}) for p in parts]).batch["v"]
+    assert joined.dtype == torch.bfloat16 and torch.equal(joined, torch.cat(parts))
+    flags = [torch.tensor([True, False]), torch.tensor([False])]
+    assert DataProto.concat([DataProto.from_dict({"f": f}) for f in flags]).batch["f"].tolist() == [True, False, False]
+    # Mixed dtypes and tensors that need autograd take torch.cat's path (type promotion, grad kept).
+    mixed = DataProto.concat(
+        [DataProto.from_dict({"m": torch.tensor([1])}), DataProto.from_dict({"m": torch.tensor([0.5])})]
+    )
+    assert mixed.batch["m"].dtype == torch.float32 and mixed.batch["m"].tolist() == [1.0, 0.5]
+    w = torch.ones(2, requires_grad=True)
+    grad = DataProto.concat([DataProto.from_dict({"g": w * 2}), DataProto.from_dict({"g": w * 3})]).batch["g"]
+    grad.sum().backward()
+    assert w.grad.tolist() == [5.0, 5.0]
+    with pytest.raises(ValueError, match="batch key 'v' cannot be concatenated"):
+        DataProto.concat([DataProto.from_dict({"v": torch.zeros(2, 3)}), DataProto.from_dict({"v": torch.zeros(2, 4)})])

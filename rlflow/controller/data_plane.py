@@ -1,7 +1,9 @@
 """Data plane: rows travel worker → object store → worker; the driver keeps handles and row order.
 
-* A DataProto held by the driver is split once, each part is compacted and ``ray.put`` once,
-  and every rank that needs a part gets the same :class:`ray.ObjectRef` (tp/pp replicas share it).
+* A DataProto held by the driver is split once (row views, no copy) and each part is ``ray.put``
+  once: its tensors go into the object store as flat buffers, a row view only its own rows
+  (see ``DataProto.__reduce__``), and every rank that needs a part gets the same
+  :class:`ray.ObjectRef` (tp/pp replicas share it).
 * A non-blocking call returns a :class:`DataFuture`: the refs of each rank's output plus the
   row order of its dp parts. Passed into the next call, its parts go to the next ranks as
   :class:`RemoteRows` handles (refs and row ranges) that the worker fetches itself, so no
@@ -61,20 +63,6 @@ def payload_nbytes(value: Any) -> int:
 
 def _is_payload(value: Any) -> bool:
     return isinstance(value, (DataProto, torch.Tensor, np.ndarray))
-
-
-def compact(data: DataProto) -> DataProto:
-    """Copies the tensors that are views into a larger storage (parts of a split batch).
-
-    Pickling a view serialises its whole storage, so an unsplit part would ship the full batch.
-    """
-    if data.batch is None:
-        return data
-    views = {k: t for k, t in data._items() if t.untyped_storage().nbytes() > t.numel() * t.element_size()}
-    if not views:
-        return data
-    tensors = {k: (t.clone() if k in views else t) for k, t in data._items()}
-    return data._with(tensors, dict(data.non_tensor_batch), len(data), dict(data.meta_info))
 
 
 @dataclass(frozen=True)
@@ -295,7 +283,7 @@ class PayloadCache:
         self._whole: dict[int, tuple[DataFuture, Any]] = {}
 
     def convert(self, value: Any) -> Any:
-        """A ref or compacted inline value for a payload, :class:`RemoteRows` for a future, else ``value``."""
+        """A ref or inline value for a payload, :class:`RemoteRows` for a future, else ``value``."""
         if isinstance(value, DataFuture):
             if id(value) not in self._whole:
                 self._whole[id(value)] = (value, whole_rows(value))
@@ -310,10 +298,8 @@ class PayloadCache:
 
 
 def _put_if_large(value: Any) -> tuple[Any, int]:
-    """``(ref, 0)`` after putting a large payload, or ``(compacted value, its bytes)`` for a small one."""
-    if isinstance(value, DataProto):
-        value = compact(value)
-    elif isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > payload_nbytes(value):
+    """``(ref, 0)`` after putting a large payload, or ``(value, its bytes)`` for a small one."""
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > payload_nbytes(value):
         value = value.clone()
     size = payload_nbytes(value)
     if size < INLINE_MAX_BYTES:

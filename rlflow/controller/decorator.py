@@ -76,6 +76,10 @@ class MethodSpec:
         materialize_futures: rows that arrive as object-store handles (from a previous
             non-blocking call) are fetched inside the worker before the method runs; when
             ``False`` the method receives the :class:`~rlflow.controller.data_plane.RemoteRows` handles.
+        writable_inputs: DataProto arguments arrive as private copies the method may write in
+            place. ``False``: their tensors are views of the object store's shared memory (no
+            copy), which the method must only read (see the transport contract in
+            ``rlflow/protocol.py``).
     """
 
     dispatch_mode: Dispatch | None
@@ -84,6 +88,7 @@ class MethodSpec:
     materialize_futures: bool
     dispatch_fn: DispatchFn | None = None
     collect_fn: CollectFn | None = None
+    writable_inputs: bool = True
 
 
 def register(
@@ -91,6 +96,7 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,
+    writable_inputs: bool = True,
 ) -> Callable[[Callable], Callable]:
     """Marks a worker method as callable from the driver through a worker group.
 
@@ -99,6 +105,8 @@ def register(
         execute_mode: :attr:`Execute.ALL` or :attr:`Execute.RANK_ZERO`.
         blocking: wait for the result (True) or return a future (False).
         materialize_futures: fetch future rows inside the worker before the call.
+        writable_inputs: copy DataProto arguments out of the object store's shared memory
+            (``False`` for a method that only reads them: zero-copy).
 
     Returns:
         A decorator that returns the function unchanged, with its spec attached.
@@ -118,7 +126,15 @@ def register(
         raise TypeError(f"execute_mode must be an Execute, got {execute_mode!r}")
     if dispatch_mode is Dispatch.RANK_ZERO:
         execute_mode = Execute.RANK_ZERO  # arguments only ever reach rank 0
-    spec = MethodSpec(dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures), dispatch_fn, collect_fn)
+    spec = MethodSpec(
+        dispatch_mode,
+        execute_mode,
+        bool(blocking),
+        bool(materialize_futures),
+        dispatch_fn,
+        collect_fn,
+        bool(writable_inputs),
+    )
 
     def decorate(func: Callable) -> Callable:
         if not callable(func):

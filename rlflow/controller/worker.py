@@ -144,6 +144,19 @@ class Worker:
         )
 
 
+def _private(value: Any) -> Any:
+    """A DataProto whose tensors the method may write in place: views of the object store are copied.
+
+    The tensors of a DataProto fetched from Ray share the object's memory with every reader on
+    the node (tp/pp replicas of one part), and torch cannot make them read-only. Numeric
+    non-tensor arrays stay as they are: numpy refuses writes into a read-only array.
+    """
+    if not isinstance(value, DataProto) or value.batch is None:
+        return value
+    tensors = {k: t.clone() for k, t in value._items()}
+    return value._with(tensors, dict(value.non_tensor_batch), len(value), dict(value.meta_info))
+
+
 def _rows_of(output: Any) -> int:
     return len(output) if isinstance(output, DataProto) else -1
 
@@ -198,6 +211,8 @@ class WorkerHost:
             spec = method_spec(fn)
             if spec is None or spec.materialize_futures:
                 args, kwargs = materialize_args(args, kwargs)
+            if spec is None or spec.writable_inputs:
+                args, kwargs = tuple(_private(a) for a in args), {k: _private(v) for k, v in kwargs.items()}
             output = fn(*args, **kwargs)
         except Exception as exc:
             task = str(exc) if isinstance(exc, TaskError) else None

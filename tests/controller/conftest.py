@@ -127,6 +127,17 @@ class ActorWorker(Worker):
     def arg_type(self, data) -> DataProto:
         return DataProto.from_dict(non_tensors={"type": [type(data).__name__]})
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def bump_in_place(self, data: DataProto) -> int:
+        """Writes into its input in place, then sums it (allowed: inputs arrive as private copies)."""
+        data.batch["id"].add_(1000)
+        return int(data.batch["id"].sum())
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC, writable_inputs=False)
+    def input_address(self, data: DataProto) -> int:
+        """Where the input's ``id`` tensor lives in this process (reads only: a view of the object store)."""
+        return data.batch["id"].data_ptr()
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def num_rows(self, data: DataProto) -> list[int]:
         return data.batch["id"].tolist()

@@ -118,7 +118,7 @@ def test_driver_puts_each_large_part_once_and_inlines_small_ones(actor):
     transfer_stats.reset()
     actor.tag(data)
     actor.take_seen()
-    # Parts are compacted before the put: the four parts together weigh the batch, not 4x it.
+    # A part is put as its own rows only (not its parent batch): the four parts weigh the batch, not 4x it.
     assert (transfer_stats.sent_bytes, transfer_stats.num_puts) == (payload, 4)
     transfer_stats.reset()
     actor.num_rows(data)  # ONE_TO_ALL: one put shared by all ranks
