@@ -261,7 +261,7 @@ def _time_call(kind: str, rollout, engine, shape: dict) -> float:
         return _timed(lambda: engine.forward({"input_ids": ids, "attention_mask": mask}), 2, no_sync)
     batch = {"input_ids": ids, "attention_mask": mask, "response_mask": mask,
              "old_logp": torch.full(ids.shape, -4.0), "advantages": torch.randn(ids.shape)}  # fmt: skip
-    loss = policy_loss_fn(AlgorithmParams(), kl_coef=0.0)
+    loss = policy_loss_fn(AlgorithmParams().resolved(), kl_coef=0.0)  # what the workers receive
     return _timed(
         lambda: train_epochs(engine, batch, loss, epochs=1, num_mini_batches=1, loss_mask_key="response_mask"),
         2,
