@@ -32,6 +32,7 @@ from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.profile import MachineProfile, save_profile
 from rlflow.planner.search import plan_search
+from rlflow.planner.simulate import simulate
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
@@ -202,7 +203,8 @@ def _choose(
             if best is None or result.cost < best[1].cost:
                 best = (sub, result)
         sub, result = best
-        return ExecutionPlan.from_choice(sub, result.choice, result.result, name="search")
+        choice = fewest_devices(sub, result)
+        return ExecutionPlan.from_choice(sub, choice, simulate(sub, choice), name="search")
     if mode == "heuristic":
         chosen = heuristic_plan(problem)
     elif mode == "colocated":
@@ -212,6 +214,18 @@ def _choose(
     if chosen.choice is None:
         raise ValueError(f"placement.mode={mode!r}: {chosen.reason}")
     return ExecutionPlan.from_choice(problem, chosen.choice, chosen.result, name=mode)
+
+
+def fewest_devices(problem: PlanProblem, result) -> tuple[int, ...]:
+    """Among the search's cheapest plans of equal cost (to 1e-9), the one on the fewest devices,
+    then the lowest: a worker no call uses need not be started (:attr:`Placement.used_ranks`)."""
+    tied = [r.choice for r in result.top if r.cost <= result.cost * (1 + 1e-9)] or [result.choice]
+
+    def devices(choice: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        used = sorted({d for i, j in enumerate(choice) for d in problem.options[i][j].mesh.device_ids})
+        return len(used), tuple(used)
+
+    return min(tied, key=devices)
 
 
 def tied_generate_options(problem: PlanProblem, generate: list[str]) -> list[dict[int, list[int]]]:

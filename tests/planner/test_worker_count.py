@@ -85,3 +85,17 @@ def test_auto_devices_are_the_cores_this_process_may_use(monkeypatch):
 
     assert PlacementConfig(use_gpu=False).devices_per_node == 3  # null resolves at validation
     assert PlacementConfig(devices_per_node=1).devices_per_node == 1
+
+
+def test_among_equally_cheap_plans_the_one_on_the_fewest_and_lowest_devices_is_kept():
+    import dataclasses
+
+    from plan_cases import frozen_problem, opt
+
+    from rlflow.trainer.placement import fewest_devices
+
+    options = [[opt(1, 1, 1.0, dpn=2), opt(0, 2, 1.0, dpn=2), opt(0, 1, 1.0, dpn=2)]]
+    problem = dataclasses.replace(frozen_problem(options), devices_per_node=2)
+    result = plan_search(problem, max_seconds=1, progress=False)
+    assert len(result.top) == 3  # all three cost the same
+    assert fewest_devices(problem, result) == (2,)  # one device, device 0
