@@ -55,7 +55,7 @@ from tensordict import TensorDict
 
 from rlflow.files import write_atomic
 
-__all__ = ["DataProto", "balanced_partition", "restore_order"]
+__all__ = ["DataProto", "balanced_partition", "balanced_row_groups", "restore_order"]
 
 _FORMAT = "rlflow.DataProto"
 _FORMAT_VERSION = 1
@@ -355,7 +355,11 @@ class DataProto:
         return self[: len(self) - pad]
 
     def balanced_split(
-        self, k: int, weights: Sequence[float] | torch.Tensor | str, equal_size: bool = True
+        self,
+        k: int,
+        weights: Sequence[float] | torch.Tensor | str,
+        equal_size: bool = True,
+        group_size: int = 1,
     ) -> tuple[list[DataProto], list[list[int]]]:
         """Splits rows into ``k`` parts of nearly equal total weight (e.g. tokens per dp rank).
 
@@ -363,16 +367,18 @@ class DataProto:
             k: number of parts.
             weights: per-row weights of shape ``(N,)``, or a batch key: a 1-D tensor is used as
                 is, a 2-D tensor (e.g. ``attention_mask: (N, T)``) is summed over dim 1.
-            equal_size: parts' row counts differ by at most one (see :func:`balanced_partition`).
+            equal_size: parts' row counts differ by at most one group (see :func:`balanced_partition`).
+            group_size: consecutive rows that stay in one part (the samples of one prompt).
 
         Returns:
             The parts, and for each part the original row indices (ascending) it holds;
             :func:`restore_order` inverts the split.
         """
-        groups = balanced_partition(self._row_weights(weights), k, equal_size=equal_size)
-        return [self[torch.tensor(g, dtype=torch.long)] for g in groups], groups
+        rows = balanced_row_groups(self.row_weights(weights), k, group_size, equal_size)
+        return [self[torch.tensor(r, dtype=torch.long)] for r in rows], rows
 
-    def _row_weights(self, weights: Sequence[float] | torch.Tensor | str) -> list[float]:
+    def row_weights(self, weights: Sequence[float] | torch.Tensor | str) -> list[float]:
+        """Per-row weights: ``(N,)`` numbers as given, or a batch key (a 2-D tensor is summed over dim 1)."""
         if isinstance(weights, str):
             _check_keys("batch", [weights], self.batch_keys)
             weights = self.batch[weights]
@@ -566,6 +572,32 @@ def balanced_partition(weights: Sequence[float], k: int, equal_size: bool = Fals
     if not heap:
         return [[] for _ in range(k)]
     return [sorted(items) if items else [] for _, items in heap[0][2]]
+
+
+def balanced_row_groups(
+    weights: Sequence[float], k: int, group_size: int = 1, equal_size: bool = True
+) -> list[list[int]]:
+    """Rows ``0..n-1`` in ``k`` parts of nearly equal weight, each group of ``group_size`` consecutive rows whole.
+
+    A group weighs the sum of its rows; :func:`balanced_partition` splits the groups (with
+    ``equal_size``, every part gets the same number of groups, give or take one).
+
+    Returns:
+        ``k`` lists of row indices, each ascending.
+
+    Raises:
+        ValueError: ``n`` is not a multiple of ``group_size``.
+
+    >>> balanced_row_groups([5, 5, 1, 1, 4, 4, 2, 2], 2, group_size=2)
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    _check_positive("group_size", group_size)
+    w = _check_weights(weights)
+    if len(w) % group_size:
+        raise ValueError(f"{len(w)} rows do not form whole groups of group_size={group_size} rows")
+    group_weights = [sum(w[g : g + group_size]) for g in range(0, len(w), group_size)]
+    parts = balanced_partition(group_weights, k, equal_size=equal_size)
+    return [[g * group_size + j for g in groups for j in range(group_size)] for groups in parts]
 
 
 def _join(x: list[int] | None, y: list[int] | None) -> list[int] | None:

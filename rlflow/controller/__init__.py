@@ -5,7 +5,7 @@ Knows nothing about models or algorithms; see ``docs/architecture.md`` ("Control
 
 from __future__ import annotations
 
-from rlflow.controller.data_plane import BALANCE_BY, DataFuture, RemoteRows, TransferStats, transfer_stats
+from rlflow.controller.data_plane import DataFuture, RemoteRows, TransferStats, transfer_stats
 from rlflow.controller.decorator import Dispatch, Execute, MethodSpec, method_spec, register, registered_methods
 from rlflow.controller.errors import ResourceError, TaskError, WorkerDiedError, WorkerError
 from rlflow.controller.resource_pool import ResourcePool
@@ -13,7 +13,6 @@ from rlflow.controller.worker import Worker, WorkerInfo
 from rlflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
 
 __all__ = [
-    "BALANCE_BY",
     "DataFuture",
     "Dispatch",
     "Execute",

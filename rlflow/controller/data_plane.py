@@ -23,11 +23,7 @@ import numpy as np
 import ray
 import torch
 
-from rlflow.protocol import DataProto, restore_order
-
-#: ``meta_info`` key naming a batch key whose per-row sum (e.g. ``"attention_mask"`` → tokens)
-#: balances the dp split; without it rows are split evenly (sizes differ by at most one).
-BALANCE_BY = "balance_by"
+from rlflow.protocol import DataProto, balanced_row_groups, restore_order
 
 
 @dataclass
@@ -65,23 +61,28 @@ def _is_payload(value: Any) -> bool:
     return isinstance(value, (DataProto, torch.Tensor, np.ndarray))
 
 
+#: Every row of a piece.
+ALL_ROWS = slice(None)
+
+
 @dataclass(frozen=True)
 class RemoteRows:
-    """Rows that live in the object store: ``concat(ref[start:stop] for each piece)``, then ``[perm]``.
+    """Rows that live in the object store: ``concat(ref[rows] for each piece)``, then ``[perm]``.
 
-    Built on the driver from a :class:`DataFuture`; fetched inside the worker by :meth:`materialize`.
+    ``rows`` is a slice or an array of row positions in that ref's DataProto. Built on the
+    driver from a :class:`DataFuture`; fetched inside the worker by :meth:`materialize`.
     """
 
-    pieces: tuple[tuple[ray.ObjectRef, int, int | None], ...]
+    pieces: tuple[tuple[ray.ObjectRef, slice | np.ndarray], ...]
     perm: np.ndarray | None = None
 
     def materialize(self) -> DataProto:
-        values = ray.get([ref for ref, _, _ in self.pieces])
+        values = ray.get([ref for ref, _ in self.pieces])
         parts = []
-        for value, (_, start, stop) in zip(values, self.pieces):
+        for value, (_, rows) in zip(values, self.pieces):
             if not isinstance(value, DataProto):
                 raise TypeError(f"a future part holds a {type(value).__name__}, expected a DataProto")
-            parts.append(value if (start, stop) == (0, None) else value[start:stop])
+            parts.append(value if isinstance(rows, slice) and rows == ALL_ROWS else value[rows])
         data = parts[0] if len(parts) == 1 else DataProto.concat(parts)
         return data if self.perm is None else data[self.perm]
 
@@ -107,6 +108,8 @@ class DataFuture:
         order: for DataProto modes, the input row positions each part received (``None``: the
             parts hold consecutive rows in order).
         num_rows_refs: row count of each part's output (small objects), for re-splitting.
+        weigh: ``weigh(key)`` → per-row weights of each part's output (``DataProto.row_weights``,
+            computed where the part lives), for a token-balanced re-split.
     """
 
     refs: list[ray.ObjectRef]
@@ -115,7 +118,9 @@ class DataFuture:
     part_index: list[int] | None = None
     order: list[np.ndarray] | None = None
     num_rows_refs: list[ray.ObjectRef] | None = field(default=None, repr=False)
+    weigh: Callable[[str], list[np.ndarray]] | None = field(default=None, repr=False)
     _sizes: list[int] | None = field(default=None, repr=False)
+    _weights: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
     def parts(self) -> list[ray.ObjectRef] | None:
@@ -135,6 +140,12 @@ class DataFuture:
                 raise TypeError(f"parts {[i for i, n in enumerate(sizes) if n < 0]} of the future are not DataProtos")
             self._sizes = sizes
         return self._sizes
+
+    def row_weights(self, key: str) -> list[np.ndarray]:
+        """Per-row weights (``key`` summed over dim 1) of each dp part's output; fetches small arrays only."""
+        if key not in self._weights:
+            self._weights[key] = self.weigh(key)
+        return self._weights[key]
 
     def positions(self) -> list[np.ndarray] | None:
         """Positions of each part's output rows in the collected result (``None``: consecutive)."""
@@ -194,16 +205,27 @@ def even_sizes(total: int, n: int, group_size: int = 1) -> list[int]:
     return [(base + (1 if i < extra else 0)) * group_size for i in range(n)]
 
 
-def split_rows(value: DataProto | DataFuture, n: int, like: RowSplit | None = None, group_size: int = 1) -> RowSplit:
+def split_rows(
+    value: DataProto | DataFuture,
+    n: int,
+    like: RowSplit | None = None,
+    group_size: int = 1,
+    balance_by: str | None = None,
+) -> RowSplit:
     """Splits one DataProto argument into ``n`` dp parts; ``like`` is the first argument's split to follow.
 
-    With ``group_size > 1`` every part holds whole groups of consecutive rows (token balancing
-    then does not apply).
+    Every part holds whole groups of ``group_size`` consecutive rows. With ``balance_by`` (a
+    batch key, e.g. ``"attention_mask"``) the parts carry nearly equal sums of that key (tokens)
+    and equal numbers of groups give or take one; otherwise consecutive rows, sizes differing by
+    at most one group. A balanced split reorders rows; the collect restores the order.
     """
     if isinstance(value, DataFuture) and value.part_index is None:
         value = value.get()  # not rows: the driver must materialise it
     if isinstance(value, DataFuture):
-        split = _split_future(value, n, group_size)
+        if balance_by is not None and n > 1:
+            split = _balanced_future(value, n, group_size, balance_by)
+        else:
+            split = _split_future(value, n, group_size)
         if like is not None and not _same_order(split.order, like.order):
             raise ValueError("DataProto arguments of one call are split differently; pass one batch or union them")
         return split
@@ -213,13 +235,41 @@ def split_rows(value: DataProto | DataFuture, n: int, like: RowSplit | None = No
         if like.order is not None:
             return RowSplit([value[o] for o in like.order], like.order, like.sizes)
         return RowSplit(value.split(like.sizes()), None, like.sizes)
-    key = value.meta_info.get(BALANCE_BY)
-    if key is not None and group_size == 1:
-        parts, groups = value.balanced_split(n, key)
-        order = [np.asarray(g, dtype=np.int64) for g in groups]
-        return RowSplit(parts, order, lambda: [len(o) for o in order])
+    if balance_by is not None and n > 1:
+        rows = balanced_row_groups(value.row_weights(balance_by), n, group_size)
+        order = [np.asarray(r, dtype=np.int64) for r in rows]
+        return RowSplit([value[o] for o in order], order, lambda: [len(o) for o in order])
     sizes = even_sizes(len(value), n, group_size)
     return RowSplit(value.split(sizes), None, lambda: sizes)
+
+
+def _balanced_future(fut: DataFuture, n: int, group_size: int, key: str) -> RowSplit:
+    """A token-balanced split of rows that live in the object store; each rank fetches its rows itself.
+
+    Groups are consecutive rows of the collected result (the order :meth:`DataFuture.get` gives).
+    The driver fetches only the per-row weights; rank ``r`` gets, from every part holding some
+    of its rows, exactly those rows.
+    """
+    parts, weights = fut.parts, fut.row_weights(key)
+    sizes = [len(w) for w in weights]
+    starts = np.cumsum([0, *sizes])
+    positions = fut.positions() or [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+    part_of = np.repeat(np.arange(len(parts)), sizes)  # part of each row, rows in part order
+    row_in_part = np.concatenate([np.arange(k) for k in sizes])
+    at = np.empty(starts[-1], dtype=np.int64)  # collected position -> row in part order
+    at[np.concatenate(positions)] = np.arange(starts[-1])
+    collected_weights = np.concatenate(weights)[at]
+    pieces, order = [], []
+    for rows in balanced_row_groups(collected_weights.tolist(), n, group_size):
+        flat = at[np.asarray(rows, dtype=np.int64)]
+        chunk, received = [], []
+        for j in np.unique(part_of[flat]):
+            mine = np.sort(row_in_part[flat[part_of[flat] == j]])
+            chunk.append((parts[j], mine))
+            received.append(positions[j][mine])
+        pieces.append(RemoteRows(tuple(chunk)) if chunk else RemoteRows(((parts[0], slice(0, 0)),)))
+        order.append(np.concatenate(received) if received else np.zeros(0, dtype=np.int64))
+    return RowSplit(pieces, order, lambda: [len(o) for o in order])
 
 
 def _same_order(a: list[np.ndarray] | None, b: list[np.ndarray] | None) -> bool:
@@ -232,7 +282,7 @@ def _split_future(fut: DataFuture, n: int, group_size: int = 1) -> RowSplit:
     parts = fut.parts
     if len(parts) == n:
         # Same dp size: each rank keeps the rows the previous call's rank produced.
-        return RowSplit([RemoteRows(((ref, 0, None),)) for ref in parts], fut.positions(), fut.part_sizes)
+        return RowSplit([RemoteRows(((ref, ALL_ROWS),)) for ref in parts], fut.positions(), fut.part_sizes)
     sizes, positions = fut.part_sizes(), fut.positions()
     targets = even_sizes(sum(sizes), n, group_size)
     starts = np.cumsum([0, *sizes])
@@ -242,8 +292,8 @@ def _split_future(fut: DataFuture, n: int, group_size: int = 1) -> RowSplit:
         for j, ref in enumerate(parts):
             lo, hi = max(begin, starts[j]), min(end, starts[j + 1])
             if lo < hi:
-                chunk.append((ref, int(lo - starts[j]), int(hi - starts[j])))
-        pieces.append(RemoteRows(tuple(chunk)) if chunk else RemoteRows(((parts[0], 0, 0),)))
+                chunk.append((ref, slice(int(lo - starts[j]), int(hi - starts[j]))))
+        pieces.append(RemoteRows(tuple(chunk)) if chunk else RemoteRows(((parts[0], slice(0, 0)),)))
         begin = end
     order = None
     if positions is not None:
@@ -262,7 +312,7 @@ def whole_rows(fut: DataFuture) -> RemoteRows | Any:
         flat = np.concatenate(positions)
         perm = np.empty_like(flat)
         perm[flat] = np.arange(len(flat))
-    return RemoteRows(tuple((ref, 0, None) for ref in fut.parts), perm)
+    return RemoteRows(tuple((ref, ALL_ROWS) for ref in fut.parts), perm)
 
 
 #: Payloads smaller than this travel inside the call (Ray inlines small arguments); larger ones are

@@ -38,7 +38,7 @@ class Dispatch(Enum):
     #: Like ALL_TO_ALL, for arguments already sharded by the caller (one shard per dp rank).
     DP_COMPUTE = "dp_compute"
     #: DataProto arguments are split over all ranks (uneven sizes differ by at most one row, or
-    #: balanced by tokens when ``meta_info["balance_by"]`` names a batch key); outputs are
+    #: balanced by tokens on a group or view made with ``balance_by``); outputs are
     #: concatenated back in the original row order.
     DP_COMPUTE_PROTO = "dp_compute_proto"
     #: The first argument is a function sent to every rank; the rest as DP_COMPUTE_PROTO.

@@ -24,6 +24,7 @@ class GroupShape(Protocol):
     world_size: int
     strategy: ParallelStrategy
     row_group_size: int
+    balance_by: str | None
 
 
 @dataclass
@@ -60,19 +61,20 @@ def dispatch(group: GroupShape, spec: MethodSpec, args: tuple, kwargs: dict) -> 
         strategy = group.strategy
         dp_of_rank = [strategy.coords(r).dp for r in range(world)]
         last_stage = [strategy.rank_of(strategy.pp - 1, d, 0) for d in range(strategy.dp)]
-        return _dispatch_rows(args, kwargs, strategy.dp, dp_of_rank, last_stage, _group_size(group))
+        return _dispatch_rows(args, kwargs, strategy.dp, dp_of_rank, last_stage, *_row_split(group))
     if mode is Dispatch.DP_COMPUTE_PROTO_WITH_FUNC:
         if not args or not callable(args[0]):
             raise TypeError("DP_COMPUTE_PROTO_WITH_FUNC needs a function as the first argument")
-        call = _dispatch_rows(args[1:], kwargs, world, list(range(world)), list(range(world)), _group_size(group))
+        call = _dispatch_rows(args[1:], kwargs, world, list(range(world)), list(range(world)), *_row_split(group))
         call.args = [(args[0], *a) for a in call.args]
         return call
     # DP_COMPUTE_PROTO and DP_COMPUTE_METRIC: every rank is a dp rank.
-    return _dispatch_rows(args, kwargs, world, list(range(world)), list(range(world)), _group_size(group))
+    return _dispatch_rows(args, kwargs, world, list(range(world)), list(range(world)), *_row_split(group))
 
 
-def _group_size(group: GroupShape) -> int:
-    return getattr(group, "row_group_size", 1)
+def _row_split(group: GroupShape) -> tuple[int, str | None]:
+    """How the group splits rows over dp: ``(row_group_size, balance_by)``."""
+    return getattr(group, "row_group_size", 1), getattr(group, "balance_by", None)
 
 
 def collect(group: GroupShape, spec: MethodSpec, call: Dispatched, outputs: list) -> Any:
@@ -105,18 +107,19 @@ def _dispatch_rows(
     part_of_rank: list[int],
     part_index: list[int],
     group_size: int = 1,
+    balance_by: str | None = None,
 ) -> Dispatched:
     """Splits DataProto/DataFuture arguments into ``num_parts`` parts; rank ``r`` gets part ``part_of_rank[r]``.
 
     Other arguments go to every rank unchanged. The first DataProto argument decides the split
-    (even, or balanced by ``meta_info["balance_by"]``); the others follow it row for row.
-    With ``group_size > 1`` parts hold whole groups of that many consecutive rows.
+    (even, or balanced by the sums of the batch key ``balance_by``); the others follow it row
+    for row. With ``group_size > 1`` parts hold whole groups of that many consecutive rows.
     """
     lead: RowSplit | None = None
     split_args: list[Any] = []
     for value in [*args, *kwargs.values()]:
         if _is_rows(value):
-            split = split_rows(value, num_parts, like=lead, group_size=group_size)
+            split = split_rows(value, num_parts, like=lead, group_size=group_size, balance_by=balance_by)
             lead = lead or split
             split_args.append(split.parts)
         else:

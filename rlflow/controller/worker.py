@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -200,6 +201,12 @@ class WorkerHost:
                     role, self._info.rank, self._info.node_id, "__init__", traceback.format_exc()
                 ) from None
         return self._info.node_id
+
+    def row_weights(self, data: Any, key: str) -> np.ndarray:
+        """``data.row_weights(key)`` of a call's output part (the driver balances the next dp split by it)."""
+        if not isinstance(data, DataProto):
+            raise TypeError(f"a future part holds a {type(data).__name__}, expected a DataProto")
+        return np.asarray(data.row_weights(key), dtype=np.float64)
 
     def execute(self, role: str, method: str, with_num_rows: bool, /, *args: Any, **kwargs: Any) -> Any:
         """Runs ``role.method(*args, **kwargs)``; with ``with_num_rows`` also returns the output's row count.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -89,9 +90,10 @@ class RayWorkerGroup:
         strategy: ParallelStrategy | None,
         role: str | None,
         row_group_size: int = 1,
+        balance_by: str | None = None,
     ):
         group = cls.__new__(cls)
-        group._setup(actors, ranks, strategy, role, row_group_size)
+        group._setup(actors, ranks, strategy, role, row_group_size, balance_by)
         return group
 
     def _setup(
@@ -101,11 +103,14 @@ class RayWorkerGroup:
         strategy: ParallelStrategy | None,
         role: str | None,
         row_group_size: int = 1,
+        balance_by: str | None = None,
     ) -> None:
         if row_group_size < 1:
             raise ValueError(f"row_group_size={row_group_size} must be >= 1")
+        if balance_by is not None and (not isinstance(balance_by, str) or not balance_by):
+            raise ValueError(f"balance_by={balance_by!r} must name a batch key (e.g. 'attention_mask') or be None")
         self._actors, self._ranks, self._role = actors, ranks, role
-        self.row_group_size = row_group_size
+        self.row_group_size, self.balance_by = row_group_size, balance_by
         self.strategy = strategy or ParallelStrategy(dp=len(ranks))
         if self.strategy.world_size != len(ranks):
             raise ValueError(
@@ -145,7 +150,11 @@ class RayWorkerGroup:
         return sorted(self._methods)
 
     def view(
-        self, ranks: Sequence[int], strategy: ParallelStrategy | None = None, row_group_size: int = 1
+        self,
+        ranks: Sequence[int],
+        strategy: ParallelStrategy | None = None,
+        row_group_size: int = 1,
+        balance_by: str | None = None,
     ) -> RayWorkerGroup:
         """A group over some of this group's ranks (positions in this group), arranged as ``strategy``.
 
@@ -153,15 +162,23 @@ class RayWorkerGroup:
         ``rank = (pp_rank*dp + dp_rank)*tp + tp_rank`` (see ``rlflow/strategy.py``).
         ``row_group_size`` keeps that many consecutive rows on one dp rank when DataProto
         arguments are split (the samples of one prompt, for group-relative advantages).
+        ``balance_by`` names a batch key (``"attention_mask"``) whose per-row sums (tokens) the
+        dp split balances, keeping groups whole and the ranks' group counts equal give or take
+        one; results come back in the original row order. ``None`` splits consecutive rows.
         """
         ranks = list(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
             raise ValueError(f"view ranks {ranks} must be distinct positions in [0, {self.world_size})")
-        return self._over(self._actors, [self._ranks[r] for r in ranks], strategy, self._role, row_group_size)
+        return self._over(
+            self._actors, [self._ranks[r] for r in ranks], strategy, self._role, row_group_size, balance_by
+        )
 
     def spawn(self) -> dict[str, RayWorkerGroup]:
         """One plain group per role of a colocated group, sharing its actors (and shape)."""
-        return {r: self._over(self._actors, self._ranks, self.strategy, r, self.row_group_size) for r in self.roles}
+        return {
+            r: self._over(self._actors, self._ranks, self.strategy, r, self.row_group_size, self.balance_by)
+            for r in self.roles
+        }
 
     # ----------------------------------------------------------------- calls
     def _call(self, role: str, method: str, spec: MethodSpec, *args: Any, **kwargs: Any) -> Any:
@@ -182,7 +199,14 @@ class RayWorkerGroup:
             part_index=call.part_index if with_rows else None,
             order=call.order,
             num_rows_refs=[outs[i][1] for i in call.part_index] if with_rows else None,
+            weigh=partial(self._row_weights, [(i, outs[i][0]) for i in call.part_index]) if with_rows else None,
         )
+
+    def _row_weights(self, parts: list[tuple[int, ray.ObjectRef]], key: str) -> list[np.ndarray]:
+        """Per-row weights of each ``(rank, part)`` (``DataProto.row_weights(key)``), computed by that rank."""
+        refs = [self._actors.hosts[self._ranks[r]].row_weights.remote(part, key) for r, part in parts]
+        origin = {ref: (self._ranks[r], "host.row_weights") for (r, _), ref in zip(parts, refs)}
+        return _fetch(self._actors, origin, refs)
 
     def _submit(
         self, role: str, method: str, ranks: list[int], args: list, kwargs: list, with_rows: bool

@@ -8,7 +8,7 @@ import ray
 import torch
 from conftest import make_batch
 
-from rlflow.controller import BALANCE_BY, Dispatch, WorkerError, register, transfer_stats
+from rlflow.controller import Dispatch, WorkerError, register, transfer_stats
 from rlflow.controller.data_plane import expand_order, payload_nbytes
 
 
@@ -74,8 +74,8 @@ def test_fewer_rows_than_ranks_gives_empty_parts(actor):
 def test_token_balanced_split_restores_original_order(actor):
     lengths = [60, 3, 3, 3, 50, 2, 40, 4, 30, 5, 6, 7]  # long rows first would pile up on one rank
     data = make_batch(12, lengths, seq_len=64)
-    data.meta_info[BALANCE_BY] = "attention_mask"
-    metrics = actor.metric(data)
+    balanced = actor.view(range(4), balance_by="attention_mask")
+    metrics = balanced.metric(data)
     tokens = [m["tokens"] for m in metrics]
     assert sum(tokens) == sum(lengths)
     assert max(tokens) - min(tokens) <= max(lengths)
@@ -84,7 +84,7 @@ def test_token_balanced_split_restores_original_order(actor):
     assert sorted(m["rows"] for m in metrics) == [3, 3, 3, 3]
     actor.take_seen()
 
-    out = actor.tag(data)
+    out = balanced.tag(data)
     seen = [s[0] for s in actor.take_seen()]
     assert sorted(sum(seen, [])) == list(range(12)) and seen != [list(range(i, i + 3)) for i in range(0, 12, 3)]
     assert out.batch["id"].tolist() == list(range(12))
@@ -95,8 +95,7 @@ def test_token_balanced_split_restores_original_order(actor):
 
 def test_balanced_split_with_several_rows_per_input(actor):
     data = make_batch(6, [9, 1, 8, 2, 7, 3], seq_len=10)
-    data.meta_info[BALANCE_BY] = "attention_mask"
-    out = actor.sample(data, n=3)
+    out = actor.view(range(4), balance_by="attention_mask").sample(data, n=3)
     actor.take_seen()
     assert out.batch["id"].tolist() == np.repeat(np.arange(6), 3).tolist()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_batch
 
-from rlflow.controller import BALANCE_BY, DataFuture, transfer_stats
+from rlflow.controller import DataFuture, transfer_stats
 from rlflow.strategy import ParallelStrategy
 
 
@@ -67,8 +67,9 @@ def test_chained_futures_skip_the_driver(actor):
 
 def test_future_from_balanced_split_keeps_order_through_a_chain(actor):
     data = make_batch(8, [9, 1, 8, 2, 7, 3, 6, 4], seq_len=10)
-    data.meta_info[BALANCE_BY] = "attention_mask"
-    sampled = actor.async_sample(data, n=2)  # 2 rows per input, in balanced (permuted) parts
+    sampled = actor.view(range(4), balance_by="attention_mask").async_sample(
+        data, n=2
+    )  # 2 rows per input, in balanced (permuted) parts
     retagged = actor.view([1, 0], ParallelStrategy(dp=2)).async_tag(sampled)
     actor.async_tag(sampled)  # a future may feed several calls
     out = retagged.get()
