@@ -101,6 +101,7 @@ class DataflowRunner:
                 [position[r] for r in p.ranks],
                 p.strategy,
                 row_group_size=1 if p.mfc.interface_type == "generate" else row_group_size,
+                balance_by="attention_mask" if p.mfc.balanced_dp else None,  # tokens per dp rank
             )
             for name, p in self.placements.items()
         }

@@ -126,3 +126,34 @@ def test_dp2_calls_through_a_real_group_give_the_rows_of_the_row_split(actor):
     actor.take_seen()
     assert chained.batch["id"].tolist() == np.repeat(np.arange(16), 4).tolist()
     assert torch.equal(chained.batch["attention_mask"], data.batch["attention_mask"][:16].repeat_interleave(4, dim=0))
+
+
+def test_the_runner_balances_the_views_of_calls_declared_balanced_dp():
+    import networkx as nx
+
+    from rlflow.dataflow.mfc import MFCDef
+    from rlflow.strategy import ParallelStrategy
+    from rlflow.trainer.runner import CallPlacement, DataflowRunner
+
+    class Recorder:
+        ranks = [0, 1]
+
+        def __init__(self) -> None:
+            self.views: list[dict] = []
+
+        def view(self, ranks, strategy=None, **kwargs):
+            self.views.append(kwargs)
+            return kwargs
+
+    graph = nx.DiGraph()
+    calls = [
+        MFCDef("gen", "actor", "generate", output_keys=("input_ids", "attention_mask")),
+        MFCDef("train", "actor", "train_step", input_keys=("input_ids",), balanced_dp=True, objective="rl"),
+    ]
+    for mfc in calls:
+        graph.add_node(mfc.name, mfc=mfc)
+    graph.add_edge("gen", "train")
+    placements = {m.name: CallPlacement(m, (0, 1), ParallelStrategy(dp=2)) for m in calls}
+    runner = DataflowRunner(Recorder(), graph, placements, row_group_size=4)
+    assert runner.views["gen"] == {"row_group_size": 1, "balance_by": None}
+    assert runner.views["train"] == {"row_group_size": 4, "balance_by": "attention_mask"}
