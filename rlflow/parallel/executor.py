@@ -119,7 +119,9 @@ def module_param_tensors(module: nn.Module | ParamViews) -> dict[str, list[torch
     )
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, param in module.named_parameters(remove_duplicate=False):
-        local = _local(param.data)
+        # detach(), not .data: a write into the view must bump the parameter's version counter,
+        # which caches built from the weights (the sampler's fused matrices) check.
+        local = _local(param.detach())
         tensors = out[canonical_name(name, family if tied else None)]
         if not any(local is t or (local.data_ptr() == t.data_ptr() and local.shape == t.shape) for t in tensors):
             tensors.append(local)
