@@ -285,7 +285,7 @@ class FastDecoder:
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """Feed ``(N,)`` tokens (response position ``step``); ``(N, V)`` float32 next logits."""
         slot = self._length + step
-        cos, sin = self._step_cos[:, step], self._step_sin[:, step]  # (N, 1, D)
+        cos, sin = self._step_cos.select(1, step), self._step_sin.select(1, step)  # (N, 1, D)
         hidden = torch.embedding(self._embed, tokens)  # (N, hidden)
         for index, layer in enumerate(self._layers):
             hidden = self._step_layer(hidden, index, layer, cos, sin, slot)
@@ -313,7 +313,7 @@ class FastDecoder:
         HF's ``q * cos + rotate_half(q) * sin`` with ``rotate_half(q) = cat(-q2, q1)``: here
         ``roll(q) = cat(q2, q1)`` times ``sin`` with its first half negated, the same products.
         """
-        qk = qkv[..., : self._heads + self._kv_heads, :]
+        qk = qkv.narrow(-2, 0, self._heads + self._kv_heads)
         if layer.qk_norm is not None:  # per-head RMSNorm of q and k, before RoPE
             qk = _rms_norm(qk, None, self._eps) * layer.qk_norm
         return qk * cos + qk.roll(self._head_dim // 2, -1) * sin
@@ -321,8 +321,9 @@ class FastDecoder:
     def _mlp(self, hidden: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """``hidden + mlp(norm(hidden))`` of ``(rows, hidden)``."""
         x = _rms_norm(hidden, layer.post_norm, self._eps)
-        gate, up = _project(x, layer.gate_up_weight, layer.gate_up_bias).split(self._inter, dim=-1)
-        return _project(self._act(gate) * up, layer.down_weight, layer.down_bias, residual=hidden)
+        gate_up = _project(x, layer.gate_up_weight, layer.gate_up_bias)
+        gated = self._act(gate_up.narrow(-1, 0, self._inter)) * gate_up.narrow(-1, self._inter, self._inter)
+        return _project(gated, layer.down_weight, layer.down_bias, residual=hidden)
 
     def _prompt_layer(self, hidden, batch: int, index: int, layer: _Layer, cos, sin, mask) -> torch.Tensor:
         """One decoder layer over the prompts' ``(B*P, hidden)``; k/v go to the first P slots."""
@@ -345,26 +346,31 @@ class FastDecoder:
         A sliding window is where the keys start. With few rows on CPU, attention is a
         ``baddbmm`` (key mask + scaled scores), a softmax and a ``bmm`` over the grouped heads
         ``(N*Hkv, H/Hkv, ·)``: cheaper than ``scaled_dot_product_attention``'s set-up there
-        (and dearer with many rows, see ``_BMM_MAX_BATCHES``).
+        (and dearer with many rows, see ``_BMM_MAX_BATCHES``). Views are taken with
+        ``narrow``/``select``: Python indexing parses its index on every call.
         """
         rows, heads, kv_heads, dim = hidden.shape[0], self._heads, self._kv_heads, self._head_dim
         x = _rms_norm(hidden, layer.input_norm, self._eps)
         qkv = _project(x, layer.qkv_weight, layer.qkv_bias).view(rows, -1, dim)
         qk = self._qk_rope(qkv, layer, cos, sin)  # (N, H + Hkv, D)
-        self._k[index][:, :, slot] = qk[:, heads:]
-        self._v[index][:, :, slot] = qkv[:, heads + kv_heads :]
-        keys = slice(0 if layer.window is None else max(0, slot + 1 - layer.window), slot + 1)
+        self._k[index].select(2, slot).copy_(qk.narrow(1, heads, kv_heads))
+        self._v[index].select(2, slot).copy_(qkv.narrow(1, heads + kv_heads, kv_heads))
+        start = 0 if layer.window is None else max(0, slot + 1 - layer.window)
+        num_keys = slot + 1 - start
+        query = qk.narrow(1, 0, heads)
         if self._bmm_attention:
-            query = qk[:, :heads].reshape(rows * kv_heads, heads // kv_heads, dim)
+            keys = self._k3[index].narrow(1, start, num_keys).transpose(1, 2)
             scores = torch.baddbmm(
-                self._key_mask3[:, :, keys], query, self._k3[index][:, keys].transpose(1, 2), alpha=self._scale
-            )
-            attn = torch.bmm(scores.softmax(dim=-1), self._v3[index][:, keys]).view(rows, heads * dim)
+                self._key_mask3.narrow(2, start, num_keys), query.reshape(rows * kv_heads, heads // kv_heads, dim),
+                keys, alpha=self._scale,
+            )  # fmt: skip
+            attn = torch.bmm(scores.softmax(dim=-1), self._v3[index].narrow(1, start, num_keys))
         else:
             attn = F.scaled_dot_product_attention(
-                qk[:, :heads, None], self._k[index][:, :, keys], self._v[index][:, :, keys],
-                attn_mask=self._key_mask[..., keys], scale=self._scale, enable_gqa=heads != kv_heads,
-            ).view(rows, heads * dim)  # fmt: skip
+                query.unsqueeze(2), self._k[index].narrow(2, start, num_keys), self._v[index].narrow(2, start, num_keys),
+                attn_mask=self._key_mask.narrow(3, start, num_keys), scale=self._scale, enable_gqa=heads != kv_heads,
+            )  # fmt: skip
+        attn = attn.view(rows, heads * dim)
         return self._mlp(_project(attn, layer.o_weight, layer.o_bias, residual=hidden), layer)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
