@@ -24,6 +24,8 @@ against samples seen per task in the output directory.
 
 Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main``), ``RLFLOW_BENCH_TRL_TINY_STEPS`` (150),
 ``RLFLOW_BENCH_TRL_MAIN_STEPS`` (30), ``RLFLOW_BENCH_TRL_REPEATS`` (1),
+``RLFLOW_BENCH_TRL_THREADS`` (``1,2``: TRL's torch thread counts; on a busy machine a 2-thread
+process spin-waits for its second core, 13-20 s per tiny step at load 10, so ``1`` there),
 ``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
 """
 
@@ -291,11 +293,25 @@ def plot_rewards(task: str, runs: dict[str, list[dict]], path: Path) -> None:
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def _variants(spec: dict) -> tuple[list[tuple[str, str, int, dict]], list[str]]:
+def _env_trl_threads() -> list[int]:
+    raw = os.environ.get("RLFLOW_BENCH_TRL_THREADS", "1,2")
+    try:
+        threads = [int(t) for t in raw.split(",") if t.strip()]
+    except ValueError:
+        threads = []
+    if not threads or any(t < 1 for t in threads):
+        raise ValueError(f"RLFLOW_BENCH_TRL_THREADS={raw!r}: expected torch thread counts such as 1,2")
+    return threads
+
+
+def _variants(spec: dict, trl_threads: list[int]) -> tuple[list[tuple[str, str, int, dict]], list[str]]:
     """``(label, side, threads, extra spec)`` of each run of a task, interleaved in this order."""
-    variants = [("trl_1thread", "trl", 1, {}), ("rlflow", "rlflow", 1, {}), ("trl_2threads", "trl", 2, {})]
+    trl = [(f"trl_{t}thread{'s' if t > 1 else ''}", "trl", t, {}) for t in trl_threads]
+    variants = [*trl[:1], ("rlflow", "rlflow", 1, {}), *trl[1:]]
     refusal = policy_lag_refusal(spec)
     notes = []
+    if trl_threads != [1, 2]:
+        notes.append(f"TRL ran with {trl_threads} torch threads (RLFLOW_BENCH_TRL_THREADS), not with 1 and 2")
     if refusal is None:
         variants.append(("rlflow_lag1", "rlflow", 1, {"policy_lag": 1}))
     else:
@@ -310,6 +326,7 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
     repeats = repeats or _env_int("RLFLOW_BENCH_TRL_REPEATS", 1)
     out = Path(os.environ.get("RLFLOW_BENCH_TRL_OUT", ROOT / "outputs" / "bench_trl"))
     out.mkdir(parents=True, exist_ok=True)
+    trl_threads = _env_trl_threads()
     trl_python()  # before any timing: the first call may install
     records = []
     for task in tasks:
@@ -317,7 +334,7 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
         workdir = out / task
         workdir.mkdir(exist_ok=True)
         spec = prepare(task, n_steps, workdir)
-        variants, notes = _variants(spec)
+        variants, notes = _variants(spec, trl_threads)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
         for repeat in range(repeats):
             for label, side, threads, extra in variants:

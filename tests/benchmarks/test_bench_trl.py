@@ -156,9 +156,16 @@ def test_policy_lag_refusal_names_the_configs_error(monkeypatch):
     monkeypatch.setattr(bench_trl, "rlflow_config", lambda spec, run_dir, policy_lag: {"algorithm": {"lag_x": 1}})
     refusal = bench_trl.policy_lag_refusal({})
     assert refusal is not None and "lag_x" in refusal
-    variants, notes = bench_trl._variants({})
-    assert [label for label, *_ in variants] == ["trl_1thread", "rlflow", "trl_2threads"]
+    variants, notes = bench_trl._variants({}, [1, 2])
+    assert [(label, threads) for label, _, threads, _ in variants] == [
+        ("trl_1thread", 1),
+        ("rlflow", 1),
+        ("trl_2threads", 2),
+    ]
     assert len(notes) == 1 and "rlflow_lag1 skipped" in notes[0] and "lag_x" in notes[0]
+    variants, notes = bench_trl._variants({}, [1])
+    assert [label for label, *_ in variants] == ["trl_1thread", "rlflow"]
+    assert "not with 1 and 2" in notes[0]
 
 
 def test_env_settings_are_checked(monkeypatch):
@@ -168,6 +175,9 @@ def test_env_settings_are_checked(monkeypatch):
     monkeypatch.setenv("RLFLOW_BENCH_TRL_TINY_STEPS", "1")
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_TINY_STEPS=1"):
         bench_trl._env_int("RLFLOW_BENCH_TRL_TINY_STEPS", 150)
+    monkeypatch.setenv("RLFLOW_BENCH_TRL_THREADS", "1,x")
+    with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_THREADS='1,x'"):
+        bench_trl._env_trl_threads()
     monkeypatch.setenv("RLFLOW_BENCH_TRL_REPEATS", "two")
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_REPEATS='two'"):
         bench_trl._env_int("RLFLOW_BENCH_TRL_REPEATS", 1)
