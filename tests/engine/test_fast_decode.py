@@ -14,7 +14,7 @@ import rlflow.engine.rollout.fast_decode as fast_decode_module
 from rlflow.data.tiny_models import build_tiny_config
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
-from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker
+from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker, kv_cache_bytes
 from rlflow.engine.rollout.hf_sampler import choose_tokens, sample_responses
 from rlflow.families import get_family
 
@@ -192,6 +192,32 @@ def test_bfloat16_decodes_like_hf_path(case):
         slow = HFRolloutEngine(model, fast_decode=False).generate((ids % VOCAB, mask), params)
         assert torch.equal(fast["responses"], slow["responses"])
         torch.testing.assert_close(fast["old_logp"], slow["old_logp"], atol=1e-2, rtol=0)
+
+
+def test_kv_cache_bytes_is_what_the_decoder_allocates():
+    model = build_model("qwen2")
+    ids, mask = left_padded_prompts(LENGTHS, seed=0)
+    decoder = FastDecoder(model, max_new_tokens=6)
+    with torch.inference_mode():
+        decoder.prefill(ids % VOCAB, mask, n=3)
+    allocated = sum(t.nbytes for t in (*decoder._k, *decoder._v))
+    assert allocated == kv_cache_bytes(model, num_rows=len(LENGTHS) * 3, total_len=ids.shape[1] + 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kv_cache_beyond_half_the_free_gpu_memory_falls_back(caplog):
+    model = build_model("llama").cuda()
+    free, _ = torch.cuda.mem_get_info()
+    per_token = kv_cache_bytes(model, num_rows=1, total_len=1)
+    max_new = int(free // 2 // per_token) + 1  # one token more than half the free memory holds
+    ids, mask = left_padded_prompts([1], seed=0)
+    with caplog.at_level(logging.DEBUG, logger="rlflow.engine.rollout.hf_sampler"):
+        sample_responses(
+            model, ids.cuda() % VOCAB, mask.cuda(), SamplingParams(greedy=True, max_new_tokens=max_new,
+            stop_token_ids=tuple(range(VOCAB))), pad_token_id=PAD,
+        )  # fmt: skip
+    assert "exceeds half the free GPU memory" in caplog.text
 
 
 def test_new_weights_are_used_after_update():

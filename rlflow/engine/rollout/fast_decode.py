@@ -39,7 +39,7 @@ from transformers.activations import ACT2FN
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.families import ModelFamily, config_value, family_of
 
-__all__ = ["FastDecoder", "fast_decode_blocker"]
+__all__ = ["FastDecoder", "fast_decode_blocker", "kv_cache_bytes"]
 
 # Rope types whose angle depends on the position alone, so one table serves the whole call;
 # "dynamic" and "longrope" rescale with the sequence length and decode through HF's modules.
@@ -99,6 +99,15 @@ def fast_decode_blocker(model: nn.Module) -> str | None:
         ]
         return f"parameters differ from family {family.name!r}'s: {', '.join(parts)}"
     return None
+
+
+def kv_cache_bytes(model: nn.Module, num_rows: int, total_len: int) -> int:
+    """Bytes of :class:`FastDecoder`'s preallocated KV buffers for ``num_rows`` sequences of
+    ``total_len`` (prompt + new) tokens: k and v, every layer, ``(rows, kv_heads, total_len, head_dim)``."""
+    config = _text_config(model)
+    dims = family_of(config).dims(config)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * dims.num_layers * num_rows * dims.num_kv_heads * total_len * dims.head_dim * itemsize
 
 
 @dataclass(frozen=True)
@@ -228,7 +237,7 @@ class FastDecoder:
         config = _text_config(model)
         family = family_of(config)
         dims = family.dims(config)
-        self._model, self._rotary = model, model.get_submodule(family.rotary_module)
+        self._rotary = model.get_submodule(family.rotary_module)
         self._layers = _cached_layers(model, family, config)
         self._embed = model.get_parameter(family.embed_name)
         self._norm = model.get_parameter(f"{family.norm_module}.weight")

@@ -18,8 +18,8 @@ forward is :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` wherever
 math on the module's weights with fused projections and a preallocated KV cache, in a fraction
 of the ops of HF's modules (2–3× faster per rollout on issue 12's task, see
 docs/benchmarks/sampler.md). Elsewhere (tensor-parallel weights, an unknown family, a rope
-type whose angles depend on the sequence length, parameters the family does not name, or
-``fast_decode=False``) the loop runs HF's modules with a ``DynamicCache`` (:class:`_HFDecoder`,
+type whose angles depend on the sequence length, parameters the family does not name, a
+preallocated KV cache beyond half the free GPU memory, or ``fast_decode=False``) the loop runs HF's modules with a ``DynamicCache`` (:class:`_HFDecoder`,
 the reason in a debug log), with the masks of all steps built once in the form the model
 builds them (:class:`_DecodeMasks`). Both run in ``torch.inference_mode`` (into output buffers
 allocated outside it, so training can use them); without stop tokens the outputs are written as
@@ -60,7 +60,7 @@ from rlflow.engine.rollout.base import (
     register_rollout_engine,
     split_prompts,
 )
-from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker
+from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker, kv_cache_bytes
 from rlflow.protocol import DataProto
 
 __all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "choose_tokens", "sample_responses", "token_logprobs"]
@@ -277,7 +277,7 @@ def _decode(
     """The prefill and decoding loop of :func:`sample_responses`, writing its three outputs in place."""
     max_new, num_rows, device = params.max_new_tokens, responses.shape[0], input_ids.device
     temperature = 1.0 if params.greedy else params.temperature
-    decoder = _decoder(model, max_new, tp_group, fast_decode)
+    decoder = _decoder(model, num_rows, input_ids.shape[1] + max_new, max_new, tp_group, fast_decode)
     logits = decoder.prefill(input_ids, attention_mask, params.n)
     if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
         for step in range(max_new):
@@ -310,18 +310,35 @@ def _decode(
         logits = decoder.step(tokens, step)
 
 
-def _decoder(model: nn.Module, max_new_tokens: int, tp_group, fast_decode: bool) -> FastDecoder | _HFDecoder:
+def _decoder(
+    model: nn.Module, num_rows: int, total_len: int, max_new_tokens: int, tp_group, fast_decode: bool
+) -> FastDecoder | _HFDecoder:
     """The lean decoder where it applies (module :mod:`~rlflow.engine.rollout.fast_decode`), else HF's modules."""
     if not fast_decode:
         reason = "fast_decode=False"
     elif tp_group is not None and dist.get_world_size(tp_group) > 1:
         reason = "tensor parallelism"
     else:
-        reason = fast_decode_blocker(model)
+        reason = fast_decode_blocker(model) or _kv_memory_blocker(model, num_rows, total_len)
     if reason is None:
         return FastDecoder(model, max_new_tokens)
     _log.debug("sampler decodes through HF's modules: %s", reason)
     return _HFDecoder(model, max_new_tokens)
+
+
+def _kv_memory_blocker(model: nn.Module, num_rows: int, total_len: int) -> str | None:
+    """Why the lean decoder's preallocated KV cache should not be allocated on a GPU, or None.
+
+    It reserves every row's full length up front, where HF's cache grows and drops finished
+    rows; beyond half the free GPU memory the HF path is the safer one.
+    """
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    needed, (free, _) = kv_cache_bytes(model, num_rows, total_len), torch.cuda.mem_get_info(device)
+    if needed > free // 2:
+        return f"its preallocated KV cache ({needed / 2**30:.2f} GiB) exceeds half the free GPU memory"
+    return None
 
 
 class _HFDecoder:
