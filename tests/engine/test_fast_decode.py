@@ -270,6 +270,12 @@ def test_dynamic_rope_falls_back(caplog):
     _assert_falls_back(model, caplog, "rope_type='dynamic'")
 
 
+def test_partial_rotary_is_refused():
+    model = build_model("llama")
+    model.config.partial_rotary_factor = 0.5
+    assert fast_decode_blocker(model) == "partial_rotary_factor=0.5"
+
+
 def test_unknown_parameters_fall_back(caplog):
     model = build_model("llama")
     model.model.layers[1].self_attn.register_parameter("adapter", torch.nn.Parameter(torch.zeros(4)))

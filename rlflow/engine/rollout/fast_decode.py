@@ -88,6 +88,9 @@ def fast_decode_blocker(model: nn.Module) -> str | None:
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in _STATIC_ROPE_TYPES:
         return f"rope_type={rope_type!r} is not one of {sorted(_STATIC_ROPE_TYPES)}"
+    partial = config_value(config, "partial_rotary_factor")
+    if partial not in (None, 1, 1.0):  # RoPE on part of each head is not implemented
+        return f"partial_rotary_factor={partial}"
     expected = {name for _, shapes in family.item_param_shapes(config) for name in shapes}
     actual = {name for name, _ in model.named_parameters()}
     if expected != actual:
