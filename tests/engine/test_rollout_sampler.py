@@ -153,12 +153,13 @@ def _stops_hit_early(model, ids, mask) -> tuple[int, ...]:
     ],
     ids=["greedy", "tempered", "top_k_top_p"],
 )
-def test_sampler_equals_full_recompute_reference(arch, with_stops, sampling):
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["lean_decoder", "hf_modules"])
+def test_sampler_equals_full_recompute_reference(arch, with_stops, sampling, fast_decode):
     model = tiny_model(arch, seed=4)
     ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6], seed=11)
     stops = _stops_hit_early(model, ids, mask) if with_stops else ()
     params = SamplingParams(n=3, max_new_tokens=14, seed=21, stop_token_ids=stops, **sampling)
-    out = HFRolloutEngine(model).generate((ids, mask), params)
+    out = HFRolloutEngine(model, fast_decode=fast_decode).generate((ids, mask), params)
     expected = reference_sample(model, ids, mask, params)
     assert torch.equal(out["responses"], expected["responses"])
     assert torch.equal(out["response_mask"], expected["response_mask"])
