@@ -255,7 +255,16 @@ def _time_call(kind: str, rollout, engine, shape: dict) -> float:
         ids, mask = _left_padded(shape["prompts"], shape["prompt_len"], vocab)
         params = SamplingParams(n=shape["n"], max_new_tokens=shape["gen_len"], seed=0)
         sampler = HFRolloutEngine(rollout, pad_token_id=0)
-        return _timed(lambda: sampler.generate((ids, mask), params), 2, no_sync)
+
+        def generate():
+            # In a run every rollout follows a weight update, which voids what a sampler keeps
+            # per set of weights (the lean decoder's fused matrices): update them in place too.
+            with torch.no_grad():
+                for p in rollout.parameters():
+                    p.mul_(1.0)
+            sampler.generate((ids, mask), params)
+
+        return _timed(generate, 2, no_sync)
     ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
     if kind == "forward":
         return _timed(lambda: engine.forward({"input_ids": ids, "attention_mask": mask}), 2, no_sync)
