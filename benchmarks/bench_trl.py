@@ -26,6 +26,8 @@ Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main``), ``RLFLOW_BENCH_TRL_TINY
 ``RLFLOW_BENCH_TRL_MAIN_STEPS`` (30), ``RLFLOW_BENCH_TRL_REPEATS`` (1),
 ``RLFLOW_BENCH_TRL_THREADS`` (``1,2``: TRL's torch thread counts; on a busy machine a 2-thread
 process spin-waits for its second core, 13-20 s per tiny step at load 10, so ``1`` there),
+``RLFLOW_BENCH_TRL_WARM_START_STEPS`` (0: random initial weights; N: both start from the model
+after N supervised steps on the task's answers, :func:`warm_start`),
 ``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
 """
 
@@ -49,7 +51,7 @@ NUM_PROMPTS_FILE = 4096  # distinct train prompts TRL cycles through (rlflow dra
 RUN_TIMEOUT_S = 1800
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -57,10 +59,8 @@ def _env_int(name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < 2 and name.endswith("_STEPS"):
-        raise ValueError(f"{name}={value}: the figures need at least 2 steps")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
     return value
 
 
@@ -103,8 +103,45 @@ def trl_python() -> Path:
 # ----------------------------------------------------------------------------- one run
 
 
-def prepare(task: str, steps: int, workdir: Path) -> dict[str, Any]:
-    """The task's spec with its initial model, tokenizer and prompts written under ``workdir``."""
+def warm_start(model, tokenizer, task, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3) -> list[float]:
+    """Supervised steps on ``task``'s train answers (loss on answer + eos), in place; the losses.
+
+    Off by default: from random weights neither trainer learns these tasks within the default
+    steps, so the reward curves compare nothing. A shared warm start that sometimes answers
+    right gives GRPO a signal; it is applied once, before either trainer sees the model.
+    """
+    import torch
+
+    from rlflow.data.datasets import pad_sequences
+
+    torch.manual_seed(seed)
+    examples = task.sample("train", min(steps * batch_size, 8000), seed=seed + 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        start = (step * batch_size) % len(examples)
+        batch = (examples + examples)[start : start + batch_size]
+        prompts = [tokenizer(e.prompt)["input_ids"] for e in batch]
+        answers = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in batch]
+        ids = pad_sequences([p + a for p, a in zip(prompts, answers)], tokenizer.pad_token_id, "right")
+        labels = pad_sequences([[-100] * len(p) + a for p, a in zip(prompts, answers)], -100, "right")
+        loss = model(
+            input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
+        ).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(round(loss.item(), 4))
+    model.eval()
+    return losses
+
+
+def prepare(task: str, steps: int, workdir: Path, warm_start_steps: int = 0) -> dict[str, Any]:
+    """The task's spec with its initial model, tokenizer and prompts written under ``workdir``.
+
+    ``warm_start_steps`` > 0: the model first takes that many :func:`warm_start` steps.
+    """
     from rlflow.data.tasks import ArithmeticTask
     from rlflow.data.tiny_models import build_tiny_model
     from rlflow.data.tokenizer import build_char_tokenizer
@@ -123,9 +160,12 @@ def prepare(task: str, steps: int, workdir: Path) -> dict[str, Any]:
         tie_word_embeddings=spec["tie_word_embeddings"],
         seed=spec["seed"],
     )
+    arithmetic = ArithmeticTask(spec["num_digits"], tuple(spec["ops"]), spec["reverse_answer"], seed=spec["seed"])
+    if warm_start_steps:
+        losses = warm_start(model, tokenizer, arithmetic, warm_start_steps, seed=spec["seed"])
+        spec["warm_start"] = {"sft_steps": warm_start_steps, "loss_first": losses[0], "loss_last": losses[-1]}
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    arithmetic = ArithmeticTask(spec["num_digits"], tuple(spec["ops"]), spec["reverse_answer"], seed=spec["seed"])
     prompts = workdir / "prompts.jsonl"
     with prompts.open("w") as f:
         for example in arithmetic.sample("train", NUM_PROMPTS_FILE, seed=spec["seed"]):
@@ -246,6 +286,7 @@ def task_record(task: str, spec: dict, runs: dict[str, list[dict]], notes: list[
         "task": task,
         "steps": spec["steps"],
         "completions_per_step": spec["num_prompts"] * spec["n_samples"],
+        "warm_start": spec.get("warm_start"),
         "repeats": len(next(iter(runs.values()))),
         "completions_per_s": {label: round(v, 2) for label, v in cps.items()},
         "trl_best": best_trl,
@@ -330,10 +371,11 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
     trl_python()  # before any timing: the first call may install
     records = []
     for task in tasks:
-        n_steps = steps.get(task) or _env_int(f"RLFLOW_BENCH_TRL_{task.upper()}_STEPS", TASKS[task]["steps"])
+        # the figures need 2 steps: the first one is not timed
+        n_steps = steps.get(task) or _env_int(f"RLFLOW_BENCH_TRL_{task.upper()}_STEPS", TASKS[task]["steps"], 2)
         workdir = out / task
         workdir.mkdir(exist_ok=True)
-        spec = prepare(task, n_steps, workdir)
+        spec = prepare(task, n_steps, workdir, _env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0))
         variants, notes = _variants(spec, trl_threads)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
         for repeat in range(repeats):

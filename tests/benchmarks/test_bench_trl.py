@@ -173,11 +173,14 @@ def test_env_settings_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_TASKS"):
         bench_trl._env_tasks()
     monkeypatch.setenv("RLFLOW_BENCH_TRL_TINY_STEPS", "1")
-    with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_TINY_STEPS=1"):
-        bench_trl._env_int("RLFLOW_BENCH_TRL_TINY_STEPS", 150)
+    with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_TINY_STEPS=1 must be >= 2"):
+        bench_trl._env_int("RLFLOW_BENCH_TRL_TINY_STEPS", 150, minimum=2)
     monkeypatch.setenv("RLFLOW_BENCH_TRL_THREADS", "1,x")
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_THREADS='1,x'"):
         bench_trl._env_trl_threads()
+    monkeypatch.setenv("RLFLOW_BENCH_TRL_WARM_START_STEPS", "-1")
+    with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_WARM_START_STEPS=-1 must be >= 0"):
+        bench_trl._env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0)
     monkeypatch.setenv("RLFLOW_BENCH_TRL_REPEATS", "two")
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_REPEATS='two'"):
         bench_trl._env_int("RLFLOW_BENCH_TRL_REPEATS", 1)
@@ -262,3 +265,19 @@ def test_task_record_compares_rlflow_with_trls_faster_thread_count(tmp_path):
     assert record["load_average_1m"] == [1.0, 1.5] and record["notes"] == ["a note"]
     bench_trl.plot_rewards("tiny", runs, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_warm_start_learns_the_answers_and_is_reproducible():
+    from rlflow.data.tiny_models import build_tiny_model
+    from rlflow.data.tokenizer import build_char_tokenizer
+
+    tokenizer, task = build_char_tokenizer(), ArithmeticTask(2, ("+",), reverse_answer=True)
+
+    def trained() -> tuple[list[float], dict]:
+        model = build_tiny_model(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2)
+        losses = bench_trl.warm_start(model, tokenizer, task, steps=25, seed=0, batch_size=16)
+        return losses, model.state_dict()
+
+    (losses, weights), (again, weights_again) = trained(), trained()
+    assert len(losses) == 25 and losses[-1] < 0.8 * losses[0]  # 4.6 (about ln(vocab)) -> 3.5 when written
+    assert losses == again and all(np.array_equal(weights[k], weights_again[k]) for k in weights)
