@@ -8,8 +8,10 @@ actor runs one call at a time), which gives the two properties the schedule need
 
 * calls on disjoint meshes overlap, and calls sharing a device run one after another in the
   same order on every device — collectives of different calls can never interleave;
-* the reallocation pre-hook of a call is issued right before it on the ranks that take part
-  (home ∪ call ranks), so it reads the model's weights after every earlier train step.
+* the reallocation pre-hook of a call runs right before it on the ranks that take part
+  (home ∪ call ranks), so it reads the model's weights after every earlier train step: the
+  call's own ranks run their hooks inside the call's task (``hooks=True``), the other hook
+  ranks get hook tasks issued around it.
 
 Because nothing waits on the driver between iterations, :meth:`DataflowRunner.submit` may be
 called for iteration t+1 before iteration t has finished; calls of t+1 then overlap calls of t
@@ -105,8 +107,13 @@ class DataflowRunner:
             )
             for name, p in self.placements.items()
         }
+        # A call runs its own hooks on its ranks (``hooks=True``); the hook ranks outside its mesh
+        # (a home that sends the weights) get them as tasks of their own, issued around the call.
+        self.folded = {name for name, p in self.placements.items() if p.hook_ranks}
         self.hook_views = {
-            name: group.view([position[r] for r in p.hook_ranks]) for name, p in self.placements.items() if p.hook_ranks
+            name: group.view([position[r] for r in p.hook_ranks if r not in set(p.ranks)])
+            for name, p in self.placements.items()
+            if set(p.hook_ranks) - set(p.ranks)
         }
 
     def _sources(self, mfc: MFCDef, issued: Mapping[str, DataFuture], batch: DataProto, rows_from: str | None) -> list:
@@ -173,7 +180,8 @@ class DataflowRunner:
             if hook_view is not None:
                 submitted.hooks.append((hook_view, hook_view.async_execute_all("pre_call", name, step)))
             method = getattr(self.views[name], mfc.interface_type)
-            submitted.outputs[name] = method(name, *args, **dict((call_kwargs or {}).get(name, {})), step=step)
+            kwargs = {**(call_kwargs or {}).get(name, {}), "step": step, "hooks": name in self.folded}
+            submitted.outputs[name] = method(name, *args, **kwargs)
             if hook_view is not None:
                 submitted.hooks.append((hook_view, hook_view.async_execute_all("post_call", name, step)))
         return submitted

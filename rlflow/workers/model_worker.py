@@ -182,7 +182,14 @@ class ModelWorker(Worker):
     # ------------------------------------------------------------------ calls
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
     def generate(
-        self, mfc_name: str, prompts: DataProto, greedy: bool = False, evaluate: bool = False, *, step: int
+        self,
+        mfc_name: str,
+        prompts: DataProto,
+        greedy: bool = False,
+        evaluate: bool = False,
+        *,
+        step: int,
+        hooks: bool = False,
     ) -> DataProto | None:
         """Rollout rows for ``prompts`` (see :mod:`rlflow.workers.interfaces.actor`).
 
@@ -193,6 +200,9 @@ class ModelWorker(Worker):
                 repeated ``sampling.n`` times (ReMax's baseline rows).
             evaluate: use the evaluation sampling parameters (held-out prompts).
             step: the training step the driver issued the call for (its :class:`CallRecord`'s).
+            hooks: run the call's pre- and post-hooks around it in this task (the driver then
+                issues them apart only to hook ranks outside the call's mesh): one Ray task per
+                call instead of three on its ranks, in the same order.
         """
         mfc = self._mfc(mfc_name, "generate")
 
@@ -206,24 +216,26 @@ class ModelWorker(Worker):
             out.non_tensor_batch[POLICY_VERSION] = np.full(len(out), residency.weights_version(mfc), dtype=np.int64)
             return out
 
-        return self._call(mfc, (prompts,), run, step)
+        return self._call(mfc, (prompts,), run, step, hooks)
 
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
-    def inference(self, mfc_name: str, *inputs: DataProto, step: int) -> DataProto | None:
-        """Log-probs, values or rewards of the rows (by the model's role); ``step`` as for :meth:`generate`."""
+    def inference(self, mfc_name: str, *inputs: DataProto, step: int, hooks: bool = False) -> DataProto | None:
+        """Log-probs, values or rewards of the rows (by the model's role); ``step`` and ``hooks`` as for :meth:`generate`."""
         mfc = self._mfc(mfc_name, "inference")
         return self._call(
-            mfc, inputs, lambda interface, engine, data, ctx: interface.inference(engine, data, ctx), step
+            mfc, inputs, lambda interface, engine, data, ctx: interface.inference(engine, data, ctx), step, hooks
         )
 
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
-    def train_step(self, mfc_name: str, *inputs: DataProto, lr: float | None = None, step: int) -> DataProto | None:
+    def train_step(
+        self, mfc_name: str, *inputs: DataProto, lr: float | None = None, step: int, hooks: bool = False
+    ) -> DataProto | None:
         """Optimizer steps of the model on the rows; returns a row-less DataProto of metrics.
 
         Args:
             lr: run these steps with a separate constant-``lr`` AdamW (the SFT warm-up before
                 RL), leaving the model's own optimizer fresh; see :meth:`Residency.optimizer_for`.
-            step: as for :meth:`generate`.
+            step, hooks: as for :meth:`generate`.
         """
         mfc = self._mfc(mfc_name, "train_step")
         residency = self._residency()
@@ -238,13 +250,18 @@ class ModelWorker(Worker):
             residency.step_done(mfc.model_name)
             return DataProto(meta_info=metrics)
 
-        return self._call(mfc, inputs, run, step)
+        return self._call(mfc, inputs, run, step, hooks)
 
-    def _call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int) -> DataProto | None:
+    def _call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int, hooks: bool) -> DataProto | None:
+        if hooks:
+            self._hook("pre_call", mfc, self._residency().prepare, step)
         try:
-            return self._run_call(mfc, inputs, run, step)
+            out = self._run_call(mfc, inputs, run, step)
         except Exception as exc:
             raise call_error(mfc.name, mfc.model_name, "call", self.rank, exc) from exc
+        if hooks:
+            self._hook("post_call", mfc, self._residency().release, step)
+        return out
 
     def _run_call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int) -> DataProto | None:
         layout = self.setup.layouts[mfc.name]
