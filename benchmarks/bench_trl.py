@@ -112,6 +112,17 @@ def warm_start(model, tokenizer, task, steps: int, seed: int, batch_size: int = 
     """
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like both trainers; 2 threads spin-wait on a busy 2-core machine
+    try:
+        return _supervised_steps(model, tokenizer, task, steps, seed, batch_size, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _supervised_steps(model, tokenizer, task, steps: int, seed: int, batch_size: int, lr: float) -> list[float]:
+    import torch
+
     from rlflow.data.datasets import pad_sequences
 
     torch.manual_seed(seed)
@@ -126,9 +137,7 @@ def warm_start(model, tokenizer, task, steps: int, seed: int, batch_size: int = 
         answers = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in batch]
         ids = pad_sequences([p + a for p, a in zip(prompts, answers)], tokenizer.pad_token_id, "right")
         labels = pad_sequences([[-100] * len(p) + a for p, a in zip(prompts, answers)], -100, "right")
-        loss = model(
-            input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
-        ).loss
+        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
