@@ -173,8 +173,9 @@ class DataProto:
             return _rebuild, (None, (), self.non_tensor_batch, self.meta_info)
         specs, buffers = [], []
         for key, t in self._items():
-            specs.append((key, t.dtype, tuple(t.shape), str(t.device)))
-            buffers.append(_bytes_of(t.cpu()))  # a view; copies only a non-contiguous tensor
+            specs.append((key, t.dtype, tuple(t.shape), str(t.device), t.requires_grad))
+            # A view of the bytes (copies only a non-contiguous tensor); sparse layouts pickle as torch does.
+            buffers.append(_bytes_of(t.cpu()) if t.layout == torch.strided else t)
         device = None if self.batch.device is None else str(self.batch.device)
         return _rebuild, ((len(self), device, tuple(specs)), tuple(buffers), self.non_tensor_batch, self.meta_info)
 
@@ -463,13 +464,15 @@ def _rebuild(header: tuple | None, buffers: Sequence[np.ndarray], arrays: dict, 
         return DataProto(non_tensor_batch=arrays, meta_info=meta)
     num_rows, device, specs = header
     tensors = {}
-    for (key, dtype, shape, tensor_device), buf in zip(specs, buffers):
-        if buf.size:
-            tensors[key] = _tensor_view(buf).view(dtype).reshape(shape)
+    for (key, dtype, shape, tensor_device, requires_grad), buf in zip(specs, buffers):
+        if isinstance(buf, torch.Tensor):
+            t = buf
+        elif buf.size:
+            t = _tensor_view(buf).view(dtype).reshape(shape)
         else:  # torch refuses to view an empty buffer (stride 0) as a wider dtype
-            tensors[key] = torch.empty(shape, dtype=dtype)
-        if tensor_device != "cpu":
-            tensors[key] = tensors[key].to(tensor_device)
+            t = torch.empty(shape, dtype=dtype)
+        t = t if tensor_device == "cpu" else t.to(tensor_device)
+        tensors[key] = t.requires_grad_() if requires_grad else t
     return DataProto(TensorDict(tensors, batch_size=[num_rows], device=device), arrays, meta)
 
 

@@ -479,6 +479,11 @@ def test_pickle_round_trips_dtypes_views_and_empty_parts(protocol):
         for k, a in part.non_tensor_batch.items():
             assert np.array_equal(back.non_tensor_batch[k], a)
     assert torch.equal(pickle.loads(pickle.dumps(d)).batch["strided"], base[:, ::2])
+    leaf = torch.ones(3, 2, requires_grad=True)
+    sparse = torch.eye(3).to_sparse()
+    back = pickle.loads(pickle.dumps(DataProto.from_dict({"leaf": leaf, "sparse": sparse})))
+    assert back.batch["leaf"].requires_grad and torch.equal(back.batch["leaf"], leaf.detach())
+    assert back.batch["sparse"].is_sparse and torch.equal(back.batch["sparse"].to_dense(), torch.eye(3))
 
 
 def test_copies_share_or_own_memory_like_copy_and_deepcopy():
