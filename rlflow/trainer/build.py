@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -180,12 +180,16 @@ def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
 
 
 def extra_calls(
-    cfg: RLFlowConfig, calls: Mapping[str, CallPlacement], reward_fn: str | None
+    cfg: RLFlowConfig,
+    calls: Mapping[str, CallPlacement],
+    reward_fn: str | None,
+    workers: Sequence[int] | None = None,
 ) -> dict[str, CallPlacement]:
     """Placements of the evaluation and warm-up calls, on the layouts the plan already uses.
 
     Evaluation generates where the algorithm generates (or on the actor's home when the graph
-    has no rollout) and scores data-parallel on every worker.
+    has no rollout) and scores data-parallel on the started workers (``workers``; default every
+    worker of the pool).
     """
     home = next((c for c in calls.values() if c.mfc.model_name == "actor" and c.mfc.is_train), None)
     gen = next((c for c in calls.values() if c.mfc.interface_type == "generate" and c.mfc.model_name == "actor"), None)
@@ -198,7 +202,7 @@ def extra_calls(
         eval_gen = MFCDef(EVAL_GEN, "actor", "generate", ("prompts", "prompt_mask"), _GEN_KEYS)
         hooks = gen.hook_ranks if gen is not None else tuple(sorted(src.ranks))
         extra[EVAL_GEN] = CallPlacement(eval_gen, src.ranks, strategy, hooks)
-        everyone = _all_ranks(cfg)
+        everyone = tuple(workers) if workers is not None else _all_ranks(cfg)
         score = MFCDef(EVAL_REWARD, SCORER, "inference", (*_GEN_KEYS[:3], "answers"), ("rewards",), runs_on_host=True)
         extra[EVAL_REWARD] = CallPlacement(score, everyone, type(src.strategy)(dp=len(everyone)))
     if cfg.warmup.steps > 0 and home is not None:
@@ -390,15 +394,40 @@ def uses_gpu(cfg: RLFlowConfig) -> bool:
     return bool(ray.cluster_resources().get("GPU", 0))
 
 
-def start_workers(cfg: RLFlowConfig, setup: WorkerSetup, use_gpu: bool) -> tuple[RayWorkerGroup, ResourcePool]:
-    """One :class:`ModelWorker` per device of the pool; process groups and models built.
+def worker_ranks(cfg: RLFlowConfig, used: Sequence[int]) -> tuple[int, ...]:
+    """The ranks to start workers for: on one node, ranks ``0..k-1`` when the plan uses only
+    those (a plan may leave devices idle: :attr:`Placement.used_ranks`); else every rank of the pool.
+
+    >>> from rlflow.trainer.config import load_config
+    >>> worker_ranks(load_config(None, ["placement.devices_per_node=2"]), (0,))
+    (0,)
+    """
+    everyone = _all_ranks(cfg)
+    used = tuple(sorted(used))
+    if cfg.placement.num_nodes == 1 and used and used == tuple(range(len(used))):
+        return used
+    return everyone
+
+
+def start_workers(
+    cfg: RLFlowConfig, setup: WorkerSetup, use_gpu: bool, ranks: Sequence[int] | None = None
+) -> tuple[RayWorkerGroup, ResourcePool]:
+    """One :class:`ModelWorker` per rank (default every device of the pool; see :func:`worker_ranks`);
+    process groups and models built.
 
     Returns:
         The worker group and its resource pool; ``pool.release()`` after ``group.shutdown()``
         hands the pool's placement groups back to Ray (a later run in the same cluster needs them).
     """
     p = cfg.placement
-    pool = ResourcePool([p.devices_per_node] * p.num_nodes, use_gpu=use_gpu, cpus_per_worker=p.cpus_per_worker)
+    everyone = _all_ranks(cfg)
+    if ranks is not None and tuple(ranks) != everyone:
+        if tuple(ranks) != tuple(range(len(ranks))) or p.num_nodes != 1:
+            raise ValueError(f"workers can start for ranks 0..k-1 of one node only, got {tuple(ranks)}")
+        sizes = [len(ranks)]
+    else:
+        sizes = [p.devices_per_node] * p.num_nodes
+    pool = ResourcePool(sizes, use_gpu=use_gpu, cpus_per_worker=p.cpus_per_worker)
     try:
         group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup), role="model")
         group.init_process_group()

@@ -164,14 +164,16 @@ class Trainer:
         self.use_gpu = build.uses_gpu(cfg)
         self._record_startup("ray_s", started)
         self.placement = self._plan()
-        calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn)}
+        # Workers only for the ranks the plan uses (one worker may be the faster plan).
+        ranks = build.worker_ranks(cfg, self.placement.used_ranks)
+        calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn, ranks)}
         setup = build.worker_setup(
             cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn, self.placement, self.use_gpu
         )
         calls = build.with_hook_ranks(calls, setup)
         self.setup = setup
         started = time.perf_counter()
-        self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu)
+        self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu, ranks)
         self._record_startup("workers_s", started)
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}

@@ -158,3 +158,30 @@ def test_without_a_profile_the_hardware_rates_are_measured_once_per_host(tmp_pat
     remeasure = load_config(GRPO, [*TINY, "placement.profile_cache=false"])
     planning_cluster(remeasure, use_gpu=False, profile=None)
     assert len(measured) == 3
+
+
+def test_workers_start_only_for_the_ranks_a_one_node_plan_uses():
+    from rlflow.trainer.build import worker_ranks
+
+    two = load_config(None, ["placement.devices_per_node=2"])
+    assert worker_ranks(two, (0,)) == (0,)
+    assert worker_ranks(two, (0, 1)) == (0, 1)
+    assert worker_ranks(two, (1,)) == (0, 1)  # rank 1 alone: ranks keep their ids, so the pool stays whole
+    multi = load_config(None, ["placement.devices_per_node=1", "placement.num_nodes=2"])
+    assert worker_ranks(multi, (0,)) == (0, 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_plan_on_one_of_two_devices_starts_one_worker(ray_session, tmp_path):
+    one = ["placement.mode=manual", "placement.devices_per_node=2", "placement.manual.actor_train.mesh.num_devices=1"]
+    one += ["placement.manual.actor_gen.mesh.num_devices=1"]
+    trainer = Trainer(
+        load_config(GRPO, [*TINY, *one, "warmup.steps=0", f"logging.dir={tmp_path}"]), progress_bars=False
+    )
+    try:
+        result = trainer.fit()
+        assert len(trainer.workers.ranks) == 1 and trainer.placement.used_ranks == (0,)
+        assert result.steps == 1 and len(result.eval_history) == 2
+    finally:
+        trainer.close()
