@@ -326,3 +326,19 @@ def test_forced_hf_path_is_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="rlflow.engine.rollout.hf_sampler"):
         HFRolloutEngine(model, fast_decode=False).generate(_prompts(), SamplingParams(max_new_tokens=2, seed=0))
     assert "fast_decode=False" in caplog.text
+
+
+def test_an_engine_built_for_a_worker_ties_its_head_and_decodes_lean():
+    """A worker builds its copy from the config with the init skipped: the tied LM head must be
+    the embedding again, or the lean decoder refuses the model (an unexpected lm_head.weight)."""
+    from rlflow.engine.rollout.base import RolloutBuild
+
+    config = build_tiny_config(
+        vocab_size=40, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, tie_word_embeddings=True
+    )
+    engine = HFRolloutEngine.build(
+        RolloutBuild(config=config, device_mesh=None, device=torch.device("cpu"), dtype=torch.float32)
+    )
+    model = engine.module
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert fast_decode_blocker(model) is None

@@ -503,6 +503,9 @@ class HFRolloutEngine:
             from contextlib import nullcontext as no_init_weights
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype)
+        # Skipping the init also skips tying: a tied LM head would be a parameter of its own,
+        # written by every reshard and refused by the lean decoder (it decodes the family's names).
+        model.tie_weights()
         return cls(model.to(spec.device), spec.device_mesh, pad_token_id=spec.pad_token_id)
 
     def weight_target(self) -> nn.Module:
