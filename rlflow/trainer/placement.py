@@ -291,8 +291,11 @@ def _used_ranks(plan: ExecutionPlan | None, num_workers: int) -> tuple[int, ...]
 
 
 def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowConfig) -> dict[str, CallPlacement]:
-    """Turns the plan into run-time placements; host calls run data-parallel on the workers the
-    plan uses (every worker when nothing is planned)."""
+    """Turns the plan into run-time placements. A host call (a rule reward) runs data-parallel
+    where the rows it reads are made — on the mesh of its first planned producer (the rollout) —
+    else on the workers the plan uses (every worker when nothing is planned): spread over every
+    worker it would sit in the queue of a train step on a disjoint mesh, waiting for the next
+    rollout, and hold that train step up."""
     ranks = _used_ranks(plan, cfg.placement.num_nodes * cfg.placement.devices_per_node)
     planned = {} if plan is None else {c.name: c for c in plan.calls}
     mfcs = mfcs_of(graph)
@@ -301,8 +304,10 @@ def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowC
         if mfc.name in planned:
             c = planned[mfc.name]
             layout[mfc.name] = (tuple(c.mesh.device_ids), c.strategy)
-        else:
-            layout[mfc.name] = (ranks, ParallelStrategy(dp=len(ranks)))
+            continue
+        producers = [p for p in graph.predecessors(mfc.name) if p in planned]
+        home = layout[producers[0]][0] if producers else ranks
+        layout[mfc.name] = (home, ParallelStrategy(dp=len(home)))
     # Hook ranks follow from every call's layout; the trainer fills them in from the worker setup.
     return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
 

@@ -189,6 +189,7 @@ class Trainer:
         )
         self._intervals: list[Interval] = []
         self._records: list[CallRecord] = []  # popped records of issued steps not logged yet
+        self._metric_pops: dict[int, list[ray.ObjectRef]] = {}  # step -> the pop queued behind its calls
         self.launched = True
         return self
 
@@ -261,14 +262,14 @@ class Trainer:
         pending: tuple[int, Submitted] | None = None
         while self.step < total or pending is not None:
             if pending is None:
-                pending = (self.step + 1, self.issuer.issue(self.step + 1, batches))
+                pending = (self.step + 1, self._issue(self.step + 1, batches))
             step, submitted = pending
             # Overlap: issue the next iteration before waiting when no evaluation or checkpoint
             # needs the workers quiet at this step (ReaLHF's cross-iteration overlap).
             following = None
             stopping = self._out_of_time(started) or self.callbacks.stop_requested
             if step < total and not self._sync_point(step) and not stopping:
-                following = (step + 1, self.issuer.issue(step + 1, batches))
+                following = (step + 1, self._issue(step + 1, batches))
             self.runner.wait(submitted)
             self.step = step
             self._log_step(step)
@@ -284,6 +285,15 @@ class Trainer:
         self.issuer.drain()  # rollouts issued ahead of a run that stopped early
         bar.close()
         self.result.steps = self.step
+
+    def _issue(self, step: int, batches) -> Submitted:
+        """Issues ``step``'s calls, then a ``pop_metrics`` queued behind them on every worker: it
+        runs as soon as the step's calls are done there, and never waits for the calls issued
+        later (a blocking pop at log time would wait for the next step's too, and so serialise
+        the overlap of steps)."""
+        submitted = self.issuer.issue(step, batches)
+        self._metric_pops[step] = self.workers.async_execute_all("pop_metrics")
+        return submitted
 
     def _sync_point(self, step: int) -> bool:
         every = [self.cfg.trainer.eval_every, self.cfg.checkpoint.every_n_steps]
@@ -407,7 +417,8 @@ class Trainer:
         Records of a later, already issued step wait for it; those of an earlier step (the
         evaluation after a step's log, the warm-up) are only drawn in the timeline.
         """
-        self._records.extend(self._pop_metrics())
+        queued = self._metric_pops.pop(step, None)
+        self._records.extend(self._pop_metrics(queued))
         mine = [r for r in self._records if r.step == step]
         self._records = [r for r in self._records if r.step > step]
         metrics = call_metrics(mine)
@@ -420,9 +431,11 @@ class Trainer:
         if step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.total_steps:
             self.logger.log(step, metrics)
 
-    def _pop_metrics(self) -> list[CallRecord]:
-        """Per-call records of every worker since the last pop; also feeds the measured timeline."""
-        records = [r for per_rank in self.workers.pop_metrics() for r in per_rank]
+    def _pop_metrics(self, queued: list[ray.ObjectRef] | None = None) -> list[CallRecord]:
+        """Per-call records of every worker since the last pop (or those of a pop ``queued`` by
+        :meth:`_issue`); also feeds the measured timeline."""
+        popped = self.workers.get(queued) if queued is not None else self.workers.pop_metrics()
+        records = [r for per_rank in popped for r in per_rank]
         self._intervals += [Interval(r.rank, r.start, r.end, r.mfc, r.interval_kind, r.step) for r in records]
         return records
 
