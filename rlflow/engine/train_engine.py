@@ -204,14 +204,17 @@ class TrainEngine:
         # FSDP over one rank shards nothing and syncs nothing, yet its hooks cost a tiny model's
         # step 2-3x on CPU; it stays where it does work: dp > 1, or a compute dtype to cast to.
         master_dtype = next(stage.parameters()).dtype
-        if self.mesh["dp"].size() > 1 or self.compute_dtype != master_dtype:
+        fsdp = self.mesh["dp"].size() > 1 or self.compute_dtype != master_dtype
+        if fsdp:
             apply_fsdp(
                 stage,
                 self.mesh["dp"],
                 param_dtype=self.compute_dtype,
                 reshard_after_forward=self.dims.pp == 1,
             )
-        if on_meta:  # parallelized on meta: allocate only this rank's shards (FSDP2 re-points its params)
+        if on_meta and fsdp:  # parallelized on meta: allocate only this rank's shards (FSDP2 re-points its params)
+            stage.to_empty(device=self.device)
+        elif on_meta:
             _to_empty_keeping_ties(stage, self.device)
         if load_weights is not None:
             load_weights(stage)
