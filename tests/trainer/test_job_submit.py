@@ -39,7 +39,18 @@ RAY = Path(sys.executable).with_name("ray")
 # PYTHONPATH, so it must carry the built C++ extensions (rlflow/_C_*.so); they are git-ignored,
 # hence RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 and explicit excludes. (Without it the copy imports
 # them here only through the editable install of this same checkout.)
-EXCLUDES = [".venv", ".git", "runs", "build", "outputs", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache"]
+EXCLUDES = [
+    ".venv",
+    ".venv-*",
+    ".git",
+    "runs",
+    "build",
+    "outputs",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+]
 PORTS = (
     "port",
     "dashboard-port",
