@@ -23,6 +23,7 @@ import torch
 
 from rlflow.algos import (
     agg_loss,
+    behaviour_weights,
     bradley_terry_loss,
     dpo_loss,
     get_policy_loss,
@@ -36,7 +37,6 @@ from rlflow.engine.models import sequence_scores
 from rlflow.workers.context import shift_right
 
 __all__ = [
-    "behaviour_weights",
     "dpo_loss_fn",
     "pair_rows",
     "policy_loss_fn",
@@ -104,41 +104,6 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         return loss, metrics
 
     return loss_fn
-
-
-def behaviour_weights(
-    prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights ``min(pi_prox / pi_behaviour, cap)`` per token, and their statistics.
-
-    Args:
-        prox_logp: log-probs under the proximal policy (the weights before this update), ``(b, t)``.
-        behaviour_logp: log-probs under the policy that sampled the tokens (the rollout's), ``(b, t)``.
-        mask: the tokens that count (response tokens).
-        cap: the truncation; the weight is detached (it corrects the sampling, not the gradient's direction).
-
-    Returns:
-        ``(weights, metrics)``: ``is_weight_mean`` / ``is_weight_max`` (before truncation),
-        ``is_truncated_fraction`` (tokens whose weight hit ``cap``) and ``behaviour_kl`` (k3 estimate
-        of KL(behaviour || proximal) over the masked tokens).
-
-    >>> w, m = behaviour_weights(torch.log(torch.tensor([[0.5, 0.4]])), torch.log(torch.tensor([[0.5, 0.1]])),
-    ...                          torch.ones(1, 2), cap=2.0)
-    >>> w.tolist(), m["is_truncated_fraction"]
-    ([[1.0, 2.0]], 0.5)
-    """
-    log_ratio = (prox_logp - behaviour_logp).detach().clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    real = mask.bool()
-    weights = torch.where(real, ratio.clamp(max=cap), torch.zeros_like(ratio))
-    count = real.sum().clamp(min=1)
-    metrics = {
-        "is_weight_mean": float(ratio[real].sum() / count),
-        "is_weight_max": float(ratio[real].max()) if bool(real.any()) else 0.0,
-        "is_truncated_fraction": float((ratio[real] > cap).sum() / count),
-        "behaviour_kl": float(masked_mean((ratio - 1.0) - log_ratio, mask)),
-    }
-    return weights, metrics
 
 
 def value_loss_fn(algo: AlgorithmParams) -> LossFn:

@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 from test_e2e import GRPO, GRPO_TINY, fit, step_metrics
 
-from rlflow.algos import get_policy_loss
+from rlflow.algos import behaviour_weights, get_policy_loss
 from rlflow.algos.params import AlgorithmParams
 from rlflow.dataflow import mfcs_of
 from rlflow.dataflow.algorithms import algorithm_graph
 from rlflow.trainer import ConfigError, load_config
 from rlflow.trainer.runner import DataflowRunner, LaggedIssuer, Submitted
-from rlflow.workers.losses import behaviour_weights, policy_loss_fn
+from rlflow.workers.losses import policy_loss_fn
 
 # --- What is issued ahead, and in which order ---
 
