@@ -64,5 +64,8 @@ class NotifyingLogger:
         self.logger.log(step, metrics)
         self.callbacks(step, metrics)
 
+    def rewind(self, step: int) -> None:
+        self.logger.rewind(step)
+
     def close(self) -> None:
         self.logger.close()

@@ -13,6 +13,9 @@ Sinks (chosen by :class:`~rlflow.trainer.config.LoggingConfig`):
   that several loggers may be open at once) in the store ``MLFLOW_TRACKING_URI`` names, or
   MLflow's default (``sqlite:///mlflow.db`` in the working directory since MLflow 3).
 
+A resumed run calls :meth:`MetricsLogger.rewind` with its checkpoint's step: the JSONL file and
+TensorBoard then hold each step once, from the run that finished it.
+
 wandb and MLflow are imported only when enabled; enabling one that is not installed is an
 error at construction, not a silent no-op.
 
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from rlflow.files import write_atomic
 from rlflow.trainer.config import LoggingConfig
 
 if TYPE_CHECKING:
@@ -119,6 +123,33 @@ class MetricsLogger:
         if self._mlflow is not None:
             self._mlflow.log(int(step), values)
 
+    def rewind(self, step: int) -> None:
+        """Forget what was logged after ``step``, so that each step appears once.
+
+        A run resumed from the checkpoint of ``step`` (or restarted there after a failure) logs
+        the steps after it again; what the interrupted run logged for them is dropped:
+        ``metrics.jsonl`` keeps its records up to ``step`` (rewritten atomically; a torn last
+        line of a killed run goes too), and TensorBoard reopens with ``purge_step=step + 1``,
+        which makes its readers hide the older events from that step on. wandb and MLflow keep
+        theirs (wandb refuses steps below its last; MLflow stores both values).
+
+        Raises:
+            ValueError: a negative step.
+            RuntimeError: the logger is closed.
+        """
+        if self._closed:
+            raise RuntimeError("MetricsLogger.rewind() after close()")
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        if self._jsonl is not None:
+            self._jsonl.close()
+            path = self.run_dir / "metrics.jsonl"
+            write_atomic(path, "".join(_records_up_to(path.read_text(encoding="utf-8"), int(step))))
+            self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = _tensorboard_writer(self.run_dir / "tensorboard", purge_step=int(step) + 1)
+
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
         if self._closed:
@@ -165,10 +196,24 @@ def _to_float(key: Any, value: Any) -> float:
     raise ValueError(f"metric {key!r}={value!r} is not a scalar number")
 
 
-def _tensorboard_writer(path: Path) -> Any:
+def _records_up_to(text: str, step: int) -> list[str]:
+    """The lines of a metrics.jsonl text whose record's step is at most ``step``; a line that
+    does not parse (the torn last line of a killed run) is left out."""
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", step + 1) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
+def _tensorboard_writer(path: Path, purge_step: int | None = None) -> Any:
     from torch.utils.tensorboard import SummaryWriter  # slow import, only when enabled
 
-    return SummaryWriter(log_dir=str(path))
+    return SummaryWriter(log_dir=str(path), purge_step=purge_step)
 
 
 def _require(package: str, flag: str) -> Any:

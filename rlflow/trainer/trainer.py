@@ -469,6 +469,7 @@ class Trainer:
         self.data.train.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.logger.rewind(self.step)  # the interrupted run's records after this step are re-run
         self.result.eval_history = [tuple(e) for e in state["extra"].get("eval_history", [])]
         self.result.warmup_history = [tuple(e) for e in state["extra"].get("warmup_history", [])]
         self.result.warmup_steps = int(state["extra"].get("warmup_steps", 0))
