@@ -76,7 +76,7 @@ class ResourcePool:
             raise ValueError(f"cpus_per_worker={cpus_per_worker!r} must be > 0")
         self.process_on_nodes, self.use_gpu = counts, bool(use_gpu)
         self.max_colocate_count, self.cpus_per_worker = max_colocate_count, float(cpus)
-        self._bundle = {"CPU": self.cpus_per_worker * max_colocate_count, **({"GPU": 1.0} if use_gpu else {})}
+        self._bundle = bundle_resources(self.use_gpu, self.cpus_per_worker, max_colocate_count)
         node_ids = self._choose_nodes()
         self._groups = [
             self._create_group(n, node, f"{name}_{i}" if name else "")
@@ -87,23 +87,17 @@ class ResourcePool:
 
     # ----------------------------------------------------------------- placement
     def _choose_nodes(self) -> list[str]:
-        nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
-        totals = [self._capacity(n["Resources"]) for n in nodes]
-        assignment = _assign(self.process_on_nodes, totals)
+        nodes = alive_nodes()
+        assignment = _assign(self.process_on_nodes, bundles_per_node(self._bundle, nodes))
         if assignment is None:
-            raise ResourceError(f"{self._asked()}, but {_describe(nodes)}")
+            raise ResourceError(f"{self._asked()}, but {describe_nodes(nodes)}")
         try:  # prefer nodes with free room now; Ray's view of free resources may lag slightly
             free = ray._private.state.available_resources_per_node()
-            assignment = _assign(self.process_on_nodes, [self._capacity(free.get(n["NodeID"], {})) for n in nodes]) or (
-                assignment
-            )
+            room = [_fits(self._bundle, free.get(n["NodeID"], {})) for n in nodes]
+            assignment = _assign(self.process_on_nodes, room) or assignment
         except Exception:  # private API: fall back to the capacity-based choice
             pass
         return [nodes[j]["NodeID"] for j in assignment]
-
-    def _capacity(self, resources: dict) -> int:
-        """Bundles of this pool that fit into ``resources``."""
-        return min(math.floor(resources.get(k, 0.0) / v + 1e-9) for k, v in self._bundle.items())
 
     def _create_group(self, count: int, node_id: str, name: str) -> PlacementGroup:
         bundles = [dict(self._bundle) for _ in range(count)]
@@ -184,6 +178,29 @@ class ResourcePool:
         self.release()
 
 
+def bundle_resources(use_gpu: bool, cpus_per_worker: float, max_colocate_count: int = 1) -> dict[str, float]:
+    """The Ray resources of one bundle (one device) of a pool.
+
+    >>> bundle_resources(use_gpu=True, cpus_per_worker=1.0)
+    {'CPU': 1.0, 'GPU': 1.0}
+    """
+    return {"CPU": cpus_per_worker * max_colocate_count, **({"GPU": 1.0} if use_gpu else {})}
+
+
+def alive_nodes() -> list[dict]:
+    """The alive nodes of the Ray cluster (``ray.nodes()`` entries), in node-id order."""
+    return sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"])
+
+
+def bundles_per_node(bundle: dict[str, float], nodes: Sequence[dict]) -> list[int]:
+    """How many ``bundle`` each of ``nodes`` holds in all (its total resources, not what is free now)."""
+    return [_fits(bundle, n["Resources"]) for n in nodes]
+
+
+def _fits(bundle: dict[str, float], resources: dict) -> int:
+    return min(math.floor(resources.get(k, 0.0) / v + 1e-9) for k, v in bundle.items())
+
+
 def _assign(counts: Sequence[int], capacities: Sequence[int]) -> list[int] | None:
     """A distinct node per entry with ``capacity >= count`` (largest entry to roomiest node), or None."""
     if len(counts) > len(capacities):
@@ -198,7 +215,8 @@ def _assign(counts: Sequence[int], capacities: Sequence[int]) -> list[int] | Non
     return assignment
 
 
-def _describe(nodes: list[dict]) -> str:
+def describe_nodes(nodes: Sequence[dict]) -> str:
+    """What the cluster has, node by node: ``the Ray cluster has 1 alive node(s): node 0 (ab12cd34): 2 CPU, 0 GPU``."""
     if not nodes:
         return "the Ray cluster has no alive node"
     parts = []

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -14,13 +15,15 @@ from pathlib import Path
 import networkx as nx
 import ray
 
-from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
+from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourceError, ResourcePool
+from rlflow.controller.resource_pool import alive_nodes, bundle_resources, bundles_per_node, describe_nodes
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.planner.cluster import local_devices_per_node
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
 from rlflow.planner.simulate import node_table, simulate
@@ -364,28 +367,95 @@ def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> d
 
 
 def ensure_ray(cfg: RLFlowConfig) -> bool:
-    """Joins the configured Ray cluster, or starts a local one sized for the workers (with Ray's
-    dashboard only when ``placement.ray_dashboard`` asks for it).
+    """Joins the configured Ray cluster, or starts a local one with this machine's cores (with
+    Ray's dashboard only when ``placement.ray_dashboard`` asks for it); then refuses a config the
+    cluster cannot hold (:func:`check_cluster`), before anything is planned or started.
 
     Returns:
         Whether this call started a local Ray instance (its caller then shuts it down). False
         when Ray was already initialised (a notebook's or a test session's own ``ray.init``) and
         when it joined a cluster: the driver stays connected, as a notebook on a cluster expects.
+
+    Raises:
+        ResourceError: the workers need more CPUs than this machine has cores (a local Ray,
+            without ``placement.oversubscribe``), or more nodes or devices than the cluster has;
+            a local Ray this call started is shut down first.
     """
-    if ray.is_initialized():
-        return False
+    started = False
+    if not ray.is_initialized():
+        p = cfg.placement
+        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if p.ray_address is not None:
+            ray.init(address=p.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        else:
+            ray.init(
+                num_cpus=local_ray_cpus(cfg),
+                include_dashboard=p.ray_dashboard,  # its web server and agents delay a local start: off unless asked
+                runtime_env={"env_vars": env},
+            )
+            started = True
+    try:
+        check_cluster(cfg, uses_gpu(cfg))
+    except ResourceError:
+        if started:
+            ray.shutdown()
+        raise
+    return started
+
+
+def local_ray_cpus(cfg: RLFlowConfig, cores: int | None = None) -> int:
+    """The CPUs a local Ray is started with: this machine's cores (``cores``; default those this
+    process may run on), or with ``placement.oversubscribe`` as many as the workers reserve.
+
+    A local Ray is one node: ``placement.devices_per_node`` workers of ``placement.cpus_per_worker``
+    CPUs each (more nodes are refused by :func:`check_cluster`).
+
+    >>> from rlflow.trainer.config import load_config
+    >>> local_ray_cpus(load_config(None, ["placement.devices_per_node=2"]), cores=4)
+    4
+
+    Raises:
+        ResourceError: the workers reserve more CPUs than there are cores, without oversubscription.
+    """
     p = cfg.placement
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if p.ray_address is not None:
-        ray.init(address=p.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
-        return False
-    workers = p.num_nodes * p.devices_per_node
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, int(workers * p.cpus_per_worker) + 1),
-        include_dashboard=p.ray_dashboard,  # its web server and agents delay a local start: off unless asked
-        runtime_env={"env_vars": env},
+    cores = local_devices_per_node(use_gpu=False) if cores is None else cores
+    asked = p.devices_per_node * p.cpus_per_worker
+    if asked <= cores + 1e-9:
+        return cores
+    if p.oversubscribe:
+        return math.ceil(asked - 1e-9)
+    kind = "" if p.use_gpu else "CPU "
+    raise ResourceError(
+        f"placement.devices_per_node={p.devices_per_node} asks for {p.devices_per_node} {kind}workers but this "
+        f"machine has {cores} cores ({p.devices_per_node} x placement.cpus_per_worker={p.cpus_per_worker:g} = "
+        f"{asked:g} CPUs); use fewer workers (placement.devices_per_node <= {math.floor(cores / p.cpus_per_worker)}), "
+        "or set placement.oversubscribe=true to let them share the cores"
     )
-    return True
+
+
+def check_cluster(cfg: RLFlowConfig, use_gpu: bool) -> None:
+    """Refuses a config that asks for more nodes or devices than the Ray cluster has, in every
+    placement mode, before the planner or any worker starts.
+
+    Raises:
+        ResourceError: naming the field (``placement.num_nodes``, ``placement.devices_per_node``)
+            and what the cluster has.
+    """
+    p = cfg.placement
+    nodes = alive_nodes()
+    if len(nodes) < p.num_nodes:
+        hint = "; a local Ray is one node: join a cluster with placement.ray_address" if p.ray_address is None else ""
+        raise ResourceError(f"placement.num_nodes={p.num_nodes}, but the Ray cluster has {len(nodes)} node(s){hint}")
+    bundle = bundle_resources(use_gpu, p.cpus_per_worker)
+    room = sorted(bundles_per_node(bundle, nodes), reverse=True)[: p.num_nodes]
+    if min(room) < p.devices_per_node:
+        kind, gpu = ("GPU", " and 1 GPU") if use_gpu else ("CPU", "")
+        held = ", ".join(map(str, room))
+        raise ResourceError(
+            f"placement.devices_per_node={p.devices_per_node} asks for {p.devices_per_node} {kind} workers on each of "
+            f"{p.num_nodes} node(s) (placement.cpus_per_worker={p.cpus_per_worker:g} CPU{gpu} each), but the Ray "
+            f"cluster's {p.num_nodes} largest node(s) hold {held}; {describe_nodes(nodes)}"
+        )
 
 
 def uses_gpu(cfg: RLFlowConfig) -> bool:

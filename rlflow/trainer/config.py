@@ -321,6 +321,11 @@ class PlacementConfig(_Section):
         ge=1,
     )
     cpus_per_worker: float = _f(1.0, "Ray CPUs reserved per worker", gt=0.0)
+    oversubscribe: bool = _f(
+        False,
+        "a local Ray may reserve more CPUs (workers x cpus_per_worker) than this machine has cores: the workers "
+        "then share the cores and every step slows; false: such a config is refused before Ray starts",
+    )
     use_gpu: bool | None = _f(None, "null: use GPUs when Ray sees them")
     keep_copies: bool | None = _f(
         None,
