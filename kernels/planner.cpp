@@ -34,7 +34,8 @@ const std::vector<std::string> kIntFields = {
     "opt_offset", "opt_lo",  "opt_size", "opt_layout", "nbr_offset",    "nbr",           "mfc_model",
     "pre_kind",   "home",    "realloc_offset", "reload_offset", "model_trainable", "model_home",
     "model_calls_offset", "model_calls", "edge_src", "edge_dst", "edge_offset", "child_offset", "child", "indegree",
-    "hook_src", "hook_offset"};
+    "hook_src", "hook_offset", "edge_rows", "edge_cols", "edge_src_at", "edge_dst_at", "eopt_group", "eopt_host_lo",
+    "eopt_host_hi", "eopt_key"};
 const std::vector<std::string> kFloatFields = {"opt_time",      "opt_act",      "opt_weight", "opt_state",
                                                "realloc_table", "reload_table", "data_table", "hook_table"};
 
@@ -46,7 +47,8 @@ struct Problem {
   double mem_cap, penalty;
   std::vector<i64> opt_offset, opt_lo, opt_size, opt_layout, nbr_offset, nbr, mfc_model, pre_kind, home,
       realloc_offset, reload_offset, model_trainable, model_home, model_calls_offset, model_calls, edge_src,
-      edge_dst, edge_offset, child_offset, child, indegree, hook_src, hook_offset;
+      edge_dst, edge_offset, child_offset, child, indegree, hook_src, hook_offset, edge_rows, edge_cols, edge_src_at,
+      edge_dst_at, eopt_group, eopt_host_lo, eopt_host_hi, eopt_key;
   std::vector<double> opt_time, opt_act, opt_weight, opt_state, realloc_table, reload_table, data_table, hook_table;
   std::vector<uint64_t> opt_bits;  // (num_options, W)
   std::vector<int> movable;        // MFCs with more than one option
@@ -59,7 +61,8 @@ struct Problem {
                                            &mfc_model, &pre_kind, &home, &realloc_offset, &reload_offset,
                                            &model_trainable, &model_home, &model_calls_offset, &model_calls,
                                            &edge_src, &edge_dst, &edge_offset, &child_offset, &child, &indegree,
-                                           &hook_src, &hook_offset};
+                                           &hook_src, &hook_offset, &edge_rows, &edge_cols, &edge_src_at,
+                                           &edge_dst_at, &eopt_group, &eopt_host_lo, &eopt_host_hi, &eopt_key};
     std::vector<std::vector<double>*> floats = {&opt_time, &opt_act, &opt_weight, &opt_state,
                                                 &realloc_table, &reload_table, &data_table, &hook_table};
     for (size_t f = 0; f < kIntFields.size(); ++f) {
@@ -83,6 +86,17 @@ struct Problem {
   }
 
   i64 num_options(int i) const { return opt_offset[i + 1] - opt_offset[i]; }
+
+  // Seconds of data edge e from source option a to destination option b (compiled.data_seconds):
+  // 0 between equal placements, else the (one host / across hosts, source group, destination
+  // group) entry of the edge's table.
+  double data_seconds(int e, i64 a, i64 b) const {
+    const i64 sa = edge_src_at[e] + a, sb = edge_dst_at[e] + b;
+    if (eopt_key[sa] >= 0 && eopt_key[sa] == eopt_key[sb]) return 0.0;
+    const i64 lo = std::min(eopt_host_lo[sa], eopt_host_lo[sb]), hi = std::max(eopt_host_hi[sa], eopt_host_hi[sb]);
+    const i64 cross = hi - lo != 1 ? 1 : 0;
+    return data_table[edge_offset[e] + (cross * edge_rows[e] + eopt_group[sa]) * edge_cols[e] + eopt_group[sb]];
+  }
 };
 
 // ------------------------------------------------------------------------------------------ simulator
@@ -169,7 +183,7 @@ struct Evaluator {
     }
     for (int e = 0; e < ne; ++e) {
       const i64 s = p.edge_src[e], d = p.edge_dst[e];
-      const double t = p.data_table[p.edge_offset[e] + choice[s] * p.num_options(d) + choice[d]];
+      const double t = p.data_seconds(e, choice[s], choice[d]);
       if (t > 0) set_node(e, t, p.opt_offset[s] + choice[s], p.opt_offset[d] + choice[d]);
     }
     index_sets();
@@ -498,6 +512,124 @@ py::list ranked_to_py(const std::vector<Ranked>& top) {
   return out;
 }
 
+
+// ------------------------------------------------------------------------------------------ reallocation
+
+// Reallocation time table (rlflow/planner/transfer.py, realloc_time_table): for every home option h
+// and target option t, the slowest receive time over t's destination columns. Columns are the
+// distinct (device, tp, tp rank, share, stage start, stage stop) of the targets' ranks; `inverse`
+// maps each (target, rank) to its column and `segments[t]` is the first rank of target t. The same
+// arithmetic, in the same order, as the numpy twin (_node_holdings, _column_costs, then
+// np.maximum.reduceat), so both give the same bits.
+struct ReallocInputs {
+  i64 dpn, num_nodes;
+  double intra, inter, latency;
+  std::vector<i64> h_first, h_size, h_dp, h_tp, h_pp, h_start, h_stop;  // h_start/h_stop: (n_home, width)
+  std::vector<i64> c_device, c_tp, c_r, c_s, c_e, inverse, segments, tensors, t_first;
+  std::vector<double> c_share, cum, item_bytes;
+};
+
+// cum[n * (items + 1) + k]: bytes of items < k that home option h holds on node n.
+void node_holdings(const ReallocInputs& in, i64 h, i64 width, std::vector<double>& hold, std::vector<double>& counts) {
+  const i64 items = (i64)in.item_bytes.size(), dp = in.h_dp[h], tp = in.h_tp[h], pp = in.h_pp[h];
+  counts.assign(in.num_nodes * pp, 0.0);
+  for (i64 g = 0; g < dp * pp; ++g) counts[((in.h_first[h] + g * tp) / in.dpn) * pp + g / dp] += 1.0;
+  hold.assign(in.num_nodes * (items + 1), 0.0);
+  for (i64 n = 0; n < in.num_nodes; ++n) {
+    double acc = 0.0;
+    for (i64 st = 0; st < pp; ++st) {
+      const double c = counts[n * pp + st];
+      for (i64 k = in.h_start[h * width + st]; k < in.h_stop[h * width + st]; ++k) {
+        acc += c / double(dp) * in.item_bytes[k];
+        hold[n * (items + 1) + k + 1] = acc;
+      }
+    }
+  }
+}
+
+double column_seconds(const ReallocInputs& in, i64 h, i64 width, const std::vector<double>& hold, i64 u) {
+  const i64 items = (i64)in.item_bytes.size();
+  const i64 device = in.c_device[u], tp = in.c_tp[u], r = in.c_r[u], s = in.c_s[u], e = in.c_e[u];
+  const double share = in.c_share[u];
+  const i64 node = device / in.dpn;
+  const double total = (in.cum[e] - in.cum[s]) / double(tp) * share;
+  const double* held = &hold[node * (items + 1)];
+  const double on_node = (held[e] - held[s]) / double(tp) * share;
+  const i64 h_tp = in.h_tp[h], h_dp = in.h_dp[h];
+  i64 rho = device - in.h_first[h];
+  const bool inside = rho >= 0 && rho < in.h_size[h];
+  if (!inside) rho = 0;
+  const i64 q = rho % h_tp, i = rho / (h_tp * h_dp);
+  const i64 lo = std::max(in.h_start[h * width + i], s), hi = std::min(in.h_stop[h * width + i], e);
+  const double shared = in.cum[std::max(hi, lo)] - in.cum[lo];
+  const double tp_part = std::max(0.0, std::min(double(q + 1) / double(h_tp), double(r + 1) / double(tp)) -
+                                           std::max(double(q) / double(h_tp), double(r) / double(tp)));
+  const double local = inside ? shared * tp_part / double(h_dp) * share : 0.0;
+  const double seconds = (on_node - local) / in.intra + (total - on_node) / in.inter;
+  return seconds + double(in.tensors[e] - in.tensors[s]) * in.latency;
+}
+
+// A destination on a host where the home holds nothing receives everything across hosts: its
+// time does not depend on the home (the twin's arithmetic with on_node = local = 0).
+double far_seconds(const ReallocInputs& in, i64 u) {
+  const double total = (in.cum[in.c_e[u]] - in.cum[in.c_s[u]]) / double(in.c_tp[u]) * in.c_share[u];
+  const double seconds = (0.0 - 0.0) / in.intra + (total - 0.0) / in.inter;
+  return seconds + double(in.tensors[in.c_e[u]] - in.tensors[in.c_s[u]]) * in.latency;
+}
+
+// Only the columns on the home's hosts (a contiguous run: columns are sorted by device) depend on
+// the home. A target that does not reach those hosts takes its far time; one that does takes the
+// slowest of its ranks there (recomputed) and of its other ranks (prefix / suffix maxima of the far
+// times: rank k of a target sits on device first + k).
+py::array_t<double> realloc_table(const ReallocInputs& in) {
+  const i64 n_home = (i64)in.h_first.size(), n_cols = (i64)in.c_device.size();
+  const i64 n_targets = (i64)in.segments.size(), n_ranks = (i64)in.inverse.size();
+  const i64 width = n_home ? (i64)in.h_start.size() / n_home : 0;
+  py::array_t<double> out({n_home, n_targets});
+  double* table = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    std::vector<double> hold, counts, cost(n_cols), prefix(n_ranks), suffix(n_ranks);
+    auto end_of = [&](i64 t) { return t + 1 < n_targets ? in.segments[t + 1] : n_ranks; };
+    for (i64 u = 0; u < n_cols; ++u) cost[u] = far_seconds(in, u);
+    for (i64 t = 0; t < n_targets; ++t) {
+      const i64 r0 = in.segments[t], r1 = end_of(t);
+      prefix[r0] = cost[in.inverse[r0]];
+      for (i64 k = r0 + 1; k < r1; ++k) prefix[k] = std::max(prefix[k - 1], cost[in.inverse[k]]);
+      suffix[r1 - 1] = cost[in.inverse[r1 - 1]];
+      for (i64 k = r1 - 2; k >= r0; --k) suffix[k] = std::max(suffix[k + 1], cost[in.inverse[k]]);
+    }
+    for (i64 h = 0; h < n_home; ++h) {
+      const i64 dev_lo = in.h_first[h] / in.dpn * in.dpn;
+      const i64 dev_hi = ((in.h_first[h] + in.h_size[h] - 1) / in.dpn + 1) * in.dpn;
+      const i64 u0 = std::lower_bound(in.c_device.begin(), in.c_device.end(), dev_lo) - in.c_device.begin();
+      const i64 u1 = std::lower_bound(in.c_device.begin(), in.c_device.end(), dev_hi) - in.c_device.begin();
+      node_holdings(in, h, width, hold, counts);
+      std::vector<double> near(cost.begin() + u0, cost.begin() + u1);
+      for (i64 u = u0; u < u1; ++u) near[u - u0] = column_seconds(in, h, width, hold, u);
+      for (i64 t = 0; t < n_targets; ++t) {
+        const i64 seg = in.segments[t], n = end_of(t) - seg, first = in.t_first[t];
+        const i64 k0 = std::max<i64>(0, dev_lo - first), k1 = std::min<i64>(n, dev_hi - first);
+        if (k0 >= k1) {
+          table[h * n_targets + t] = prefix[seg + n - 1];
+          continue;
+        }
+        double m = near[in.inverse[seg + k0] - u0];
+        for (i64 k = k0 + 1; k < k1; ++k) m = std::max(m, near[in.inverse[seg + k] - u0]);
+        if (k0 > 0) m = std::max(m, prefix[seg + k0 - 1]);
+        if (k1 < n) m = std::max(m, suffix[seg + k1]);
+        table[h * n_targets + t] = m;
+      }
+    }
+  }
+  return out;
+}
+
+template <typename T>
+std::vector<T> as_vector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
+  return std::vector<T>(a.data(), a.data() + a.size());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_planner, m) {
@@ -570,4 +702,57 @@ PYBIND11_MODULE(_C_planner, m) {
         return py::make_tuple(ranked_to_py(r.first), r.second);
       },
       py::arg("problem"), py::arg("max_plans"), py::arg("top_k"));
+  using FloatArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+  m.def(
+      "realloc_table",
+      [](const py::dict& home, const py::dict& cols, const IntArray& inverse, const IntArray& segments,
+         const IntArray& t_first,
+         const FloatArray& cum, const IntArray& tensors, const FloatArray& item_bytes, i64 dpn, i64 num_nodes,
+         double intra, double inter, double latency) {
+        ReallocInputs in;
+        in.dpn = dpn;
+        in.num_nodes = num_nodes;
+        in.intra = intra;
+        in.inter = inter;
+        in.latency = latency;
+        auto ints = [](const py::dict& d, const char* k) { return as_vector<i64>(d[k].cast<IntArray>()); };
+        in.h_first = ints(home, "first");
+        in.h_size = ints(home, "size");
+        in.h_dp = ints(home, "dp");
+        in.h_tp = ints(home, "tp");
+        in.h_pp = ints(home, "pp");
+        in.h_start = ints(home, "start");
+        in.h_stop = ints(home, "stop");
+        in.c_device = ints(cols, "device");
+        in.c_tp = ints(cols, "tp");
+        in.c_r = ints(cols, "r");
+        in.c_s = ints(cols, "s");
+        in.c_e = ints(cols, "e");
+        in.c_share = as_vector<double>(cols["share"].cast<FloatArray>());
+        in.inverse = as_vector<i64>(inverse);
+        in.segments = as_vector<i64>(segments);
+        in.t_first = as_vector<i64>(t_first);
+        if (in.t_first.size() != in.segments.size()) throw std::invalid_argument("one first device per target");
+        if (!std::is_sorted(in.c_device.begin(), in.c_device.end()))
+          throw std::invalid_argument("columns must be sorted by device");
+        in.cum = as_vector<double>(cum);
+        in.tensors = as_vector<i64>(tensors);
+        in.item_bytes = as_vector<double>(item_bytes);
+        const size_t n_home = in.h_first.size();
+        for (const auto* v : {&in.h_size, &in.h_dp, &in.h_tp, &in.h_pp})
+          if (v->size() != n_home) throw std::invalid_argument("home arrays differ in length");
+        if (n_home && (in.h_start.size() != in.h_stop.size() || in.h_start.size() % n_home))
+          throw std::invalid_argument("home stage tables must have shape (n_home, width)");
+        for (i64 i : in.inverse)
+          if (i < 0 || i >= (i64)in.c_device.size()) throw std::invalid_argument("inverse index outside the columns");
+        for (i64 k = 0; k < (i64)in.segments.size(); ++k)
+          if (in.segments[k] < 0 || in.segments[k] >= (i64)in.inverse.size() || (k && in.segments[k] <= in.segments[k - 1]))
+            throw std::invalid_argument("segments must increase within the ranks");
+        return realloc_table(in);
+      },
+      py::arg("home"), py::arg("columns"), py::arg("inverse"), py::arg("segments"), py::arg("target_first"),
+      py::arg("cum"),
+      py::arg("tensors"), py::arg("item_bytes"), py::arg("devices_per_node"), py::arg("num_nodes"),
+      py::arg("intra_host_bandwidth"), py::arg("inter_host_bandwidth"), py::arg("latency"),
+      "realloc_time_table's (n_home, n_targets) slowest receive times (the numpy twin's bits)");
 }

@@ -26,7 +26,7 @@ from rlflow.planner.cost import CallCost, Rates, Workload, call_cost
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.problem import CallOption, ModelEntry, PlanProblem
 from rlflow.planner.space import RuntimeCapabilities, enumerate_options
-from rlflow.planner.transfer import data_time_table, ema_time_table, key_bytes, realloc_time_table, reload_time
+from rlflow.planner.transfer import data_table, ema_time_table, key_bytes, realloc_time_table, reload_time
 
 __all__ = ["Workload", "build_problem", "device_graph", "mfc_options"]
 
@@ -116,7 +116,7 @@ def _models(
 
 
 def _data_tables(dgraph: nx.DiGraph, index: dict[str, int], options, cluster: ClusterSpec, workload: Workload):
-    """Data edges as MFC index pairs and their ``(n_src, n_dst)`` transfer-time tables."""
+    """Data edges as MFC index pairs and their transfer-time tables (stored by dp degree)."""
     edges, tables = [], []
     for u, v, keys in dgraph.edges(data="keys"):
         n = workload.n_seqs(dgraph.nodes[u]["mfc"])
@@ -124,7 +124,7 @@ def _data_tables(dgraph: nx.DiGraph, index: dict[str, int], options, cluster: Cl
         src, dst = index[u], index[v]
         pairs = [(o.mesh, o.strategy) for o in options[src]], [(o.mesh, o.strategy) for o in options[dst]]
         edges.append((src, dst))
-        tables.append(data_time_table(nbytes, *pairs, cluster))
+        tables.append(data_table(nbytes, *pairs, cluster))
     return edges, tables
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from rlflow.planner.problem import PlanProblem
+from rlflow.planner.problem import PlanProblem, as_data_table
 
 # Pre-node kinds of an MFC.
 PRE_NONE, PRE_REALLOC, PRE_RELOAD = 0, 1, 2
@@ -47,8 +47,10 @@ class CompiledProblem:
     into ``reload_table``, ``hook_src`` (source MFC of its weight hook or -1) and ``hook_offset``
     into ``hook_table`` (row-major ``(n_src, n_i)``).
     Per model: ``model_trainable``, ``model_home``, ``model_calls_offset``/``model_calls``.
-    Per data edge: ``edge_src``, ``edge_dst``, ``edge_offset`` into ``data_table``
-    (row-major ``(n_src, n_dst)``).
+    Per data edge: ``edge_src``, ``edge_dst``, ``edge_offset`` into ``data_table`` (row-major
+    ``(2, edge_rows, edge_cols)``: one host / across hosts, source group, destination group),
+    ``edge_src_at`` / ``edge_dst_at`` into the per-option ``eopt_group``, ``eopt_host_lo``,
+    ``eopt_host_hi`` and ``eopt_key`` (see :func:`data_seconds`).
     Unrolled graph (``num_iterations * nodes_per_iteration`` nodes): ``child_offset``/``child``
     (CSR), ``indegree``; ``period_from``/``period_to``: the iterations between whose ends the
     steady-state period is measured (``s - 1`` and ``T - s`` for the longest version span
@@ -88,6 +90,14 @@ class CompiledProblem:
     edge_src: np.ndarray
     edge_dst: np.ndarray
     edge_offset: np.ndarray
+    edge_rows: np.ndarray
+    edge_cols: np.ndarray
+    edge_src_at: np.ndarray
+    edge_dst_at: np.ndarray
+    eopt_group: np.ndarray
+    eopt_host_lo: np.ndarray
+    eopt_host_hi: np.ndarray
+    eopt_key: np.ndarray
     data_table: np.ndarray
     child_offset: np.ndarray
     child: np.ndarray
@@ -210,26 +220,30 @@ def _option_arrays(problem: PlanProblem) -> dict[str, np.ndarray]:
 
 
 def _local_moves(opts) -> list[list[int]]:
-    """For every option, the options one small step away: a factor moved between two parallel
-    degrees on the same mesh, the same strategy on a mesh of the same shape elsewhere, or the mesh
-    halved/doubled around it with dp halved/doubled (vectorised: options pairwise)."""
-    a = np.array([(o.mesh.first_device, o.mesh.size, o.strategy.dp, o.strategy.tp, o.strategy.pp) for o in opts])
-    lo, size, dp, tp, pp = (a[:, k] for k in range(5))
-
-    def pair(x):  # (n, n) views of option attribute x for the row and the column option
-        return x[:, None], x[None, :]
-
-    (lo1, lo2), (s1, s2), (d1, d2), (t1, t2), (p1, p2) = map(pair, (lo, size, dp, tp, pp))
-    same_mesh = (lo1 == lo2) & (s1 == s2)
-    same_strategy = (d1 == d2) & (t1 == t2) & (p1 == p2)
-    moved_factor = same_mesh & (((d1 != d2).astype(int) + (t1 != t2) + (p1 != p2)) == 2)
-    shifted = (s1 == s2) & (lo1 != lo2) & same_strategy
-    overlap = (lo1 < lo2 + s2) & (lo2 < lo1 + s1)
-    resized = (
-        (t1 == t2) & (p1 == p2) & overlap & (((s2 == 2 * s1) & (d2 == 2 * d1)) | ((2 * s2 == s1) & (2 * d2 == d1)))
-    )
-    moves = moved_factor | shifted | resized
-    return [np.nonzero(row)[0].tolist() for row in moves]
+    """For every option, the options one small step away, in index order: a factor moved between
+    two parallel degrees on the same mesh, the same strategy on a mesh of the same shape elsewhere,
+    or the mesh halved/doubled around it with dp halved/doubled. Options are grouped by mesh and by
+    (size, strategy), so the cost grows with the neighbours, not with the square of the options."""
+    keys = [(o.mesh.first_device, o.mesh.size, o.strategy.dp, o.strategy.tp, o.strategy.pp) for o in opts]
+    by_mesh: dict[tuple[int, int], list[int]] = {}
+    by_shape: dict[tuple[int, int, int, int], list[int]] = {}
+    for j, (lo, size, dp, tp, pp) in enumerate(keys):
+        by_mesh.setdefault((lo, size), []).append(j)
+        by_shape.setdefault((size, dp, tp, pp), []).append(j)
+    moves = []
+    for lo, size, dp, tp, pp in keys:
+        near = [
+            j
+            for j in by_mesh[(lo, size)]
+            if (keys[j][2] != dp) + (keys[j][3] != tp) + (keys[j][4] != pp) == 2  # a factor moved
+        ]
+        near += [j for j in by_shape[(size, dp, tp, pp)] if keys[j][0] != lo]  # shifted
+        resized = [by_shape.get((2 * size, 2 * dp, tp, pp), [])]
+        if size % 2 == 0 and dp % 2 == 0:
+            resized.append(by_shape.get((size // 2, dp // 2, tp, pp), []))
+        near += [j for group in resized for j in group if keys[j][0] < lo + size and lo < keys[j][0] + keys[j][1]]
+        moves.append(sorted(near))
+    return moves
 
 
 def _mfc_arrays(problem: PlanProblem, opt_offset: np.ndarray) -> dict[str, np.ndarray]:
@@ -301,18 +315,45 @@ def _mfc_arrays(problem: PlanProblem, opt_offset: np.ndarray) -> dict[str, np.nd
 
 
 def _edge_arrays(problem: PlanProblem) -> dict[str, np.ndarray]:
-    sizes = [np.asarray(t).size for t in problem.data_time]
-    offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if sizes else np.zeros(0)
+    """Data edges: ``data_table`` holds each edge's ``(2, rows, cols)`` seconds from ``edge_offset``;
+    the ``eopt_*`` arrays hold, from ``edge_src_at`` / ``edge_dst_at``, the group, hosts and
+    placement key of each source / destination option (:class:`~rlflow.planner.problem.DataTable`)."""
+    tables = [as_data_table(t) for t in problem.data_time]
+    sides = [
+        side for t in tables for side in ((t.src_group, t.src_hosts, t.src_key), (t.dst_group, t.dst_hosts, t.dst_key))
+    ]
+    at = np.concatenate([[0], np.cumsum([len(g) for g, _, _ in sides])]).astype(np.int64)
+    sizes = [t.seconds.size for t in tables]
+    empty = np.zeros(0, dtype=np.int64)
     return {
         "edge_src": np.array([i for i, _ in problem.data_edges], dtype=np.int64),
         "edge_dst": np.array([k for _, k in problem.data_edges], dtype=np.int64),
-        "edge_offset": np.asarray(offset, dtype=np.int64),
+        "edge_offset": np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes else empty,
+        "edge_rows": np.array([t.seconds.shape[1] for t in tables], dtype=np.int64),
+        "edge_cols": np.array([t.seconds.shape[2] for t in tables], dtype=np.int64),
+        "edge_src_at": at[0:-1:2],
+        "edge_dst_at": at[1::2],
+        "eopt_group": np.concatenate([g for g, _, _ in sides]).astype(np.int64) if sides else empty,
+        "eopt_host_lo": np.concatenate([h[:, 0] for _, h, _ in sides]).astype(np.int64) if sides else empty,
+        "eopt_host_hi": np.concatenate([h[:, 1] for _, h, _ in sides]).astype(np.int64) if sides else empty,
+        "eopt_key": np.concatenate([k for _, _, k in sides]).astype(np.int64) if sides else empty,
         "data_table": (
-            np.concatenate([np.asarray(t, dtype=np.float64).ravel() for t in problem.data_time])
-            if sizes
-            else np.zeros(0)
+            np.concatenate([np.asarray(t.seconds, dtype=np.float64).ravel() for t in tables]) if sizes else np.zeros(0)
         ),
     }
+
+
+def data_seconds(cp: CompiledProblem, e: int, a: int, b: int) -> float:
+    """Seconds of data edge ``e`` from source option ``a`` to destination option ``b`` (the C++
+    simulator's ``data_seconds``)."""
+    sa, sb = int(cp.edge_src_at[e]) + a, int(cp.edge_dst_at[e]) + b
+    if cp.eopt_key[sa] >= 0 and cp.eopt_key[sa] == cp.eopt_key[sb]:
+        return 0.0
+    lo = min(cp.eopt_host_lo[sa], cp.eopt_host_lo[sb])
+    hi = max(cp.eopt_host_hi[sa], cp.eopt_host_hi[sb])
+    cross = int(hi - lo != 1)
+    rows, cols = int(cp.edge_rows[e]), int(cp.edge_cols[e])
+    return float(cp.data_table[cp.edge_offset[e] + (cross * rows + cp.eopt_group[sa]) * cols + cp.eopt_group[sb]])
 
 
 def _unroll(problem: PlanProblem) -> dict[str, np.ndarray]:

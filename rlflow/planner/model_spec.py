@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from rlflow.families import config_value, family_of
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -183,6 +181,9 @@ class ModelSpec:
         Raises:
             ValueError: the config's ``model_type`` is of no registered family, or it lacks a dimension.
         """
+        # Imported here: the families import transformers (seconds), which planning presets never needs.
+        from rlflow.families import config_value, family_of
+
         family = family_of(config)
         dims, features = family.dims(config), family.features(config)
         return cls(

@@ -47,6 +47,86 @@ from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 
 
+@dataclass(frozen=True, eq=False)
+class DataTable:
+    """Seconds of one data edge for every (source option, destination option) pair, stored by group.
+
+    A transfer's time depends on the two options' dp degrees (their *groups*) and on whether both
+    meshes lie on one host — not on where the meshes sit — and it is 0 between options of the same
+    placement. So an edge between MFCs of thousands of options is a ``(2, G_src, G_dst)`` table of
+    a few dozen dp degrees each: entry ``(a, b)`` is ``seconds[crosses_hosts, src_group[a],
+    dst_group[b]]``, or 0 when ``src_key[a] == dst_key[b] >= 0``.
+
+    Attributes:
+        seconds: ``(2, G_src, G_dst)``; ``[0]`` both meshes on one host, ``[1]`` across hosts.
+        src_group / dst_group: ``(n_src,)`` / ``(n_dst,)`` group of every option.
+        src_hosts / dst_hosts: ``(n, 2)`` first host and one past the last host of every option.
+        src_key / dst_key: placement keys (:func:`rlflow.planner.transfer.placement_keys`); negative
+            keys never match.
+    """
+
+    seconds: np.ndarray
+    src_group: np.ndarray
+    dst_group: np.ndarray
+    src_hosts: np.ndarray
+    dst_hosts: np.ndarray
+    src_key: np.ndarray
+    dst_key: np.ndarray
+
+    @classmethod
+    def dense(cls, table) -> DataTable:
+        """A table given cell by cell (one group per option, no free placements)."""
+        t = np.asarray(table, dtype=np.float64)
+        if t.ndim != 2:
+            raise ValueError(f"a dense data table has 2 dimensions, got shape {t.shape}")
+        rows, cols = np.arange(t.shape[0]), np.arange(t.shape[1])
+        hosts = np.zeros((t.shape[0], 2), dtype=np.int64), np.zeros((t.shape[1], 2), dtype=np.int64)
+        hosts[0][:, 1], hosts[1][:, 1] = 1, 1
+        return cls(np.stack([t, t]), rows, cols, *hosts, -np.ones(len(rows), np.int64), -np.ones(len(cols), np.int64))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.src_group), len(self.dst_group)
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __getitem__(self, index: tuple[int, int]) -> float:
+        a, b = index
+        if self.src_key[a] >= 0 and self.src_key[a] == self.dst_key[b]:
+            return 0.0
+        lo = min(self.src_hosts[a, 0], self.dst_hosts[b, 0])
+        hi = max(self.src_hosts[a, 1], self.dst_hosts[b, 1])
+        return float(self.seconds[int(hi - lo != 1), self.src_group[a], self.dst_group[b]])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        lo = np.minimum(self.src_hosts[:, None, 0], self.dst_hosts[None, :, 0])
+        hi = np.maximum(self.src_hosts[:, None, 1], self.dst_hosts[None, :, 1])
+        t = self.seconds[(hi - lo != 1).astype(np.int64), self.src_group[:, None], self.dst_group[None, :]]
+        same = (self.src_key[:, None] >= 0) & (self.src_key[:, None] == self.dst_key[None, :])
+        t = np.where(same, 0.0, t)
+        return t if dtype is None else t.astype(dtype)
+
+    def take(self, rows: Sequence[int], cols: Sequence[int]) -> DataTable:
+        """The table of source options ``rows`` and destination options ``cols``."""
+        r, c = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+        return replace(
+            self,
+            src_group=self.src_group[r],
+            dst_group=self.dst_group[c],
+            src_hosts=self.src_hosts[r],
+            dst_hosts=self.dst_hosts[c],
+            src_key=self.src_key[r],
+            dst_key=self.dst_key[c],
+        )
+
+
+def as_data_table(table: DataTable | np.ndarray) -> DataTable:
+    """``table`` itself if it is a :class:`DataTable`, else the dense array as one."""
+    return table if isinstance(table, DataTable) else DataTable.dense(table)
+
+
 @dataclass(frozen=True)
 class CallOption:
     """One candidate placement of one MFC, with its estimated cost."""
@@ -79,7 +159,8 @@ class PlanProblem:
         mfc_models: model index (into ``models``) of every MFC.
         options: ``options[i]`` lists the placements MFC ``i`` may take.
         data_edges: ``(i, k)`` pairs within one iteration; ``data_time[e]`` has shape
-            ``(len(options[i]), len(options[k]))``.
+            ``(len(options[i]), len(options[k]))``: a :class:`DataTable` (what ``build_problem``
+            makes: stored by dp degree) or a dense array.
         version_edges: ``(i, k)``: call ``k`` of iteration t waits for call ``i`` of t-``span``.
         version_spans: the span of every version edge (iterations, >= 1); empty: all 1.
         realloc_time: ``(train_mfc, i) -> array (len(options[train_mfc]), len(options[i]))``.
@@ -97,7 +178,7 @@ class PlanProblem:
     options: list[list[CallOption]]
     models: list[ModelEntry]
     data_edges: list[tuple[int, int]] = field(default_factory=list)
-    data_time: list[np.ndarray] = field(default_factory=list)
+    data_time: list[DataTable | np.ndarray] = field(default_factory=list)
     version_edges: list[tuple[int, int]] = field(default_factory=list)
     version_spans: list[int] = field(default_factory=list)
     realloc_time: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
@@ -162,7 +243,7 @@ class PlanProblem:
         return replace(
             self,
             options=[[opts[j] for j in idx[i]] for i, opts in enumerate(self.options)],
-            data_time=[cut(t, i, k) for (i, k), t in zip(self.data_edges, self.data_time)],
+            data_time=[as_data_table(t).take(idx[i], idx[k]) for (i, k), t in zip(self.data_edges, self.data_time)],
             realloc_time={(h, i): cut(t, h, i) for (h, i), t in self.realloc_time.items()},
             reload_time={i: np.asarray(t)[idx[i]] for i, t in self.reload_time.items()},
             hook_time={(h, i): cut(t, h, i) for (h, i), t in self.hook_time.items()},

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlflow.planner.compiled import PRE_REALLOC, PRE_RELOAD, CompiledProblem, compile_problem
+from rlflow.planner.compiled import PRE_REALLOC, PRE_RELOAD, CompiledProblem, compile_problem, data_seconds
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.timeline import Interval
 
@@ -115,8 +115,7 @@ def node_table(cp: CompiledProblem, choice: np.ndarray) -> tuple[np.ndarray, np.
             ranges[pre] += [rng[src], rng[i]] if src is not None else [rng[i]]
     for e in range(ne):
         src, dst = int(cp.edge_src[e]), int(cp.edge_dst[e])
-        n_dst = int(cp.opt_offset[dst + 1] - cp.opt_offset[dst])
-        t = cp.data_table[cp.edge_offset[e] + choice[src] * n_dst + choice[dst]]
+        t = data_seconds(cp, e, int(choice[src]), int(choice[dst]))
         if t > 0:
             active[e], duration[e], ranges[e] = True, t, [rng[src], rng[dst]]
     return active, duration, ranges, copy

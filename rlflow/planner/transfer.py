@@ -36,6 +36,7 @@ import numpy as np
 from rlflow.planner.cluster import ClusterSpec
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.problem import DataTable
 from rlflow.strategy import ParallelStrategy
 
 Option = tuple[DeviceMesh, ParallelStrategy]
@@ -73,13 +74,13 @@ def key_bytes(key: str, n_seqs: int, seq_len: int, prompt_len: int) -> float:
 def _option_arrays(options: Sequence[Option]) -> dict[str, np.ndarray]:
     meshes = [m for m, _ in options]
     return {
-        "first": np.array([m.first_device for m in meshes]),
-        "size": np.array([m.size for m in meshes]),
-        "node_lo": np.array([m.node_start for m in meshes]),
-        "nodes": np.array([m.num_nodes for m in meshes]),
-        "dp": np.array([s.dp for _, s in options]),
-        "tp": np.array([s.tp for _, s in options]),
-        "pp": np.array([s.pp for _, s in options]),
+        "first": np.array([m.first_device for m in meshes], dtype=np.int64),
+        "size": np.array([m.size for m in meshes], dtype=np.int64),
+        "node_lo": np.array([m.node_start for m in meshes], dtype=np.int64),
+        "nodes": np.array([m.num_nodes for m in meshes], dtype=np.int64),
+        "dp": np.array([s.dp for _, s in options], dtype=np.int64),
+        "tp": np.array([s.tp for _, s in options], dtype=np.int64),
+        "pp": np.array([s.pp for _, s in options], dtype=np.int64),
     }
 
 
@@ -89,16 +90,45 @@ def _same_layout(a: dict, b: dict) -> np.ndarray:
     return np.logical_and.reduce([a[k][:, None] == b[k][None, :] for k in keys])
 
 
-def data_time_table(nbytes: float, src: Sequence[Option], dst: Sequence[Option], cluster: ClusterSpec) -> np.ndarray:
-    """Seconds to move ``nbytes`` of an edge's keys, shape ``(len(src), len(dst))``; 0 on equal layouts."""
+def placement_keys(options: Sequence[Option]) -> np.ndarray:
+    """One int64 per option, equal exactly when mesh and strategy are (first device, size, dp, tp, pp)."""
+    a = _option_arrays(options)
+    key = np.zeros(len(options), dtype=np.int64)
+    for k in ("first", "size", "dp", "tp", "pp"):  # 12 bits each: 60 bits in all
+        if len(options) and a[k].max() >= 1 << 12:
+            raise ValueError(f"placement keys hold {k} < 4096, got {int(a[k].max())}")
+        key = (key << 12) | a[k]
+    return key
+
+
+def data_table(nbytes: float, src: Sequence[Option], dst: Sequence[Option], cluster: ClusterSpec) -> DataTable:
+    """Seconds to move ``nbytes`` of an edge's keys between every source and destination option.
+
+    Through host memory: ``latency + (B / dp_src) / host_device_bw + (B / dp_dst) / link +
+    (B / dp_dst) / host_device_bw``, ``link`` the intra-host bandwidth when both meshes lie on one
+    host, else the inter-host one; 0 between equal placements or when ``nbytes`` is 0.
+    """
     a, b = _option_arrays(src), _option_arrays(dst)
-    lo = np.minimum(a["node_lo"][:, None], b["node_lo"][None, :])
-    hi = np.maximum((a["node_lo"] + a["nodes"])[:, None], (b["node_lo"] + b["nodes"])[None, :])
-    link = np.where(hi - lo == 1, cluster.intra_host_bandwidth, cluster.inter_host_bandwidth)
-    send = nbytes / a["dp"][:, None] / cluster.host_device_bandwidth
-    recv = nbytes / b["dp"][None, :]
+    src_dp, src_group = np.unique(a["dp"], return_inverse=True)
+    dst_dp, dst_group = np.unique(b["dp"], return_inverse=True)
+    link = np.array([cluster.intra_host_bandwidth, cluster.inter_host_bandwidth])[:, None, None]
+    send = nbytes / src_dp[None, :, None] / cluster.host_device_bandwidth
+    recv = nbytes / dst_dp[None, None, :]
     t = cluster.collective_latency_s + send + recv / link + recv / cluster.host_device_bandwidth
-    return np.where(_same_layout(a, b), 0.0, t) if nbytes > 0 else np.zeros(t.shape)
+    return DataTable(
+        t if nbytes > 0 else np.zeros(t.shape),
+        src_group.reshape(-1),
+        dst_group.reshape(-1),
+        np.stack([a["node_lo"], a["node_lo"] + a["nodes"]], axis=1),
+        np.stack([b["node_lo"], b["node_lo"] + b["nodes"]], axis=1),
+        placement_keys(src),
+        placement_keys(dst),
+    )
+
+
+def data_time_table(nbytes: float, src: Sequence[Option], dst: Sequence[Option], cluster: ClusterSpec) -> np.ndarray:
+    """:func:`data_table` cell by cell, shape ``(len(src), len(dst))``; 0 on equal layouts."""
+    return np.asarray(data_table(nbytes, src, dst, cluster))
 
 
 # ----------------------------------------------------------------------------- reallocation
@@ -192,6 +222,7 @@ def realloc_time_table(
     cluster: ClusterSpec,
     chunk: int = 1 << 21,
     replicated: bool = True,
+    backend: str = "cpp",
 ) -> np.ndarray:
     """Seconds to reallocate ``model`` from each home (training) option to each target option.
 
@@ -200,10 +231,12 @@ def realloc_time_table(
         home: training options (FSDP layouts).
         targets: call options.
         cluster: bandwidths, latencies and the wire dtype (``precision.param_bytes``).
-        chunk: table cells computed at once (bounds the temporary memory).
+        chunk: table cells the numpy backend computes at once (bounds its temporary memory).
         replicated: the targets are generations (dp-replicated copies; a copy is needed even on
             the home's mesh and strategy); ``False``: FSDP layouts (forward copies, another
             model's home), equal to the home when mesh and strategy are.
+        backend: ``"cpp"`` (``rlflow._C_planner.realloc_table``: one home row at a time, no
+            temporaries) or ``"numpy"`` (its twin); both give the same bits.
 
     Returns:
         Array ``(len(home), len(targets))``: the slowest destination device's receive time;
@@ -212,21 +245,53 @@ def realloc_time_table(
     h, t = _option_arrays(home), _option_arrays(targets)
     h_start, h_stop = _stage_table(model, h["pp"])
     t_start, t_stop = _stage_table(model, t["pp"])
-    b = cluster.precision.param_bytes
-    holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, cluster.devices_per_node, b)
     cols = _target_columns(t, t_start, t_stop, replicated)
     # Many (option, rank) columns describe the same destination: same device, tp shard, share and stage.
     keys = np.stack([cols[k] for k in _COLUMN_KEYS], axis=1)
     unique, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     ucols = {k: (v if k == "share" else v.astype(np.int64)) for k, v in zip(_COLUMN_KEYS, unique.T)}
-    costs = np.empty((len(home), len(unique)))
-    step = max(1, chunk // max(1, len(home)))
-    for lo in range(0, len(unique), step):
-        sl = slice(lo, min(len(unique), lo + step))
-        costs[:, sl] = _column_costs(model, cluster, h, h_start, h_stop, holdings, ucols, sl)
-    table = np.maximum.reduceat(costs[:, inverse], cols["segments"], axis=1)
+    if backend == "cpp":
+        table = _realloc_table_cpp(model, cluster, {**h, "start": h_start, "stop": h_stop}, t, ucols, inverse, cols)
+    elif backend == "numpy":
+        table = _realloc_table_numpy(model, cluster, h, h_start, h_stop, ucols, inverse, cols, chunk)
+    else:
+        raise ValueError(f"backend={backend!r}; expected 'cpp' or 'numpy'")
     return table if replicated else np.where(_same_layout(h, t), 0.0, table)
+
+
+def _realloc_table_numpy(model, cluster, h, h_start, h_stop, ucols, inverse, cols, chunk: int) -> np.ndarray:
+    b = cluster.precision.param_bytes
+    holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, cluster.devices_per_node, b)
+    n_unique = len(ucols["device"])
+    costs = np.empty((len(h["first"]), n_unique))
+    step = max(1, chunk // max(1, len(h["first"])))
+    for lo in range(0, n_unique, step):
+        sl = slice(lo, min(n_unique, lo + step))
+        costs[:, sl] = _column_costs(model, cluster, h, h_start, h_stop, holdings, ucols, sl)
+    return np.maximum.reduceat(costs[:, inverse], cols["segments"], axis=1)
+
+
+def _realloc_table_cpp(model, cluster, home: dict, targets: dict, ucols, inverse, cols) -> np.ndarray:
+    from rlflow.planner.simulate import load_extension
+
+    b = cluster.precision.param_bytes
+    item_bytes = model.item_params.astype(np.float64) * b
+    return load_extension().realloc_table(
+        home,
+        ucols,
+        inverse,
+        cols["segments"],
+        targets["first"],
+        np.concatenate([[0.0], np.cumsum(item_bytes)]),
+        np.concatenate([[0], np.cumsum(model.item_tensors)]).astype(np.int64),
+        item_bytes,
+        cluster.devices_per_node,
+        cluster.num_nodes,
+        cluster.intra_host_bandwidth,
+        cluster.inter_host_bandwidth,
+        cluster.collective_latency_s,
+    )
 
 
 def realloc_time(model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec, replicated: bool = True) -> float:

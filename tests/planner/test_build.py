@@ -32,7 +32,7 @@ def test_ppo_problem_shapes(ppo):
     assert [(m.trainable, m.train_mfc) for m in ppo.models] == [(True, 4), (True, 5), (False, None), (False, None)]
     assert len(ppo.data_edges) == 11 and ppo.version_edges == [(4, 0), (5, 1), (2, 2), (3, 3)]
     for (i, k), table in zip(ppo.data_edges, ppo.data_time):
-        assert table.shape == (len(ppo.options[i]), len(ppo.options[k])) and np.all(table >= 0)
+        assert table.shape == (len(ppo.options[i]), len(ppo.options[k])) and np.all(np.asarray(table) >= 0)
     assert sorted(ppo.realloc_time) == [(4, 0), (5, 1)] and sorted(ppo.reload_time) == [2, 3]
     assert (ppo.num_nodes, ppo.devices_per_node, ppo.device_memory_bytes) == (2, 4, CLUSTER.device_memory_bytes)
     assert all(o.strategy.pp == 1 for o in ppo.options[0])  # no pipelined generation by default
