@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", help="hardware profile JSON from `rlflow profile` (prices the cpu preset)")
     g.add_argument("--pipeline-generate", action="store_true", help="allow pipeline-parallel generation")
     g = p.add_argument_group("search")
-    g.add_argument("--search-seconds", type=float, default=30.0, help="wall-clock budget of the search")
+    g.add_argument(
+        "--search-seconds",
+        type=float,
+        default=30.0,
+        help="wall-clock budget of the search; it stops earlier once converged, and small problems are enumerated",
+    )
     g.add_argument("--search-steps", type=int, help="proposals per chain (with --seed: a reproducible plan)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chains", type=int, help="search chains, one thread each (default: min(4, cores))")
@@ -108,8 +114,34 @@ def _model_specs(args: argparse.Namespace, model_names: list[str]) -> dict:
     return specs
 
 
-def build_plan_problem(args: argparse.Namespace):
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the ``plan`` arguments describe, and the problem built from them in ``build_seconds``."""
+
+    graph: Any
+    models: dict
+    cluster: Any
+    workload: Any
+    profile: Any  # the measured profile the calls were priced with (None: the analytic roofline)
+    problem: Any
+    build_seconds: float  # wall
+    build_cpu_seconds: float
+
+    def price(self, mfc: int, option, cluster) -> float:
+        """Seconds of MFC ``mfc`` under ``option`` on ``cluster`` (the cost model the problem used)."""
+        from rlflow.planner.build import pricing_rates
+        from rlflow.planner.cost import call_cost
+
+        mfc_def = self.graph.nodes[self.problem.mfc_names[mfc]]["mfc"]
+        rates = pricing_rates(cluster, self.profile)
+        model = self.models[mfc_def.model_name]
+        return call_cost(mfc_def, model, option.strategy, option.mesh, cluster, self.workload, rates).time_s
+
+
+def build_plan_problem(args: argparse.Namespace) -> PlanInputs:
     """The dataflow graph and the planning problem the ``plan`` arguments describe."""
+    import time
+
     from rlflow.dataflow import algorithm_graph, list_algorithms, model_calls
     from rlflow.planner.build import Workload, build_problem
     from rlflow.planner.cluster import cluster_preset
@@ -130,33 +162,55 @@ def build_plan_problem(args: argparse.Namespace):
         raise UsageError(f"--device: {exc}") from exc
     workload = Workload(args.batch, args.prompt_len, args.gen_len, n_ppo_minibatches=args.minibatches)
     caps = RuntimeCapabilities(pipeline_generate=args.pipeline_generate)
-    return graph, build_problem(graph, models, cluster, workload, capabilities=caps)
+    wall, cpu = time.perf_counter(), time.process_time()
+    problem = build_problem(graph, models, cluster, workload, capabilities=caps, profile=profile)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return PlanInputs(graph, models, cluster, workload, profile, problem, wall, cpu)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from rlflow.dataflow import mfcs_of
     from rlflow.planner.baselines import baseline_plans
     from rlflow.planner.plan import ExecutionPlan, format_seconds
-    from rlflow.planner.search import search
+    from rlflow.planner.search import plan_search, search
     from rlflow.planner.simulate import Simulator
 
-    graph, problem = build_plan_problem(args)
+    inputs = build_plan_problem(args)
+    graph, problem = inputs.graph, inputs.problem
+    n_options = sum(len(o) for o in problem.options)
+    print(
+        f"problem: {problem.num_mfcs} calls, {n_options} options, built in {inputs.build_seconds:.1f} s "
+        f"({inputs.build_cpu_seconds:.1f} CPU s)"
+    )
     generate = [m.name for m in mfcs_of(graph) if m.interface_type == "generate" and m.name in problem.mfc_names]
     sim = Simulator(problem)
     baselines = baseline_plans(problem, generate, sim)
-    found = search(
-        sim,
-        seconds=args.search_seconds if args.search_steps is None else None,
-        max_steps=args.search_steps,
-        num_chains=args.chains,
-        seed=args.seed,
-        initial_plans=[b.choice for b in baselines if b.choice is not None],
-        progress=not args.no_progress,
-    )
+    starts = [b.choice for b in baselines if b.choice is not None]
+    if args.search_steps is None:  # the budget fits the problem: enumerated when small, else until converged
+        found = plan_search(
+            sim,
+            max_seconds=args.search_seconds,
+            seed=args.seed,
+            initial_plans=starts,
+            progress=not args.no_progress,
+            num_chains=args.chains,
+        )
+    else:
+        found = search(
+            sim,
+            max_steps=args.search_steps,
+            num_chains=args.chains,
+            seed=args.seed,
+            initial_plans=starts,
+            progress=not args.no_progress,
+        )
     plan = ExecutionPlan.from_choice(problem, found.choice, found.result, name="search")
     print(plan.to_table())
-    print(f"\nsearch: {found.steps} plans in {found.seconds:.1f} s")
+    print(f"\n{found.summary()}")
     print(_comparison(plan.iteration_time_s, baselines, format_seconds))
+    explanation = _explain(inputs, sim, found, baselines)
+    if explanation is not None:
+        print(f"\n{explanation.to_text()}")
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
@@ -168,6 +222,26 @@ def _run_plan(args: argparse.Namespace) -> int:
         draw_timeline(intervals, args.timeline, title, found.result.iteration_end_s, problem.num_devices)
         print(f"timeline written to {args.timeline}")
     return 0
+
+
+def _explain(inputs: PlanInputs, sim, found, baselines):
+    """The searched plan against the heuristic, or the fastest feasible baseline when the heuristic
+    is infeasible; ``None`` when no baseline is feasible."""
+    from rlflow.planner.explain import explain_plan
+
+    feasible = [b for b in baselines if b.feasible]
+    if not feasible:
+        return None
+    reference = next((b for b in feasible if b.name == "heuristic"), min(feasible, key=lambda b: b.iteration_time_s))
+    cp = sim.compiled
+    return explain_plan(
+        inputs.problem,
+        (found.choice, found.result),
+        (reference.name, reference.choice, sim.evaluate(reference.choice)),
+        inputs.price,
+        inputs.cluster,
+        (cp.period_from, cp.period_to),
+    )
 
 
 def _comparison(searched_s: float, baselines, fmt) -> str:

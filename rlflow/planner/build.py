@@ -28,7 +28,7 @@ from rlflow.planner.problem import CallOption, ModelEntry, PlanProblem
 from rlflow.planner.space import RuntimeCapabilities, enumerate_options
 from rlflow.planner.transfer import data_table, ema_time_table, key_bytes, realloc_time_table, reload_time
 
-__all__ = ["Workload", "build_problem", "device_graph", "mfc_options"]
+__all__ = ["Workload", "build_problem", "device_graph", "mfc_options", "pricing_rates"]
 
 
 def device_graph(graph: nx.DiGraph) -> nx.DiGraph:
@@ -172,6 +172,16 @@ def _hook_tables(mfcs: list[MFCDef], models, homes: dict[str, int | None], optio
     return tables
 
 
+def pricing_rates(cluster: ClusterSpec, profile=None) -> Rates:
+    """The rates calls are priced with: the analytic roofline of ``cluster``, or a measured profile
+    (a ``MachineProfile`` or JSON path) on it."""
+    if profile is None:
+        return Rates(cluster)
+    from rlflow.planner.profile import ProfiledRates
+
+    return ProfiledRates.from_profile(profile, cluster)
+
+
 def build_problem(
     graph: nx.DiGraph,
     models: dict[str, ModelSpec],
@@ -204,11 +214,7 @@ def build_problem(
     Returns:
         The :class:`PlanProblem`; MFC ``i`` is the ``i``-th device MFC in topological order.
     """
-    rates = Rates(cluster)
-    if profile is not None:
-        from rlflow.planner.profile import ProfiledRates
-
-        rates = ProfiledRates.from_profile(profile, cluster)
+    rates = pricing_rates(cluster, profile)
     mfcs = [m for m in mfcs_of(graph) if not m.runs_on_host]
     index = {m.name: i for i, m in enumerate(mfcs)}
     homes = _models(mfcs, models, trainable)

@@ -20,8 +20,9 @@ change them). A time budget makes the step count, hence the result, depend on th
 
 The budget fits the problem (:func:`plan_search`, what ``placement.mode: auto`` runs): a problem
 of at most :data:`EXHAUSTIVE_MAX_PLANS` plans is enumerated; a larger one is searched until it
-converges — no better plan in the last :data:`PATIENCE_STEPS` proposals per chain, nor in as
-many proposals as it took to find the best one — or its time budget is spent. Both stopping
+converges — no better plan in the last :func:`patience_steps` proposals per chain (200k, or 100 per
+option on large problems), nor in as many proposals as it took to find the best one — or its time
+budget is spent. Both stopping
 rules depend on steps only, so a converged search is as reproducible as one of ``max_steps``.
 """
 
@@ -49,6 +50,11 @@ EXHAUSTIVE_MAX_PLANS = 50_000
 # keeps its budget: on the 16-device PPO problem of the tests (10^12 plans) chains still found
 # better plans after 200k proposals each.
 PATIENCE_STEPS = 200_000
+# ... and at least this many per option of the problem: a random jump lands on a given option of a
+# given MFC once in about (number of MFCs x its options) proposals, so a problem of thousands of
+# options per MFC (16 hosts: 16k options in all) needs millions of proposals before a stall means
+# anything. 100 per option keeps the 8-device problems at PATIENCE_STEPS.
+PATIENCE_PER_OPTION = 100
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,12 @@ def greedy_choice(problem: PlanProblem) -> list[int]:
     return choice
 
 
+def patience_steps(problem: PlanProblem) -> int:
+    """Proposals per chain without improvement after which a search counts as converged:
+    :data:`PATIENCE_STEPS`, or :data:`PATIENCE_PER_OPTION` per option when that is more."""
+    return max(PATIENCE_STEPS, PATIENCE_PER_OPTION * sum(len(o) for o in problem.options))
+
+
 def num_plans(problem: PlanProblem) -> int:
     """Number of distinct plans: the product of the MFCs' option counts."""
     return math.prod(len(o) for o in problem.options)
@@ -140,19 +152,28 @@ def plan_search(
     initial_plans=(),
     progress: bool = True,
     exhaustive_max_plans: int = EXHAUSTIVE_MAX_PLANS,
-    patience: int = PATIENCE_STEPS,
+    patience: int | None = None,
+    num_chains: int | None = None,
 ) -> SearchResult:
     """The cheapest plan, at a cost that fits the problem: every plan evaluated when there are at
-    most ``exhaustive_max_plans``, else :func:`search` until it converges (``patience``) or
-    ``max_seconds`` are spent (see the module docstring).
+    most ``exhaustive_max_plans``, else :func:`search` until it converges (``patience`` proposals
+    per chain without improvement; default :func:`patience_steps`) or ``max_seconds`` are spent
+    (see the module docstring).
 
     >>> plan_search(problem, max_seconds=10.0).summary()  # doctest: +SKIP
     'plan search: every one of 12 plans evaluated, 0.00 s'
     """
-    if num_plans(problem.problem if isinstance(problem, Simulator) else problem) <= exhaustive_max_plans:
+    plain = problem.problem if isinstance(problem, Simulator) else problem
+    if num_plans(plain) <= exhaustive_max_plans:
         return exhaustive_search(problem, max_plans=exhaustive_max_plans)
     return search(
-        problem, seconds=max_seconds, patience=patience, seed=seed, initial_plans=initial_plans, progress=progress
+        problem,
+        seconds=max_seconds,
+        patience=patience or patience_steps(plain),
+        num_chains=num_chains,
+        seed=seed,
+        initial_plans=initial_plans,
+        progress=progress,
     )
 
 
