@@ -71,6 +71,11 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step}"
 
+    def scratch_dir(self, name: str) -> Path:
+        """A fresh path for a temporary directory beside the checkpoints (not created); one an
+        interrupted run leaves behind is removed when the next manager is created."""
+        return self.directory / f"{_TMP_PREFIX}{name}_{uuid.uuid4().hex[:8]}"
+
     def save(self, step: int, write_fn: Callable[[Path], Any], *, extra_meta: Mapping[str, Any] | None = None) -> Path:
         """Write checkpoint ``step`` atomically, then prune to ``keep_last``.
 

@@ -381,6 +381,7 @@ class LoopConfig(_Section):
     eval_before_train: bool = _f(True, "evaluate before the first step (and after the warm-up)")
     log_every: int = _f(1, "log metrics every this many steps", ge=1)
     max_wall_seconds: float | None = _f(None, "stop (after a final eval and checkpoint) past this wall time", gt=0.0)
+    max_restarts: int = _f(0, "worker restarts after a death or failed collective, each from the last checkpoint", ge=0)
 
 
 @dataclass(kw_only=True)
@@ -406,6 +407,7 @@ class CheckpointConfig(_Section):
     resume: str = _f("none", "'none', 'auto' (latest checkpoint if any) or a checkpoint path")
     keep_last: int = _f(2, "checkpoints kept (older ones deleted); 0: keep all", ge=0)
     save_hf: bool = _f(True, "also export the trainable models as HF directories in each checkpoint")
+    save_on_signal: bool = _f(True, "on SIGINT/SIGTERM during training: finish the step, save a checkpoint, then exit")
 
     def _check(self) -> None:
         if not self.resume:

@@ -12,17 +12,23 @@ configuration, never copies of this loop.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
+from transformers import AutoConfig
 
+from rlflow.controller import WorkerDiedError, WorkerError
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow.algorithms import Algorithm
 from rlflow.planner.timeline import Interval, draw_timeline
@@ -30,10 +36,12 @@ from rlflow.trainer import build, inputs
 from rlflow.trainer.callbacks import Callbacks, NotifyingLogger
 from rlflow.trainer.checkpoint import (
     CheckpointManager,
+    capture_rng_state,
     read_trainer_state,
     restore_rng_state,
     write_trainer_state,
 )
+from rlflow.trainer.checkpoint_layouts import checkpoint_for_layouts, home_layouts, remove_scratch, write_layouts
 from rlflow.trainer.config import RLFlowConfig, to_yaml
 from rlflow.trainer.data import build_trainer_data
 from rlflow.trainer.metrics import MetricsLogger, call_metrics, progress, timing_table
@@ -41,6 +49,8 @@ from rlflow.trainer.placement import Placement, load_profile_for, model_specs, p
 from rlflow.trainer.runner import DataflowRunner, LaggedIssuer, Submitted
 from rlflow.workers.records import CallRecord
 from rlflow.workers.reward_funcs import RewardFunc, check_reward_signature, pack_reward_funcs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,6 +149,8 @@ class Trainer:
         self.graph = build.build_dataflow(self.cfg, rule_reward)
         self.callbacks = Callbacks(callbacks)
         self.launched, self._started_ray = False, False
+        self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
+        self._signal: int | None = None  # SIGINT/SIGTERM received during training (checkpoint.save_on_signal)
         # Seconds of each start-up stage, logged once with the first step (``startup/*``).
         self.startup: dict[str, float] | None = {"startup/construct_s": time.perf_counter() - self._created}
 
@@ -160,7 +172,7 @@ class Trainer:
             return self
         cfg = self.cfg
         started = time.perf_counter()
-        self._started_ray = build.ensure_ray(cfg)
+        self._started_ray = build.ensure_ray(cfg) or self._started_ray  # a relaunch joins the Ray it started
         self.use_gpu = build.uses_gpu(cfg)
         self._record_startup("ray_s", started)
         self.placement = self._plan()
@@ -206,7 +218,7 @@ class Trainer:
         actor = specs.get("actor", next(iter(specs.values()), None))
         started = time.perf_counter()
         found = load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
-        if found is not None:
+        if found is not None and self.startup is not None:  # None once logged (a relaunch after a restart)
             self._record_startup("profile_s", started)
             self.startup["startup/profile_cached"] = float(found.cached)
         started = time.perf_counter()
@@ -234,9 +246,37 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
         """Launches when not yet launched, runs the configured number of steps (fewer when a
-        callback stops it); returns scores, timings and where files went."""
-        self.launch()
-        self._resume()
+        callback stops it); returns scores, timings and where files went.
+
+        Recovery: with ``trainer.max_restarts`` > 0, a worker that dies or a collective that
+        fails (:func:`is_recoverable`) makes the driver stop every worker, start them again and
+        resume from the newest checkpoint this run wrote (else what ``checkpoint.resume`` names),
+        at most that many times. With ``checkpoint.save_on_signal``, SIGINT or SIGTERM during
+        training ends the run after the step in flight with a checkpoint, then raises
+        ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(143)`` (SIGTERM).
+        """
+        restarts, fresh = 0, self._driver_state()
+        while True:
+            try:
+                self.launch()
+                self._resume(self._last_saved if restarts else None)
+                if restarts:
+                    self.logger.log(self.step, {"trainer/restarts": restarts})
+                self._run()
+                break
+            except (WorkerDiedError, WorkerError) as err:
+                if restarts >= self.cfg.trainer.max_restarts or not is_recoverable(err):
+                    raise
+                restarts += 1
+                self._restart(err, restarts)
+                if self._last_saved is None:  # no checkpoint to resume: start over as the first launch did
+                    self._restore_driver_state(fresh)
+        self._report()
+        return self.result
+
+    def _run(self) -> None:
+        """The stages after launch and resume: the fresh run's evaluation, warm-up and copies,
+        training, the final evaluation and checkpoint."""
         if self.step == 0:
             if self.cfg.trainer.eval_before_train:
                 self.evaluate()
@@ -248,11 +288,66 @@ class Trainer:
                     self._record_eval(score)
             self._copy_models()
         self.result.score_before = self.result.eval_history[-1][1] if self.result.eval_history else None
-        self._train()
+        with self._signals_stop_training():
+            self._train()
+        if self._signal is not None:
+            self._exit_on_signal()
         self.result.score_after = self.evaluate()
         self._save(final=True)
-        self._report()
-        return self.result
+
+    def _restart(self, err: Exception, attempt: int) -> None:
+        """Stops every worker after a recoverable failure; :meth:`fit` then launches and resumes."""
+        source = self._last_saved or f"checkpoint.resume={self.cfg.checkpoint.resume!r}"
+        reason = str(err).splitlines()[0]
+        message = (
+            f"restart {attempt}/{self.cfg.trainer.max_restarts} at step {self.step}: {type(err).__name__}: {reason}; "
+            f"starting the workers again and resuming from {source}"
+        )
+        print(message)
+        log.warning(message)
+        self._stop_workers()
+
+    def _driver_state(self) -> dict[str, Any]:
+        """The driver's RNG states and data-loader position (a restart with no checkpoint starts from them)."""
+        return {"rng": capture_rng_state(), "data": self.data.train.state_dict()}
+
+    def _restore_driver_state(self, state: Mapping[str, Any]) -> None:
+        restore_rng_state(state["rng"])
+        self.data.train.load_state_dict(state["data"])
+
+    @contextmanager
+    def _signals_stop_training(self) -> Iterator[None]:
+        """While it trains, SIGINT and SIGTERM ask the loop to stop after the step in flight
+        (``checkpoint.save_on_signal``); a second signal acts at once, as it would without rlflow."""
+        if not self.cfg.checkpoint.save_on_signal or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def stop(signum: int, frame: Any) -> None:
+            if self._signal is not None:
+                signal.signal(signum, previous[signum] or signal.SIG_DFL)
+                signal.raise_signal(signum)
+                return
+            self._signal = signum
+            print(f"{signal.Signals(signum).name}: saving a checkpoint after the step in flight, then exiting")
+
+        for sig in previous:
+            signal.signal(sig, stop)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    def _exit_on_signal(self) -> None:
+        """Saves the step reached and leaves as the signal would have (a shell sees 130 or 143)."""
+        path = self._save()
+        name = signal.Signals(self._signal).name
+        print(f"{name}: stopped at step {self.step}; checkpoint {path}")
+        if self._signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + self._signal)
 
     def _train(self) -> None:
         total, loop = self.cfg.trainer.total_steps, self.cfg.trainer
@@ -267,7 +362,7 @@ class Trainer:
             # Overlap: issue the next iteration before waiting when no evaluation or checkpoint
             # needs the workers quiet at this step (ReaLHF's cross-iteration overlap).
             following = None
-            stopping = self._out_of_time(started) or self.callbacks.stop_requested
+            stopping = self._out_of_time(started) or self.callbacks.stop_requested or self._signal is not None
             if step < total and not self._sync_point(step) and not stopping:
                 following = (step + 1, self._issue(step + 1, batches))
             self.runner.wait(submitted)
@@ -280,7 +375,9 @@ class Trainer:
                     self.evaluate()
                 if self.cfg.checkpoint.every_n_steps and step % self.cfg.checkpoint.every_n_steps == 0:
                     self._save()
-            if pending is None and (self._out_of_time(started) or self.callbacks.stop_requested):
+            if pending is None and (
+                self._out_of_time(started) or self.callbacks.stop_requested or self._signal is not None
+            ):
                 break
         self.issuer.drain()  # rollouts issued ahead of a run that stopped early
         bar.close()
@@ -446,6 +543,8 @@ class Trainer:
         def write(directory: Path) -> None:
             self.workers.save_checkpoint(str(directory))
             ahead = self.issuer.save(directory / AHEAD_DIR)
+            plan = self.placement.plan.to_json() if self.placement.plan is not None else None
+            write_layouts(directory, home_layouts(self.setup, range(self.workers.world_size)), plan)
             write_trainer_state(
                 directory,
                 step=self.step,
@@ -458,14 +557,17 @@ class Trainer:
                 },
             )
 
-        return self.checkpoints.save(self.step, write)
+        self._last_saved = self.checkpoints.save(self.step, write)
+        return self._last_saved
 
-    def _resume(self) -> None:
-        path = self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
+    def _resume(self, checkpoint: Path | None = None) -> None:
+        """Restores ``checkpoint`` (default: what ``checkpoint.resume`` names, if anything) into
+        this run, whatever layouts it was written in (:meth:`_load_workers`)."""
+        path = checkpoint or self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if path is None:
             return
         state = read_trainer_state(path)
-        self.workers.load_checkpoint(str(path))
+        self._load_workers(path)
         self.data.train.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
@@ -475,6 +577,23 @@ class Trainer:
         self.result.warmup_steps = int(state["extra"].get("warmup_steps", 0))
         self.issuer.load(path / AHEAD_DIR, state["extra"].get("rollouts_ahead", []))
         print(f"resumed from {path} at step {self.step}")
+
+    def _load_workers(self, path: Path) -> None:
+        """Workers load ``path`` directly when this run's home layouts are the checkpoint's, else
+        from a scratch directory of resharded engine files (:mod:`rlflow.trainer.checkpoint_layouts`)."""
+        configs = {}
+        for name, model in self.setup.models.items():
+            if model.trainable:
+                configs[name] = AutoConfig.from_pretrained(model.path, local_files_only=True)
+                if model.value_head:  # as the workers build a value model: one label
+                    configs[name].num_labels = 1
+        layouts = home_layouts(self.setup, range(self.workers.world_size))
+        source = checkpoint_for_layouts(path, layouts, configs, self.checkpoints.scratch_dir(path.name))
+        try:
+            self.workers.load_checkpoint(str(source))
+        finally:
+            if source != path:
+                remove_scratch(source)
 
     def _report(self) -> None:
         """Measured vs estimated time per MFC, and the measured timeline as a picture."""
@@ -498,14 +617,30 @@ class Trainer:
     def close(self) -> None:
         """Stops the workers, hands their placement groups back to Ray, closes the metric sinks,
         and shuts down a Ray instance this trainer started (idempotent; nothing to do before launch)."""
+        self._stop_workers()
+        if self._started_ray:
+            self._started_ray = False
+            ray.shutdown()
+
+    def _stop_workers(self) -> None:
         if self.launched:
             self.launched = False
             self.logger.close()
             self.workers.shutdown()
             self.pool.release()
-        if self._started_ray:
-            self._started_ray = False
-            ray.shutdown()
+
+
+# Error text of a collective that failed or hung: a peer died (gloo sees its socket close) or
+# torch's collective timeout passed. Worth a restart, unlike an error of the computation itself.
+COLLECTIVE_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "NCCL")
+
+
+def is_recoverable(err: Exception) -> bool:
+    """Whether a restart from the last checkpoint may get past ``err``: a dead worker, or a
+    collective that failed because a peer died or hung (:data:`COLLECTIVE_FAILURES`)."""
+    if isinstance(err, WorkerDiedError):
+        return True
+    return isinstance(err, WorkerError) and any(marker in str(err) for marker in COLLECTIVE_FAILURES)
 
 
 # Where a checkpoint keeps the rollouts issued ahead of its step (algorithm.policy_lag > 0).
@@ -525,4 +660,4 @@ def _plain(cfg: RLFlowConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-__all__ = ["FitResult", "Trainer"]
+__all__ = ["FitResult", "Trainer", "is_recoverable"]
