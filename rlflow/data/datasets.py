@@ -1,8 +1,8 @@
 """JSONL datasets (prompts, prompt + answer, paired preferences) and their collates.
 
-Every dataset reads and tokenises its whole file when built, so a bad line or an
-over-long example fails at start-up with ``<file>:<line>`` in the message, not hours into
-a run. Over-long examples raise unless truncation is configured; truncation is counted
+Every dataset reads and tokenises its whole file when built, so a bad line (invalid JSON,
+bytes that are not UTF-8, a missing field) or an over-long example fails at start-up with
+``<file>:<line>`` in the message, not hours into a run; an empty file is named as empty. Over-long examples raise unless truncation is configured; truncation is counted
 (``num_truncated``) and reported with a warning, never silent.
 """
 
@@ -47,22 +47,38 @@ def read_jsonl(path: str | os.PathLike, fields: Mapping[str, type | tuple[type, 
         One dict per non-blank line, each with ``"_line"`` (its 1-based line number) added.
 
     Raises:
-        DatasetFormatError: invalid JSON, not an object, missing field or wrong type; the
-            message names the file and line.
+        DatasetFormatError: bytes that are not UTF-8, invalid JSON, not an object, missing field
+            or wrong type (the message names the file and line), or a file without a single
+            JSON line (named as empty).
     """
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            line = _decoded(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             _check_record(record, fields, where)
             records.append({**record, "_line": line_no})
+    if not records:
+        what = "is empty" if os.path.getsize(path) == 0 else "holds only blank lines"
+        raise DatasetFormatError(f"{path}: the file {what}; a dataset needs one JSON object per line")
     return records
+
+
+def _decoded(raw: bytes, where: str) -> str:
+    """One line as text; bytes that are not UTF-8 are named with their column (1-based, in bytes)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        byte = raw[e.start : e.start + 1].hex()
+        raise DatasetFormatError(
+            f"{where}: not UTF-8: byte 0x{byte} at column {e.start + 1} ({e.reason}); save the file as UTF-8"
+        ) from None
 
 
 def _check_record(record: Any, fields: Mapping[str, type | tuple[type, ...]], where: str) -> None:
@@ -107,6 +123,9 @@ class _JsonlDataset:
             for i, record in enumerate(source):
                 _check_record(record, self.fields, f"{self.source}:{i + 1}")
                 records.append({**record, "_line": i + 1})
+            if not records:
+                raise DatasetFormatError(f"{self.source}: no records; a dataset needs at least one")
+        self.lines = [r["_line"] for r in records]  # of each item, for errors that name file:line
         self.items = [self._build_item(i, r) for i, r in enumerate(records)]
         if self.num_truncated:
             warnings.warn(
@@ -119,6 +138,10 @@ class _JsonlDataset:
 
     def _where(self, record: Mapping[str, Any]) -> str:
         return f"{self.source}:{record['_line']}"
+
+    def where(self, index: int) -> str:
+        """``file:line`` of item ``index`` (``<records>:<n>`` for records given in memory)."""
+        return f"{self.source}:{self.lines[index]}"
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -226,15 +226,16 @@ def model_setups(
 ) -> dict[str, ModelSetup]:
     """One :class:`ModelSetup` per model the calls use; a rule-based reward has no weights."""
     trained = {c.mfc.model_name for c in calls.values() if c.mfc.is_train}
+    rule = {"role": "reward", "path": None, "reward_fn": reward_fn, "reward_errors": cfg.algorithm.reward_errors}
     setups = {}
     for name in sorted({c.mfc.model_name for c in calls.values()}):
         if name == SCORER:
-            setups[name] = ModelSetup(name=name, role="reward", path=None, reward_fn=reward_fn)
+            setups[name] = ModelSetup(name=name, **rule)
             continue
         if name not in cfg.models:
             if name != "reward" or reward_fn is None:
                 raise ValueError(f"the dataflow needs model {name!r}; add models.{name} to the config")
-            setups[name] = ModelSetup(name=name, role="reward", path=None, reward_fn=reward_fn)
+            setups[name] = ModelSetup(name=name, **rule)
             continue
         m = cfg.models[name]
         trainable = name in trained if m.trainable is None else m.trainable

@@ -91,6 +91,13 @@ class AlgorithmConfig(_Section, AlgorithmParams):
     reward_fn: str | None = _f(
         None, "rule-based reward; null: models.reward, else the task's reward", choices=_reward_names
     )
+    reward_errors: str = _f(
+        "raise",
+        "a reward (rule or function) that raises on a sample: raise stops the run naming the call, sample and "
+        "prompt; zero scores the sample 0; skip leaves it out like a reward function's None; zero and skip are "
+        "counted (<call>/reward_error_fraction)",
+        choices=("raise", "zero", "skip"),
+    )
 
     @property
     def record(self) -> Algorithm:

@@ -14,18 +14,20 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from rlflow.data.datasets import DatasetFormatError, PreferenceDataset, PromptDataset, SFTDataset, read_jsonl
+from rlflow.data.datasets import DatasetFormatError, PreferenceDataset, PromptDataset, SFTDataset
 from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
 from rlflow.trainer.config import ConfigError, RLFlowConfig
-from rlflow.workers.reward_funcs import RewardFuncs
+from rlflow.workers.reward_funcs import RewardFuncs, required_columns
+from rlflow.workers.rewards import check_ground_truth
 
 # Enough training problems that a short run never repeats a prompt within an epoch; a task
 # with fewer distinct training problems (1-digit arithmetic) gives all it has.
@@ -125,11 +127,18 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs |
         tokenizer: encodes prompts (and answers).
         reward_funcs: Python reward functions scoring responses instead of a named rule; they read
             whatever columns they name, so held-out rows need no ``answer`` then.
+
+    Raises:
+        DatasetFormatError: a row lacks what the reward reads (:func:`check_rows`), or a file is
+            malformed or empty; the message names the file and line.
     """
     dataset_kind, d = cfg.algorithm.record.dataset, cfg.data
     columns: tuple[str, ...] = ()  # the fields of prompt records (RL), passed to reward functions
     max_len = d.max_prompt_len + d.max_response_len
     loader = _loader_factory(cfg)
+    reward_fn = reward_funcs or cfg.algorithm.reward_fn
+    if reward_fn is None and d.task is not None:
+        reward_fn = build_task(cfg).reward_name
     if dataset_kind == "pairs":
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
         pairs = records if isinstance(records, str) else preference_pairs(records, cfg.seed)
@@ -140,44 +149,83 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs |
         )
     else:
         dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len, d.truncation)
+        check_rows(dataset, training_reward(cfg, reward_fn))  # every row, before any batch is drawn
         train, columns = loader(dataset, "data.batch_size"), dataset.columns
-    eval_prompts = _eval_prompts(cfg, tokenizer, need_answers=reward_funcs is None)
+    eval_prompts = _eval_prompts(cfg, tokenizer, reward_fn)
     warmup = None
     if cfg.warmup.steps > 0:
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
         from_pairs = isinstance(records, str) and dataset_kind == "pairs"  # DPO's file: SFT on the chosen answers
         sft = SFTDataset(records, tokenizer, max_len, answer_field="chosen" if from_pairs else "answer")
         warmup = loader(sft, "warmup.batch_size", sft=True, batch_size=cfg.warmup.batch_size)
-    reward_fn = reward_funcs or cfg.algorithm.reward_fn
-    if reward_fn is None and d.task is not None:
-        reward_fn = build_task(cfg).reward_name
     return TrainerData(train, eval_prompts, warmup, reward_fn, columns)
 
 
-def _eval_prompts(cfg: RLFlowConfig, tokenizer, need_answers: bool) -> DataProto | None:
-    """The held-out prompts as one batch; ``None`` when there are none to score (said once, not an error)."""
+def training_reward(cfg: RLFlowConfig, reward_fn: str | RewardFuncs | None) -> str | RewardFuncs | None:
+    """What scores the training rollouts: ``reward_fn`` (reward functions or a rule), or ``None`` for
+    ``models.reward`` (a reward model reads no column; a rule then only scores held-out prompts)."""
+    if isinstance(reward_fn, RewardFuncs) or cfg.algorithm.reward_fn is not None or "reward" not in cfg.models:
+        return reward_fn
+    return None
+
+
+def ground_truth_of(row: Mapping[str, Any]) -> Any:
+    """What a rule reward scores a row against: its ``ground_truth``, else its ``answer`` (None without either).
+
+    >>> ground_truth_of({"answer": "4", "ground_truth": {"answer": "4", "reverse_digits": True}})
+    {'answer': '4', 'reverse_digits': True}
+    """
+    value = row.get("ground_truth")
+    return row.get("answer") if value is None else value
+
+
+def check_rows(dataset: PromptDataset, reward: str | RewardFuncs | None, indices: Iterable[int] | None = None) -> None:
+    """Every prompt row (of ``indices``; default all) holds what ``reward`` reads: a rule's ground
+    truth, present and parseable by the rule (:func:`~rlflow.workers.rewards.check_ground_truth`),
+    or every column a reward function names without a default (one that no row has is left to
+    :func:`~rlflow.workers.reward_funcs.check_reward_signature`). Nothing for a reward model (``None``).
+
+    Raises:
+        DatasetFormatError: naming the row's ``file:line``, the reward and what is missing or malformed.
+    """
+    if reward is None:
+        return
+    indices = range(len(dataset)) if indices is None else indices
+    if isinstance(reward, RewardFuncs):
+        # A column no row has is the function's signature's problem, named by check_reward_signature.
+        present = set(dataset.columns)
+        needs = {
+            name: [c for c in required_columns(fn) if c in present] for name, fn in zip(reward.names, reward.load())
+        }
+        for i in indices:
+            for name, columns in needs.items():
+                missing = [c for c in columns if c not in dataset[i]]
+                if missing:
+                    have = sorted(k for k in dataset[i] if k not in ("index", "input_ids"))
+                    raise DatasetFormatError(
+                        f"{dataset.where(i)}: no column(s) {missing} that reward function {name!r} reads; the row has {have}"
+                    )
+        return
+    for i in indices:
+        try:
+            check_ground_truth(reward, ground_truth_of(dataset[i]))
+        except ValueError as err:
+            raise DatasetFormatError(f"{dataset.where(i)}: {err}") from None
+
+
+def _eval_prompts(cfg: RLFlowConfig, tokenizer, reward_fn: str | RewardFuncs | None) -> DataProto | None:
+    """The held-out prompts as one batch (the first ``data.eval_size`` of a file, each holding what
+    ``reward_fn`` reads); ``None`` when there are none to score (said once, not an error)."""
     d = cfg.data
     if d.eval_size == 0 or not cfg.scores_generations:
         return None
     if d.task is None and d.eval_file is None:
         print(f"no held-out evaluation: data.train_file ({d.train_file}) comes without data.eval_file")
         return None
-    records = _records(cfg, "test", d.eval_size)
-    if isinstance(records, str):
-        records = _eval_records(records, d.eval_size, need_answers)
-    eval_set = PromptDataset(records, tokenizer, d.max_prompt_len, d.truncation)
-    return prompts_to_proto(eval_set.collate([eval_set[i] for i in range(len(eval_set))]))
-
-
-def _eval_records(path: str, size: int, need_answers: bool) -> list[dict[str, Any]]:
-    """The first ``size`` held-out prompts of ``path`` with every column; a named rule reward needs an answer."""
-    records = read_jsonl(path, {"prompt": (str, list)})[:size]
-    for r in records:
-        if need_answers and "answer" not in r and "ground_truth" not in r:
-            raise DatasetFormatError(
-                f"{path}:{r['_line']}: held-out prompts need an 'answer' (or 'ground_truth') to be scored against"
-            )
-    return [{k: v for k, v in r.items() if k != "_line"} for r in records]
+    eval_set = PromptDataset(_records(cfg, "test", d.eval_size), tokenizer, d.max_prompt_len, d.truncation)
+    rows = range(min(d.eval_size, len(eval_set)))
+    check_rows(eval_set, reward_fn, rows)
+    return prompts_to_proto(eval_set.collate([eval_set[i] for i in rows]))
 
 
 def preference_pairs(records: list[dict[str, Any]], seed: int) -> list[dict[str, str]]:
@@ -229,12 +277,12 @@ def prompts_to_proto(batch: dict[str, Any]) -> DataProto:
     """Collated prompts → ``prompts``, ``prompt_mask``, ``answers``, ``uid`` and ``columns``.
 
     ``columns`` holds one dict per row with every field of its record (``prompt`` included),
-    for reward functions that read any column; ``answers`` is the ``ground_truth`` (else
-    ``answer``) field the named rule rewards score against.
+    for reward functions that read any column; ``answers`` is each row's ``ground_truth`` (else
+    ``answer``) field the named rule rewards score against (:func:`ground_truth_of`).
     """
-    answers = batch.get("ground_truth", batch.get("answer", [None] * len(batch["index"])))
     names = [k for k in batch if k not in _COLLATED_KEYS]
     rows = [{k: batch[k][i] for k in names} for i in range(len(batch["index"]))]
+    answers = [ground_truth_of(row) for row in rows]
     return DataProto.from_dict(
         tensors={"prompts": batch["input_ids"], "prompt_mask": batch["attention_mask"]},
         non_tensors={

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import math
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ import numpy as np
 import torch
 from ray import cloudpickle  # vendored by Ray, which ships these functions to the workers anyway
 
-__all__ = ["RewardFuncs", "check_reward_signature", "pack_reward_funcs", "score_completions"]
+from rlflow.workers.reward_errors import RewardErrors
+
+__all__ = ["RewardFuncs", "check_reward_signature", "pack_reward_funcs", "required_columns", "score_completions"]
 
 RewardFunc = Callable[..., Sequence[float | None]]
 # Keywords the trainer fills itself; never dataset columns.
@@ -149,15 +152,26 @@ def check_reward_signature(fn: RewardFunc, columns: Collection[str]) -> None:
 
 
 def score_completions(
-    funcs: RewardFuncs, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Sequence[Any]]
+    funcs: RewardFuncs,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: Mapping[str, Sequence[Any]],
+    errors: RewardErrors | None = None,
+    uids: Sequence[Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum of every function's rewards, and each function's mean.
+
+    A function that raises is called again one completion at a time, so that the failure is
+    put on the samples that cause it; ``errors`` decides what those score (default: the error
+    propagates, naming the function, the sample and its prompt).
 
     Args:
         funcs: the packed functions.
         prompts: ``B`` prompt strings.
         completions: ``B`` decoded completions.
         columns: dataset column -> ``B`` values (``prompt`` excluded).
+        errors: the reward-error policy of the call.
+        uids: ``B`` prompt ids named in errors.
 
     Returns:
         ``(B,)`` float32 rewards, and ``{"rewards/<name>": mean}`` over the values that are not
@@ -166,18 +180,70 @@ def score_completions(
     Raises:
         ValueError: a function returned a number of values other than ``B``; names the function.
     """
-    n = len(completions)
+    n, errors = len(completions), errors or RewardErrors("raise")
     scores = np.full((len(funcs.names), n), np.nan, dtype=np.float64)
     for i, (fn, name) in enumerate(zip(funcs.load(), funcs.names)):
-        out = fn(prompts=list(prompts), completions=list(completions), **_kwargs_for(fn, columns))
-        values = list(out)
-        if len(values) != n:
-            raise ValueError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+        kwargs = _kwargs_for(fn, columns)
+        try:
+            values = _call(fn, name, list(prompts), list(completions), kwargs)
+        except _WrongCount:
+            raise
+        except Exception:  # find the samples it fails on: each scores by the policy
+            values = [
+                _score_one(fn, name, j, prompts, completions, kwargs, errors, None if uids is None else uids[j])
+                for j in range(n)
+            ]
         scores[i] = [np.nan if v is None else float(v) for v in values]
     weighted = np.asarray(funcs.weights)[:, None] * scores
     total = np.nansum(weighted, axis=0)  # all-None completions: 0
     means = {f"rewards/{name}": _nan_mean(row) for name, row in zip(funcs.names, scores)}
     return torch.tensor(total, dtype=torch.float32), means
+
+
+class _WrongCount(ValueError):
+    """A function returned another number of values than completions: its contract, not a sample, is wrong."""
+
+
+def _call(fn: RewardFunc, name: str, prompts: list, completions: list, kwargs: Mapping[str, list]) -> list:
+    values = list(fn(prompts=prompts, completions=completions, **kwargs))
+    if len(values) != len(completions):
+        raise _WrongCount(f"reward function {name!r} returned {len(values)} values for {len(completions)} completions")
+    return values
+
+
+def _score_one(
+    fn: RewardFunc,
+    name: str,
+    j: int,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    kwargs: Mapping[str, list],
+    errors: RewardErrors,
+    uid: Any,
+) -> float | None:
+    """Completion ``j`` scored alone; the policy's value when ``fn`` raises on it."""
+    try:
+        (value,) = _call(fn, name, [prompts[j]], [completions[j]], {k: [v[j]] for k, v in kwargs.items()})
+        return value
+    except _WrongCount:
+        raise
+    except Exception as err:
+        value = errors.value(name, j, prompts[j], err, uid)
+        return None if math.isnan(value) else value
+
+
+def required_columns(fn: RewardFunc) -> tuple[str, ...]:
+    """The dataset columns ``fn`` names without a default (``prompts``/``completions`` aside): every
+    row must hold them. A function that takes ``**kwargs`` may read any column; only the named
+    ones are required.
+
+    >>> def accuracy(prompts, completions, solution, lang="en", **kwargs): ...
+    >>> required_columns(accuracy)
+    ('solution',)
+    """
+    params = inspect.signature(fn).parameters.values()
+    named = (p for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
+    return tuple(p.name for p in named if p.name not in _FIXED and p.default is p.empty)
 
 
 def _kwargs_for(fn: RewardFunc, columns: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:

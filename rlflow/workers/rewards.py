@@ -9,7 +9,9 @@ Built in:
 
 Ground truths are JSON values so that they travel in JSONL datasets (see
 ``rlflow.data.tasks``). Responses are model output: a malformed one scores 0.0, while a
-malformed *ground truth* is a configuration error and raises.
+malformed *ground truth* is a data error: each rule registers what it reads of a ground truth
+(``needs_ground_truth``, ``parse_ground_truth``), and :func:`check_ground_truth` refuses a
+missing or malformed one when the dataset is loaded, not at step 1 on a worker.
 """
 
 from __future__ import annotations
@@ -17,54 +19,124 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import torch
 
+from rlflow.workers.reward_errors import RewardErrors
+
 __all__ = [
     "RewardFn",
+    "RuleReward",
+    "check_ground_truth",
     "compute_rule_rewards",
     "countdown_reward",
     "evaluate_expression",
     "extract_answer",
     "format_reward",
     "get_reward",
+    "get_rule",
     "list_rewards",
     "make_format_reward",
+    "nan_mean",
     "numeric_match_reward",
     "register_reward",
 ]
 
 RewardFn = Callable[[str, str, Any], float]
-_REWARDS: dict[str, RewardFn] = {}
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under ``name``; refuses duplicate names."""
+@dataclass(frozen=True)
+class RuleReward:
+    """A registered rule and what it reads of a row's ground truth.
+
+    Attributes:
+        fn: ``(prompt, response, ground_truth) -> float``.
+        needs_ground_truth: every row must carry one (``ground_truth``, else ``answer``).
+        parse_ground_truth: reads a ground truth, raising ``ValueError`` (or ``TypeError``) for
+            a malformed one; ``None``: any value is accepted.
+    """
+
+    fn: RewardFn
+    needs_ground_truth: bool = True
+    parse_ground_truth: Callable[[Any], Any] | None = None
+
+
+_REWARDS: dict[str, RuleReward] = {}
+
+
+def register_reward(
+    name: str, *, needs_ground_truth: bool = True, parse_ground_truth: Callable[[Any], Any] | None = None
+) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under ``name``; refuses duplicate names.
+
+    Args:
+        name: the name configs give (``algorithm.reward_fn``).
+        needs_ground_truth: rows must carry a ground truth; False for a rule that reads none (a format check).
+        parse_ground_truth: checks one ground truth at load time (raises ``ValueError`` for a malformed one).
+    """
 
     def decorator(fn: RewardFn) -> RewardFn:
         if name in _REWARDS:
-            raise ValueError(f"reward {name!r} is already registered ({getattr(_REWARDS[name], '__qualname__', '?')})")
-        _REWARDS[name] = fn
+            raise ValueError(
+                f"reward {name!r} is already registered ({getattr(_REWARDS[name].fn, '__qualname__', '?')})"
+            )
+        _REWARDS[name] = RuleReward(fn, needs_ground_truth, parse_ground_truth)
         return fn
 
     return decorator
 
 
-def get_reward(name: str) -> RewardFn:
-    """The reward registered under ``name``; ``KeyError`` lists the registered names."""
+def get_rule(name: str) -> RuleReward:
+    """The :class:`RuleReward` registered under ``name``; ``KeyError`` lists the registered names."""
     if name not in _REWARDS:
         raise KeyError(f"unknown reward {name!r}; registered rewards: {sorted(_REWARDS)}")
     return _REWARDS[name]
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered under ``name``; ``KeyError`` lists the registered names."""
+    return get_rule(name).fn
 
 
 def list_rewards() -> list[str]:
     return sorted(_REWARDS)
 
 
+def check_ground_truth(name: str, ground_truth: Any) -> None:
+    """Checks that rule ``name`` can score against ``ground_truth`` (a row's, at load time).
+
+    Raises:
+        ValueError: the rule needs a ground truth and there is none (``None``), or the rule's
+            parser refuses it; the message says which.
+
+    >>> check_ground_truth("numeric_match", "46")
+    >>> check_ground_truth("numeric_match", "forty-six")
+    Traceback (most recent call last):
+    ...
+    ValueError: numeric_match ground truth answer 'forty-six' is not a number
+    """
+    rule = get_rule(name)
+    if not rule.needs_ground_truth:
+        return
+    if ground_truth is None:
+        raise ValueError(f"reward {name!r} needs a ground truth: give the row an 'answer' (or 'ground_truth')")
+    if rule.parse_ground_truth is not None:
+        try:
+            rule.parse_ground_truth(ground_truth)
+        except (TypeError, ValueError) as err:
+            raise ValueError(str(err)) from None
+
+
 def compute_rule_rewards(
-    name: str, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[Any]
+    name: str,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[Any],
+    errors: RewardErrors | None = None,
+    uids: Sequence[Any] | None = None,
 ) -> torch.Tensor:
     """Score a batch with the reward registered under ``name``.
 
@@ -73,9 +145,12 @@ def compute_rule_rewards(
         prompts: ``B`` prompt strings.
         responses: ``B`` decoded responses (without special tokens).
         ground_truths: ``B`` ground truths in the reward's format.
+        errors: what a sample whose reward raises scores (default: the error propagates,
+            naming the sample and its prompt).
+        uids: ``B`` prompt ids named in errors.
 
     Returns:
-        ``(B,)`` float32 rewards.
+        ``(B,)`` float32 rewards; NaN where ``errors`` skipped a sample.
 
     >>> compute_rule_rewards("numeric_match", ["1+1=", "2+2="], ["2", "5"], ["2", "4"])
     tensor([1., 0.])
@@ -85,9 +160,24 @@ def compute_rule_rewards(
             f"batch sizes differ: {len(prompts)} prompts, {len(responses)} responses, "
             f"{len(ground_truths)} ground truths"
         )
-    fn = get_reward(name)
-    scores = [float(fn(p, r, g)) for p, r, g in zip(prompts, responses, ground_truths)]
+    fn, errors = get_reward(name), errors or RewardErrors("raise")
+    scores = []
+    for i, (p, r, g) in enumerate(zip(prompts, responses, ground_truths)):
+        try:
+            scores.append(float(fn(p, r, g)))
+        except Exception as err:  # any failure of user code on one sample: the policy decides
+            scores.append(errors.value(name, i, p, err, None if uids is None else uids[i]))
     return torch.tensor(scores, dtype=torch.float32)
+
+
+def nan_mean(scores: torch.Tensor) -> float:
+    """The mean of the scores that are not NaN (skipped samples); 0.0 when every one is.
+
+    >>> nan_mean(torch.tensor([1.0, float("nan"), 0.0]))
+    0.5
+    """
+    kept = scores[~torch.isnan(scores)]
+    return float(kept.mean()) if len(kept) else 0.0
 
 
 # ----------------------------------------------------------------------------- answers
@@ -132,7 +222,25 @@ def _first_number(text: str) -> str | None:
     return match.group(0).replace(",", "") if match else None
 
 
-@register_reward("numeric_match")
+def _numeric_ground_truth(ground_truth: Any) -> tuple[Fraction, bool, str | None]:
+    options: dict[str, Any] = ground_truth if isinstance(ground_truth, dict) else {"answer": ground_truth}
+    unknown = set(options) - {"answer", "reverse_digits", "marker"}
+    if unknown or "answer" not in options:
+        raise ValueError(
+            f"numeric_match ground truth {ground_truth!r}: expected a number or a dict with 'answer' "
+            f"and optional 'reverse_digits', 'marker' (unknown keys: {sorted(unknown)})"
+        )
+    value = options["answer"]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"numeric_match ground truth answer {value!r} is not a number")
+    try:
+        answer = Fraction(repr(value) if isinstance(value, float) else str(value).strip().replace(",", ""))
+    except ValueError:
+        raise ValueError(f"numeric_match ground truth answer {value!r} is not a number") from None
+    return answer, bool(options.get("reverse_digits", False)), options.get("marker")
+
+
+@register_reward("numeric_match", parse_ground_truth=_numeric_ground_truth)
 def numeric_match_reward(prompt: str, response: str, ground_truth: Any) -> float:
     """1.0 when the response's answer (see :func:`extract_answer`) equals the ground truth.
 
@@ -161,24 +269,6 @@ def numeric_match_reward(prompt: str, response: str, ground_truth: Any) -> float
         return 1.0 if Fraction(found) == answer else 0.0
     except (ValueError, ZeroDivisionError):
         return 0.0
-
-
-def _numeric_ground_truth(ground_truth: Any) -> tuple[Fraction, bool, str | None]:
-    options: dict[str, Any] = ground_truth if isinstance(ground_truth, dict) else {"answer": ground_truth}
-    unknown = set(options) - {"answer", "reverse_digits", "marker"}
-    if unknown or "answer" not in options:
-        raise ValueError(
-            f"numeric_match ground truth {ground_truth!r}: expected a number or a dict with 'answer' "
-            f"and optional 'reverse_digits', 'marker' (unknown keys: {sorted(unknown)})"
-        )
-    value = options["answer"]
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"numeric_match ground truth answer {value!r} is not a number")
-    try:
-        answer = Fraction(repr(value) if isinstance(value, float) else str(value).strip().replace(",", ""))
-    except ValueError:
-        raise ValueError(f"numeric_match ground truth answer {value!r} is not a number") from None
-    return answer, bool(options.get("reverse_digits", False)), options.get("marker")
 
 
 # ----------------------------------------------------------------------------- countdown
@@ -266,7 +356,16 @@ class _Parser:
         raise ValueError(f"unexpected {token!r} in {self.text!r}")
 
 
-@register_reward("countdown")
+def _countdown_ground_truth(ground_truth: Any) -> tuple[list[int], Fraction, bool]:
+    if not isinstance(ground_truth, dict) or not {"numbers", "target"} <= set(ground_truth):
+        raise ValueError(f"countdown ground truth {ground_truth!r}: expected a dict with 'numbers' and 'target'")
+    numbers = ground_truth["numbers"]
+    if not isinstance(numbers, list) or not all(isinstance(n, int) and n >= 0 for n in numbers):
+        raise ValueError(f"countdown ground truth numbers {numbers!r}: expected a list of non-negative integers")
+    return numbers, Fraction(ground_truth["target"]), bool(ground_truth.get("use_all", True))
+
+
+@register_reward("countdown", parse_ground_truth=_countdown_ground_truth)
 def countdown_reward(prompt: str, response: str, ground_truth: Any) -> float:
     """1.0 when the response's equation reaches the target with the allowed numbers.
 
@@ -297,15 +396,6 @@ def countdown_reward(prompt: str, response: str, ground_truth: Any) -> float:
     return 1.0 if value == target else 0.0
 
 
-def _countdown_ground_truth(ground_truth: Any) -> tuple[list[int], Fraction, bool]:
-    if not isinstance(ground_truth, dict) or not {"numbers", "target"} <= set(ground_truth):
-        raise ValueError(f"countdown ground truth {ground_truth!r}: expected a dict with 'numbers' and 'target'")
-    numbers = ground_truth["numbers"]
-    if not isinstance(numbers, list) or not all(isinstance(n, int) and n >= 0 for n in numbers):
-        raise ValueError(f"countdown ground truth numbers {numbers!r}: expected a list of non-negative integers")
-    return numbers, Fraction(ground_truth["target"]), bool(ground_truth.get("use_all", True))
-
-
 # ----------------------------------------------------------------------------- format
 
 
@@ -326,7 +416,7 @@ def make_format_reward(open_tag: str = "<answer>", close_tag: str = "</answer>")
     return reward
 
 
-format_reward = register_reward("format")(make_format_reward())
+format_reward = register_reward("format", needs_ground_truth=False)(make_format_reward())
 format_reward.__doc__ = """1.0 when the response holds exactly one non-empty ``<answer>...</answer>`` block.
 
 >>> format_reward("", "<think>...</think> <answer>42</answer>", None)

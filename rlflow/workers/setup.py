@@ -35,6 +35,7 @@ from rlflow.dataflow.mfc import PAIR_OBJECTIVES, MFCDef
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import SamplingParams, get_rollout_engine, list_rollout_engines
 from rlflow.strategy import ParallelStrategy, RankCoords
+from rlflow.workers.reward_errors import REWARD_ERROR_POLICIES
 
 if TYPE_CHECKING:
     from rlflow.workers.reward_funcs import RewardFuncs
@@ -85,6 +86,8 @@ class ModelSetup:
             ``n_mbs`` micro-batches (one when unset).
         reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry) or Python reward
             functions (``rlflow.workers.reward_funcs.RewardFuncs``); role ``reward`` with ``path=None``.
+        reward_errors: what a sample whose ``reward_fn`` raises scores: ``raise``, ``zero`` or
+            ``skip`` (:mod:`rlflow.workers.reward_errors`).
         value_head: the model is ``AutoModelForTokenClassification`` with one label (critic,
             reward model); a causal-LM ``path`` then gets a fresh zero-initialised head.
     """
@@ -97,6 +100,7 @@ class ModelSetup:
     gradient_checkpointing: bool = False
     max_tokens_per_micro_batch: int | None = None
     reward_fn: str | RewardFuncs | None = None
+    reward_errors: str = "raise"
     value_head: bool = False
 
     def __post_init__(self) -> None:
@@ -105,6 +109,8 @@ class ModelSetup:
             raise ValueError(f"{where}: role={self.role!r}, expected one of {MODEL_ROLES}")
         if self.reward_fn is not None and (self.role != "reward" or self.path is not None):
             raise ValueError(f"{where}: reward_fn={self.reward_fn!r} needs role 'reward' and path=None")
+        if self.reward_errors not in REWARD_ERROR_POLICIES:
+            raise ValueError(f"{where}: reward_errors={self.reward_errors!r}, expected one of {REWARD_ERROR_POLICIES}")
         if self.path is None and self.reward_fn is None:
             raise ValueError(f"{where}: path=None is only allowed for a rule-based reward (give reward_fn)")
         if self.trainable and (self.optim is None or self.path is None):

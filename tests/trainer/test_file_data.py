@@ -114,5 +114,7 @@ def test_a_held_out_line_without_an_answer_names_the_file_and_line(tmp_path, tas
     bad = tmp_path / "bad_eval.jsonl"
     bad.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2="}\n')
     files = [f"data.train_file={task_files['train']}", f"data.eval_file={bad}", "data.eval_size=2"]
-    with pytest.raises(DatasetFormatError, match=rf"{bad}:2: held-out prompts need an 'answer'"):
+    with pytest.raises(
+        DatasetFormatError, match=rf"{bad}:2: reward 'numeric_match' needs a ground truth: give the row an 'answer'"
+    ):
         build_trainer_data(load_config(GRPO, [*FROM_FILES, *files]), build_char_tokenizer())

@@ -102,8 +102,11 @@ def test_a_failing_call_names_the_call_model_and_rank(group):
         runner.wait(runner.submit(rollout_rows(("2", "4", "six", "8")), step=1))
     message = str(info.value)
     cause = "ValueError: numeric_match ground truth answer 'six' is not a number"
-    assert message.startswith(f"reward_inf (model reward) on rank 1: {cause}\n")
-    assert info.value.rank == 1 and info.value.task == f"reward_inf (model reward) on rank 1: {cause}"
+    # The call, its model and rank, then the reward, the sample's index among the rank's rows and its prompt.
+    task = "reward_inf (model reward) on rank 1: RewardCallError: reward 'numeric_match' raised on sample 2 "
+    task += f"(prompt '3+3='): {cause} (algorithm.reward_errors=zero or skip scores such samples)"
+    assert message.startswith(f"{task}\n")
+    assert info.value.rank == 1 and info.value.task == task
     # The worker's traceback is kept: the reward's frame and the original exception.
     assert "in numeric_match_reward" in message and f"\n{cause}\n" in message
     # The worker goes on serving calls after a failed one.

@@ -7,7 +7,8 @@
   response) and response (``response_mask``) with the run's tokenizer and scores them with
   the registered rule (``rlflow.workers.rewards``) against the ``answers`` column, or with
   Python reward functions (``rlflow.workers.reward_funcs``) given the dataset's ``columns``. It
-  holds no weights and runs on CPU.
+  holds no weights and runs on CPU. A sample whose reward raises fails the call or is scored by
+  the model's ``reward_errors`` policy (``rlflow.workers.reward_errors``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from rlflow.workers.context import CallContext, tensors_of
 from rlflow.workers.interfaces.actor import pair_columns
 from rlflow.workers.interfaces.base import ModelInterface, train_epochs
 from rlflow.workers.losses import reward_model_loss_fn
+from rlflow.workers.reward_errors import RewardErrors
 from rlflow.workers.reward_funcs import RewardFuncs, score_completions
-from rlflow.workers.rewards import compute_rule_rewards
+from rlflow.workers.rewards import compute_rule_rewards, nan_mean
 
 if TYPE_CHECKING:
     from rlflow.engine.train_engine import TrainEngine
@@ -32,9 +34,14 @@ if TYPE_CHECKING:
 __all__ = ["RewardModelInterface", "RuleRewardInterface", "decode_rollout"]
 
 
-def _with_score_mean(rewards: torch.Tensor) -> DataProto:
-    out = DataProto.from_dict({"rewards": rewards.float()})
-    out.meta_info["score_mean"] = float(rewards.float().mean()) if len(rewards) else 0.0
+def _with_score_mean(rewards: torch.Tensor, errors: RewardErrors | None = None) -> DataProto:
+    """``rewards`` (N,) with NaN (skipped samples) scored 0, and their mean over the samples not skipped;
+    with ``errors`` (policy ``zero`` or ``skip``), the fraction of samples whose reward raised."""
+    rewards = rewards.float()
+    out = DataProto.from_dict({"rewards": torch.nan_to_num(rewards, nan=0.0)})
+    out.meta_info["score_mean"] = nan_mean(rewards)
+    if errors is not None and errors.policy != "raise":
+        out.meta_info.update(errors.metrics(len(rewards)))
     return out
 
 
@@ -80,20 +87,28 @@ class RuleRewardInterface(ModelInterface):
                 f"rule-based reward {self.model.reward_fn!r} needs an 'answers' column; rows hold {data.keys}"
             )
         prompts, responses = decode_rollout(self.tokenizer, **tensors)
+        errors = RewardErrors(self.model.reward_errors)
+        uids = data.non_tensor_batch["uid"].tolist() if "uid" in data.non_tensor_keys else None
         if isinstance(self.model.reward_fn, RewardFuncs):
-            return _score_with_funcs(self.model.reward_fn, data, responses)
-        answers = data.non_tensor_batch["answers"].tolist()
-        return _with_score_mean(compute_rule_rewards(self.model.reward_fn, prompts, responses, answers))
+            out = _score_with_funcs(self.model.reward_fn, data, responses, errors, uids)
+        else:
+            answers = data.non_tensor_batch["answers"].tolist()
+            rewards = compute_rule_rewards(self.model.reward_fn, prompts, responses, answers, errors, uids)
+            out = _with_score_mean(rewards, errors)
+        errors.report(ctx.mfc.name)
+        return out
 
 
-def _score_with_funcs(funcs: RewardFuncs, data: DataProto, completions: list[str]) -> DataProto:
+def _score_with_funcs(
+    funcs: RewardFuncs, data: DataProto, completions: list[str], errors: RewardErrors, uids: list | None
+) -> DataProto:
     """TRL-style reward functions: the dataset's prompt strings and every other column by keyword."""
     rows = data.non_tensor_batch.get("columns")
     if rows is None:
         raise KeyError(f"reward functions {list(funcs.names)} need the dataset's 'columns'; rows hold {data.keys}")
     names = list(dict.fromkeys(k for row in rows for k in row))
     columns = {k: [row.get(k) for row in rows] for k in names if k != "prompt"}
-    rewards, means = score_completions(funcs, [row["prompt"] for row in rows], completions, columns)
-    out = _with_score_mean(rewards)
+    rewards, means = score_completions(funcs, [row["prompt"] for row in rows], completions, columns, errors, uids)
+    out = _with_score_mean(rewards, errors)
     out.meta_info.update(means)
     return out
