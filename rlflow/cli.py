@@ -82,6 +82,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="a100-80g", help="device preset: a100-80g, h100-80g, h200 or cpu")
     g.add_argument("--profile", help="hardware profile JSON from `rlflow profile` (prices the cpu preset)")
     g.add_argument("--pipeline-generate", action="store_true", help="allow pipeline-parallel generation")
+    g.add_argument(
+        "--max-options",
+        type=int,
+        help="keep only the fastest N options of each call (their transfer tables grow with N^2; "
+        "a 512-GPU cluster has ~50k options per call)",
+    )
     g = p.add_argument_group("search")
     g.add_argument(
         "--search-seconds",
@@ -163,7 +169,11 @@ def build_plan_problem(args: argparse.Namespace) -> PlanInputs:
     workload = Workload(args.batch, args.prompt_len, args.gen_len, n_ppo_minibatches=args.minibatches)
     caps = RuntimeCapabilities(pipeline_generate=args.pipeline_generate)
     wall, cpu = time.perf_counter(), time.process_time()
-    problem = build_problem(graph, models, cluster, workload, capabilities=caps, profile=profile)
+    if args.max_options is not None and args.max_options < 1:
+        raise UsageError(f"--max-options={args.max_options} must be >= 1")
+    problem = build_problem(
+        graph, models, cluster, workload, capabilities=caps, profile=profile, max_options_per_mfc=args.max_options
+    )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return PlanInputs(graph, models, cluster, workload, profile, problem, wall, cpu)
 

@@ -183,10 +183,28 @@ def _target_columns(t: dict, start, stop, replicated: bool) -> dict[str, np.ndar
         "tp": tp,
         "r": rank % tp,
         "share": np.ones(len(opt)) if replicated else 1.0 / dp,
+        "dp": dp,
         "s": start[opt, stage],
         "e": stop[opt, stage],
         "segments": np.cumsum(sizes) - sizes,
     }
+
+
+# Bits of each field of a column's sort key, device first: unique columns come out sorted by device.
+_KEY_BITS = (("device", 13), ("tp", 7), ("r", 7), ("share_dp", 13), ("s", 10), ("e", 10))
+
+
+def _column_keys(cols: dict[str, np.ndarray], replicated: bool) -> np.ndarray:
+    """One int64 per column, equal exactly when (device, tp, tp rank, share, stage bounds) are: a
+    1-D sort of millions of columns instead of a row-wise ``np.unique(axis=0)``."""
+    fields = {**cols, "share_dp": np.ones_like(cols["tp"]) if replicated else cols["dp"]}
+    key = np.zeros(len(cols["device"]), dtype=np.int64)
+    for name, bits in _KEY_BITS:
+        values = np.asarray(fields[name], dtype=np.int64)
+        if values.size and values.max() >= 1 << bits:
+            raise ValueError(f"reallocation columns hold {name} < {1 << bits}, got {int(values.max())}")
+        key = (key << bits) | values
+    return key
 
 
 def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict, sl: slice) -> np.ndarray:
@@ -247,10 +265,9 @@ def realloc_time_table(
     t_start, t_stop = _stage_table(model, t["pp"])
     cols = _target_columns(t, t_start, t_stop, replicated)
     # Many (option, rank) columns describe the same destination: same device, tp shard, share and stage.
-    keys = np.stack([cols[k] for k in _COLUMN_KEYS], axis=1)
-    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    _, first, inverse = np.unique(_column_keys(cols, replicated), return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
-    ucols = {k: (v if k == "share" else v.astype(np.int64)) for k, v in zip(_COLUMN_KEYS, unique.T)}
+    ucols = {k: cols[k][first] for k in _COLUMN_KEYS}
     if backend == "cpp":
         table = _realloc_table_cpp(model, cluster, {**h, "start": h_start, "stop": h_stop}, t, ucols, inverse, cols)
     elif backend == "numpy":
