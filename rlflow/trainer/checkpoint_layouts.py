@@ -49,7 +49,10 @@ __all__ = [
     "ModelLayout",
     "checkpoint_for_layouts",
     "read_layouts",
+    "home_layouts",
+    "remove_scratch",
     "reshard_engine_dir",
+    "stage_param_names",
     "write_layouts",
 ]
 
@@ -60,6 +63,7 @@ PLAN_FILE = "plan.json"
 ENGINE_DIR = "engine"
 _ENGINE_RANK = "rank{:05d}.pt"
 _WORKER_FILE = re.compile(r"^worker_rank(\d+)\.pt$")
+_WORKER_NAME = "worker_rank{:05d}.pt"  # rlflow.workers.model_worker's per-rank file
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def read_layouts(checkpoint: Path) -> CheckpointLayouts | None:
 # --- engine files ---
 
 
-def _stage_param_names(config: Any, head: str, layout: Layout, pp_rank: int) -> list[tuple[str, str]]:
+def stage_param_names(config: Any, head: str, layout: Layout, pp_rank: int) -> list[tuple[str, str]]:
     """``(engine name, layout name)`` of the parameters of stage ``pp_rank``, in the stage's
     ``named_parameters`` order (its modules: embedding, layers, norm, head).
 
@@ -204,14 +208,14 @@ def reshard_engine_dir(
     src_layout = build_layout(config, src, range(src.world_size), fsdp=True, head=head)
     dst_layout = build_layout(config, dst, range(dst.world_size), fsdp=True, head=head)
     states = _load_engine_files(src_dir, src_layout)
-    names = {r: _stage_param_names(config, head, src_layout, src_layout.coords(r).pp) for r in src_layout.ranks}
+    names = {r: stage_param_names(config, head, src_layout, src_layout.coords(r).pp) for r in src_layout.ranks}
     tensors, scalars = _per_kind(states, names, src_dir)
     plan = plan_reshard(src_layout, dst_layout)
     resharded = {key: apply_reshard_plan(plan, per_rank) for key, per_rank in tensors.items()}
     first = states[0]
     dst_dir.mkdir(parents=True, exist_ok=True)
     for rank in dst_layout.ranks:
-        stage = _stage_param_names(config, head, dst_layout, dst_layout.coords(rank).pp)
+        stage = stage_param_names(config, head, dst_layout, dst_layout.coords(rank).pp)
         optim_state = {}
         for index, (_, layout) in enumerate(stage):
             entry = {key: per_rank[rank][layout] for key, per_rank in resharded.items() if key != "params"}
@@ -278,9 +282,7 @@ def checkpoint_for_layouts(checkpoint: Path, now: CheckpointLayouts, configs: Ma
     lowest = min(worker_files)
     for rank in now.worker_ranks:
         source = worker_files.get(rank, worker_files[lowest])
-        os.symlink(
-            source.resolve(), scratch / source.name if rank in worker_files else scratch / f"worker_rank{rank:05d}.pt"
-        )
+        os.symlink(source.resolve(), scratch / _WORKER_NAME.format(rank))
     new = sorted(set(now.worker_ranks) - set(worker_files))
     if new:
         logger.warning(
