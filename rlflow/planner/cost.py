@@ -187,6 +187,13 @@ def _step_sync_s(strategy, mesh, cluster) -> float:
     return 3 * float(collective_s(cluster, 8, strategy.dp, dp_group_crosses_hosts(mesh, strategy)))
 
 
+def busy_devices(mesh: DeviceMesh) -> int:
+    """Devices of one host that a call on ``mesh`` keeps busy (a profile prices a call on one
+    worker of an otherwise idle host apart from one that loads every worker: CPU workers share
+    the host's cores, caches and memory bandwidth)."""
+    return mesh.num_devices
+
+
 def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     prec = cluster.precision
     b, tp = prec.generate_bytes, strategy.tp
@@ -215,7 +222,8 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     per_token = (broadcast + float(rates.sample_step_s(rows))) * workload.gen_len
     # In steady state the micro-batches circulate: each step takes max(n_mbs, pp) slots.
     decode = float(np.sum(decode_slot)) * max(n_mbs, strategy.pp) + per_token
-    scale, fixed = rates.call_scale("generate"), rates.call_fixed_s("generate")
+    busy = busy_devices(mesh)
+    scale, fixed = rates.call_scale("generate", busy), rates.call_fixed_s("generate", busy)
     prefill, repeat, decode = prefill * scale, repeat * scale, decode * scale
     act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, p_len, workload.gen_len)
     weights = memory.weight_bytes(model, strategy, prec, generate=True)
@@ -241,8 +249,9 @@ def _inference(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost
     slot = stage_pass_s(model, strategy, cluster, rates, StagePass(mb, s, s * (s + 1) / 2, b, 0, mb * s))
     if strategy.pp > 1:
         slot = slot + p2p_s(cluster, mb * s * model.hidden_size * b, mesh.num_nodes > 1)
-    compute = float(_pipeline(slot, n_mbs, strategy.pp)) * rates.call_scale("inference")
-    fixed = rates.call_fixed_s("inference")
+    busy = busy_devices(mesh)
+    compute = float(_pipeline(slot, n_mbs, strategy.pp)) * rates.call_scale("inference", busy)
+    fixed = rates.call_fixed_s("inference", busy)
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, n_mbs, train=False)
     act = memory.inference_act_bytes(model, strategy, prec, mb, s, n_mbs)
     first = compute / n_mbs
@@ -272,7 +281,8 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         bwd += fwd
     hidden_bytes = mb * s * model.hidden_size * b
     p2p = 2 * float(p2p_s(cluster, hidden_bytes, mesh.num_nodes > 1)) if strategy.pp > 1 else 0.0
-    scale = rates.call_scale("train_step")
+    busy = busy_devices(mesh)
+    scale = rates.call_scale("train_step", busy)
     compute = float(_pipeline(fwd + bwd + p2p, n_mbs, strategy.pp)) * scale
     # Layers are resharded after forward (and gathered again in backward) only without pipelining.
     gathers = n_mbs * (2 if strategy.pp == 1 else 1)
@@ -280,7 +290,7 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     opt_params = memory.max_stage_params(model, strategy.pp) / (strategy.tp * strategy.dp)
     optimizer = float(rates.memory_s(adam_step_bytes_per_param(prec) * opt_params)) * scale
     sync = _step_sync_s(strategy, mesh, cluster)
-    fixed = rates.call_fixed_s("train_step")
+    fixed = rates.call_fixed_s("train_step", busy)
     total = n_steps * (fixed + compute + fsdp + sync + optimizer)
     act = memory.train_act_bytes(model, strategy, prec, mb, s, n_mbs, workload.gradient_checkpointing)
     return CallCost(

@@ -78,14 +78,16 @@ class Rates:
         ``rows`` rows; 0 without a profile (the head's softmax bytes are priced with the head)."""
         return np.zeros_like(np.asarray(rows, dtype=np.float64))
 
-    def call_scale(self, interface_type: str) -> float:
+    def call_scale(self, interface_type: str, busy_devices: int | None = None) -> float:
         """Measured over estimated seconds of whole calls of this interface type (a profile's
-        calibration); 1 for the analytic roofline."""
+        calibration) when the call keeps ``busy_devices`` devices of a host busy (None: every
+        device of the host); 1 for the analytic roofline."""
         return 1.0
 
-    def call_fixed_s(self, interface_type: str) -> float:
+    def call_fixed_s(self, interface_type: str, busy_devices: int | None = None) -> float:
         """Seconds a call of this interface type takes whatever its rows (per optimizer step of
-        a training call), from a profile's calibration; 0 for the analytic roofline."""
+        a training call), from a profile's calibration (``busy_devices`` as in
+        :meth:`call_scale`); 0 for the analytic roofline."""
         return 0.0
 
     def memory_s(self, nbytes):

@@ -179,12 +179,23 @@ class BatchTiming:
 _CALL_KINDS = {"generate": RolloutTiming, "forward": BatchTiming, "train": BatchTiming}
 
 
+_OPTIONAL_SUFFIXES = ("_alt", "_alone", "_alone_alt")
+
+
 @dataclass(frozen=True)
 class CallTimings:
-    """Whole calls of the planned ``model`` that calibrate the estimates of its call types:
-    each kind at the run's per-worker shape and, in ``*_alt``, at a second batch size (the
-    whole batch on one worker, or half the rows), which splits a call's time into what does
-    not depend on its rows and what does (:meth:`ProfiledRates._calibrate`)."""
+    """Whole calls of the planned ``model`` that calibrate the estimates of its call types.
+
+    Two regimes, each at one or two batch sizes (two split a call's time into what does not
+    depend on its rows and what does, :meth:`ProfiledRates._calibrate`):
+
+    * **busy**: each kind at the run's per-worker shape with every worker process of the host
+      running it at once (training on FSDP over all of them), and in ``*_alt`` at a second batch
+      size — what a call spread over the host's workers costs;
+    * **alone** (``*_alone``, ``*_alone_alt``; absent from one-worker hosts and older profiles):
+      the whole batch, and one worker's share, in one process while the others idle — what a call
+      on one worker costs, without the contention and FSDP of the busy regime.
+    """
 
     model: ModelSpec
     generate: RolloutTiming
@@ -193,16 +204,28 @@ class CallTimings:
     generate_alt: RolloutTiming | None = None
     forward_alt: BatchTiming | None = None
     train_alt: BatchTiming | None = None
+    generate_alone: RolloutTiming | None = None
+    forward_alone: BatchTiming | None = None
+    train_alone: BatchTiming | None = None
+    generate_alone_alt: RolloutTiming | None = None
+    forward_alone_alt: BatchTiming | None = None
+    train_alone_alt: BatchTiming | None = None
 
-    def timings(self, kind: str) -> list[RolloutTiming | BatchTiming]:
-        """The timings of ``kind`` (``generate``, ``forward``, ``train``): one or two shapes."""
-        alt = getattr(self, f"{kind}_alt")
-        return [getattr(self, kind)] + ([alt] if alt is not None else [])
+    def timings(self, kind: str, alone: bool = False) -> list[RolloutTiming | BatchTiming]:
+        """The timings of ``kind`` (``generate``, ``forward``, ``train``) in one regime: zero
+        (no alone timings), one or two shapes."""
+        keys = (f"{kind}_alone", f"{kind}_alone_alt") if alone else (kind, f"{kind}_alt")
+        return [t for t in (getattr(self, k) for k in keys) if t is not None]
+
+    @property
+    def processes(self) -> int:
+        """The worker processes that were busy while the busy regime was timed."""
+        return self.generate.processes
 
     def to_dict(self) -> dict[str, dict]:
         out = {"model": dataclasses.asdict(self.model)}
         for kind in _CALL_KINDS:
-            for key in (kind, f"{kind}_alt"):
+            for key in (kind, *(kind + suffix for suffix in _OPTIONAL_SUFFIXES)):
                 if getattr(self, key) is not None:
                     out[key] = dataclasses.asdict(getattr(self, key))
         return out
@@ -217,7 +240,7 @@ class CallTimings:
         timings = {
             key: _from_dict(kind_cls, data[key], f"{where}.{key}")
             for kind, kind_cls in _CALL_KINDS.items()
-            for key in (kind, f"{kind}_alt")
+            for key in (kind, *(kind + suffix for suffix in _OPTIONAL_SUFFIXES))
             if data.get(key) is not None
         }
         return cls(model=_from_dict(ModelSpec, data["model"], f"{where}.model"), **timings)
@@ -382,13 +405,30 @@ class ProfiledRates(Rates):
         backward = [self._work(spec, s, nbytes, decode=False) for s in profile.backward]
         rates = [BACKWARD_FLOPS_FACTOR * w[0] / self._net(w[4]) for w in backward]
         self._bwd = self._table([w[3] for w in backward], rates)
+        # (fixed_s, scale) per interface type with every worker of a host busy, and with one
+        # worker alone (profiles that timed it); see call_scale.
+        self.busy_fits: dict[str, tuple[float, float]] = {}
+        self.alone_fits: dict[str, tuple[float, float]] = {}
+        self.busy_processes = 1
         if calibrate and profile.calls is not None:
-            fits = {kind: self._calibrate(profile.calls, cluster, kind) for kind in _INTERFACES}
-            self.call_fixed = {kind: fixed for kind, (fixed, _) in fits.items()}
-            self.call_scales = {kind: scale for kind, (_, scale) in fits.items()}
+            calls = profile.calls
+            # Both fits price the profiled calls uncalibrated: neither is set until both are made.
+            busy = {
+                kind: self._calibrate(calls.timings(_KIND[kind]), calls.model, cluster, kind) for kind in _INTERFACES
+            }
+            alone = {}
+            if calls.generate_alone is not None and calls.processes > 1:
+                alone = {kind: self._calibrate(calls.timings(_KIND[kind], alone=True), calls.model, cluster, kind)
+                         for kind in _INTERFACES}  # fmt: skip
+            self.busy_fits, self.alone_fits, self.busy_processes = busy, alone, calls.processes
+            self.call_fixed = {kind: fixed for kind, (fixed, _) in busy.items()}
+            self.call_scales = {kind: scale for kind, (_, scale) in busy.items()}
 
-    def _calibrate(self, calls: CallTimings, cluster: ClusterSpec, interface: str) -> tuple[float, float]:
-        """``(fixed_s, scale)`` of one interface type from the profiled whole calls of that type.
+    def _calibrate(
+        self, timings: list[RolloutTiming | BatchTiming], model: ModelSpec, cluster: ClusterSpec, interface: str
+    ) -> tuple[float, float]:
+        """``(fixed_s, scale)`` of one interface type from profiled whole calls of that type
+        (``timings``: one regime's, one or two batch sizes).
 
         The layer timings miss what a whole call adds at the planned model's shape: the HF
         model's per-pass work around its layers, the sampler's bookkeeping (its Python per decode
@@ -403,8 +443,7 @@ class ProfiledRates(Rates):
         call (generation, inference) or per optimizer step (training); ``scale`` lies in
         ``[1/16, 16]``.
         """
-        timings = calls.timings(_KIND[interface])
-        points = [self._priced(calls.model, timing, cluster, interface) for timing in timings]
+        points = [self._priced(model, timing, cluster, interface) for timing in timings]
         (p1, m1), *rest = sorted(points)
         if rest and rest[-1][0] > p1 * 1.05:
             p2, m2 = rest[-1]
@@ -436,16 +475,27 @@ class ProfiledRates(Rates):
             if dp == 1
             else DeviceMesh(1, dp, devices_per_node=dp)
         )
-        # Called before call_scales / call_fixed are set: the rates price it uncalibrated.
+        # Called before any fit is set: the rates price it uncalibrated.
         cost = call_cost(mfc, model, ParallelStrategy(dp=dp), mesh, cluster, workload, self)
         comm = cost.breakdown.get("fsdp_exposed_s", 0.0) + cost.breakdown.get("sync_s", 0.0)
         return max(cost.time_s - comm, 1e-12), max(timing.seconds - comm, 0.0)
 
-    def call_scale(self, interface_type: str) -> float:
-        return self.call_scales.get(interface_type, 1.0)
+    def _fit(self, interface_type: str, busy_devices: int | None) -> tuple[float, float]:
+        """``(fixed_s, scale)`` of a call keeping ``busy_devices`` devices of a host busy: the alone
+        fit for one, the busy fit for the profiled processes or more (or None), linear in
+        between; the busy fit alone when the profile has no alone timings."""
+        busy = self.busy_fits.get(interface_type, (0.0, 1.0))
+        alone = self.alone_fits.get(interface_type)
+        if alone is None or busy_devices is None or busy_devices >= self.busy_processes:
+            return busy
+        w = (max(busy_devices, 1) - 1) / (self.busy_processes - 1)
+        return (1 - w) * alone[0] + w * busy[0], (1 - w) * alone[1] + w * busy[1]
 
-    def call_fixed_s(self, interface_type: str) -> float:
-        return self.call_fixed.get(interface_type, 0.0)
+    def call_scale(self, interface_type: str, busy_devices: int | None = None) -> float:
+        return self._fit(interface_type, busy_devices)[1]
+
+    def call_fixed_s(self, interface_type: str, busy_devices: int | None = None) -> float:
+        return self._fit(interface_type, busy_devices)[0]
 
     def _pass_overhead(self, spec: ModelSpec, profile: MachineProfile, nbytes: int) -> float:
         """Seconds a whole model's pass adds to its layers (embedding, rotary, masks, final norm,

@@ -318,8 +318,9 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     forward/backward over the rollout rows, a prefill of the prompts, a decode step of the rows —
     on top of a few default sizes (the rates are interpolated between them). With the actor's
     ``spec``, also whole calls of it at those shapes (a rollout, a forward and a training step),
-    timed with every worker of a host running them at once, which calibrate the estimates of
-    every call type."""
+    timed with every worker of a host running them at once, and — on a host of several workers —
+    the whole batch and one worker's share in one process while the others idle; they calibrate
+    the estimates of every call type on many workers and on one."""
     m = cfg.models["actor"] if "actor" in cfg.models else next(iter(cfg.models.values()))
     layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
     if spec is not None:
@@ -346,6 +347,16 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
             "train_alt": {"rows": rows * alt // prompts, "seq": p + r},
         }
         shapes["call_processes"] = cfg.placement.devices_per_node  # every worker of a host busy
+        if cfg.placement.devices_per_node > 1:
+            # The same calls in one process while the others idle, at the whole batch and at one
+            # worker's share: the price of a call a plan gives one worker of the host.
+            total = cfg.data.batch_size
+            shapes["calls"] |= {
+                "generate_alone": {"prompts": total, "prompt_len": p, "n": samples, "gen_len": r},
+                "train_alone": {"rows": rows * total // prompts, "seq": p + r},
+                "generate_alone_alt": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
+                "train_alone_alt": {"rows": rows, "seq": p + r},
+            }
     return shapes
 
 

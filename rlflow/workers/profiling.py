@@ -281,16 +281,35 @@ def _time_call(kind: str, rollout, engine, shape: dict) -> float:
 _CALLS = ("generate", "forward", "train")
 
 
-def _call_shapes(calls: dict, alt: bool = False) -> dict[str, dict]:
-    """The shape each kind of call is timed at: the run's per-worker shape, or (``alt``) the
-    second batch size (``generate_alt``, ``train_alt``)."""
-    suffix = "_alt" if alt else ""
+def _call_shapes(calls: dict, suffix: str = "") -> dict[str, dict]:
+    """The shape each kind of call is timed at: ``calls["generate" + suffix]`` and
+    ``calls["train" + suffix]`` (the training shape is also timed as a forward). Suffixes: ``""``
+    (the run's per-worker shape), ``"_alt"`` (a second batch size), ``"_alone"`` and
+    ``"_alone_alt"`` (one process by itself: the whole batch and one worker's share)."""
     gen, train = calls["generate" + suffix], calls["train" + suffix]
     return {"generate": gen, "forward": train, "train": train}
 
 
-def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
-    """One worker-like process of :func:`concurrent_call_seconds`: its medians, per call."""
+def _suffixes(calls: dict, alone: bool) -> list[str]:
+    """The shape suffixes ``calls`` describes of one regime: with every process busy, or one alone."""
+    return [s for s in (("_alone", "_alone_alt") if alone else ("", "_alt")) if "train" + s in calls]
+
+
+def _median_call_seconds(rollout, engine, calls: dict, suffixes: list[str], rounds: int) -> dict[str, float]:
+    """Median seconds of every call kind at every shape of ``suffixes``, in round-robin rounds."""
+    shapes = [(suffix, _call_shapes(calls, suffix)) for suffix in suffixes]
+    keys = [kind + suffix for suffix, _ in shapes for kind in _CALLS]
+    timings = [[_time_call(k, rollout, engine, s[k]) for _, s in shapes for k in _CALLS] for _ in range(rounds)]
+    return dict(zip(keys, np.median(timings, axis=0).tolist()))
+
+
+def _call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
+    """One worker-like process of :func:`concurrent_call_seconds`: its medians, per call and shape.
+
+    First every process times the busy shapes at once (training on FSDP over all of them);
+    then, when ``calls`` has ``*_alone`` shapes, rank 0 times those by itself, on an engine of its
+    own rank only (no FSDP, as a one-worker plan trains), while the others wait at a barrier.
+    """
     import copy
 
     import torch
@@ -304,30 +323,47 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> list[float]:
     world = dist.get_world_size()
     torch.manual_seed(0)  # the same weights on every rank
     rollout = _call_model(calls["model"], torch.float32).eval()
-    mesh = build_call_groups(range(world), ParallelStrategy(dp=world), "cpu").mesh
     optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
-    engine = TrainEngine(copy.deepcopy(rollout), mesh, EngineConfig(device="cpu", optim=optim))
+
+    def engine_on(ranks: range) -> TrainEngine | None:
+        groups = build_call_groups(ranks, ParallelStrategy(dp=len(ranks)), "cpu")  # collective
+        return (
+            None
+            if groups is None
+            else TrainEngine(copy.deepcopy(rollout), groups.mesh, EngineConfig(device="cpu", optim=optim))
+        )
+
+    engine = engine_on(range(world))
     torch.manual_seed(rank)  # each rank its own rows
-    shapes = [_call_shapes(calls, alt) for alt in (False, True) if not alt or "train_alt" in calls]
     dist.barrier()
-    timings = [[_time_call(k, rollout, engine, s[k]) for s in shapes for k in _CALLS] for _ in range(rounds)]
-    return np.median(timings, axis=0).tolist()
+    seconds = _median_call_seconds(rollout, engine, calls, _suffixes(calls, alone=False), rounds)
+    alone = _suffixes(calls, alone=True)
+    if alone:
+        del engine
+        single = engine_on(range(1))
+        dist.barrier()
+        if rank == 0:
+            seconds.update(_median_call_seconds(rollout, single, calls, alone, rounds))
+        dist.barrier()  # the others idle until rank 0 is done
+    return seconds
 
 
 def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
     """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU in ``processes``
     single-threaded worker processes at once, the slowest process's median: each its own
     rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
-    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them.
+    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them; and the
+    ``*_alone`` shapes, when ``calls`` has them, in one process while the others idle (keys
+    ``generate_alone``, ``train_alone_alt``, ...).
 
     A CPU device is one worker process: when a plan keeps every worker of a host busy, they
     share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
     of its cores; FSDP adds its hooks, copies and collectives around every unit. A
-    data-parallel call lasts as long as its slowest rank.
+    data-parallel call lasts as long as its slowest rank. A call on one worker of a host whose
+    other workers idle has the host to itself: the ``*_alone`` timings price it.
     """
     per_process = _in_gloo_processes(_call_seconds, processes, calls, rounds)
-    keys = [*_CALLS, *(f"{k}_alt" for k in _CALLS)][: len(per_process[0])]
-    return {k: max(p[i] for p in per_process) for i, k in enumerate(keys)}
+    return {k: max(p[k] for p in per_process if k in p) for k in per_process[0]}
 
 
 def _decode_step(config, model, batch: int, context: int, device: str):
@@ -449,7 +485,9 @@ def run_profile(
             (:class:`ModelSpec` fields of the actor), ``generate`` (``prompts``, ``prompt_len``,
             ``n`` samples per prompt, ``gen_len``) and ``train`` (``rows``, ``seq``; also timed
             as a forward), the shapes one worker runs, and optionally ``generate_alt`` and
-            ``train_alt`` at another batch size (both, or neither); see
+            ``train_alt`` at another batch size (both, or neither), and ``generate_alone``,
+            ``train_alone`` (optionally with ``_alone_alt``) timed in one process while the
+            others idle (how a one-worker plan runs); see
             ``rlflow.trainer.placement.profile_shapes``.
         call_processes: the worker processes that time those calls at once
             (:func:`concurrent_call_seconds`; the workers of one host).
@@ -529,14 +567,14 @@ def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
     one per process, the forward and training step on FSDP over all of them)."""
     seconds = concurrent_call_seconds(calls, processes, rounds)
     timings = {}
-    for alt in (False, True):
-        if alt and "train_alt" not in calls:
-            continue
-        shapes, suffix = _call_shapes(calls, alt), "_alt" if alt else ""
-        for kind in _CALLS:
-            record, dp = (RolloutTiming, 1) if kind == "generate" else (BatchTiming, processes)
-            seconds_k = seconds[kind + suffix]
-            timings[kind + suffix] = record(**shapes[kind], seconds=seconds_k, processes=processes, dp=dp)
+    for alone in (False, True):
+        busy = 1 if alone else processes  # the processes at work while these calls were timed
+        for suffix in _suffixes(calls, alone):
+            shapes = _call_shapes(calls, suffix)
+            for kind in _CALLS:
+                record, dp = (RolloutTiming, 1) if kind == "generate" else (BatchTiming, busy)
+                seconds_k = seconds[kind + suffix]
+                timings[kind + suffix] = record(**shapes[kind], seconds=seconds_k, processes=busy, dp=dp)
     return CallTimings(model=ModelSpec(**calls["model"]), **timings)
 
 

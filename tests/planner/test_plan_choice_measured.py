@@ -75,12 +75,6 @@ def _run(overrides: list[str], run_dir: Path) -> tuple[float, float, tuple]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known (issue 12): on the 2-core machine the search picked dp=2 for both calls at a measured "
-    "0.195 s/step where one worker and the disjoint plan measured 0.096 and 0.095 s (estimate errors "
-    "24-85%); the profile times calls with every worker busy, which misprices one-worker plans",
-)
 def test_the_chosen_plan_is_not_slower_than_the_others_beyond_the_estimate_error(ray_session, tmp_path):
     chosen_s, chosen_est, chosen_shape = _run([], tmp_path / "auto")
     others = {name: shape for name, shape in SHAPES.items() if shape != chosen_shape}

@@ -165,6 +165,53 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
         assert 1 / 16 <= scale <= 16
 
 
+def test_a_call_on_one_worker_of_a_busy_host_is_priced_at_its_alone_timings(tmp_path):
+    """A host's workers share its cores, caches and memory bandwidth, and FSDP adds its work: a
+    call spread over every worker costs more per row than one on a worker whose peers idle. The
+    profile times both regimes — the per-worker shape with both processes busy (training on FSDP
+    over them), and the whole batch and one worker's share in one process alone — and each is
+    priced from its own fit: a call on one device of the host at the alone timings, on both at
+    the busy ones, so the planner can see when one worker is the faster plan."""
+    calls = {
+        **CALLS,
+        "generate_alone": dict(prompts=8, prompt_len=6, n=2, gen_len=3),
+        "train_alone": dict(rows=16, seq=9),
+        "generate_alone_alt": dict(prompts=4, prompt_len=6, n=2, gen_len=3),
+        "train_alone_alt": dict(rows=8, seq=9),
+    }
+    layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
+    prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
+                       decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=calls, call_processes=2)  # fmt: skip
+    assert load_profile(tmp_path / "p.json") == prof
+    for name in ("generate", "forward", "train"):
+        busy, alone = prof.calls.timings(name), prof.calls.timings(name, alone=True)
+        assert [t.processes for t in busy] == [2, 2] and [t.processes for t in alone] == [1, 1]
+        assert [t.dp for t in alone] == [1, 1] and all(t.seconds > 0 for t in busy + alone)
+    cluster = cluster_preset("cpu", 1, 2, profile=prof)
+    rates = ProfiledRates.from_profile(prof, cluster)
+    assert set(rates.alone_fits) == set(rates.busy_fits) == {"generate", "inference", "train_step"}
+    for interface in ("generate", "inference", "train_step"):
+        alone, busy = rates.alone_fits[interface], rates.busy_fits[interface]
+        assert (rates.call_fixed_s(interface, 1), rates.call_scale(interface, 1)) == alone
+        assert (rates.call_fixed_s(interface, 2), rates.call_scale(interface, 2)) == busy
+        assert (rates.call_fixed_s(interface), rates.call_scale(interface)) == busy  # no mesh: the host busy
+    # The whole training batch alone on one worker is priced at its measurement (a line through
+    # both alone shapes), or at the ratio of both when noise left the line a negative part.
+    model, one = ModelSpec(**CALLS["model"]), DeviceMesh(1, 1, devices_per_node=2)
+    train = Workload(batch_size=16, prompt_len=9, gen_len=0, n_ppo_minibatches=1, gradient_checkpointing=False,
+                     max_tokens_per_mb=None)  # fmt: skip
+    cost = call_cost(
+        MFCDef("t", "m", "train_step", objective="rl"), model, ParallelStrategy(), one, cluster, train, rates
+    )
+    if rates.alone_fits["train_step"][0] > 0:
+        assert cost.time_s == pytest.approx(prof.calls.train_alone.seconds, rel=1e-6)
+    # A profile without alone timings (a one-worker host, or an older file) prices every mesh busy.
+    older = dataclasses.replace(prof, calls=dataclasses.replace(
+        prof.calls, **{f"{k}{s}": None for k in ("generate", "forward", "train") for s in ("_alone", "_alone_alt")}))  # fmt: skip
+    plain = ProfiledRates.from_profile(older, cluster)
+    assert plain.alone_fits == {} and plain.call_scale("generate", 1) == rates.busy_fits["generate"][1]
+
+
 def test_whole_calls_are_timed_on_cpu_workers_only(tmp_path):
     with pytest.raises(ValueError, match="CPU worker processes"):
         run_profile(tmp_path / "p.json", device="cuda", progress=False, calls=CALLS)
