@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +78,13 @@ class RemoteRows:
     perm: np.ndarray | None = None
 
     def materialize(self) -> DataProto:
-        values = ray.get([ref for ref, _ in self.pieces])
+        """The rows; pieces this process returned itself come from :data:`local_outputs`, the
+        rest from the object store."""
+        values = [local_outputs.get(ref) for ref, _ in self.pieces]
+        remote = [i for i, value in enumerate(values) if value is None]
+        if remote:
+            for i, value in zip(remote, ray.get([self.pieces[i][0] for i in remote])):
+                values[i] = value
         parts = []
         for value, (_, rows) in zip(values, self.pieces):
             if not isinstance(value, DataProto):
@@ -85,6 +92,55 @@ class RemoteRows:
             parts.append(value if isinstance(rows, slice) and rows == ALL_ROWS else value[rows])
         data = parts[0] if len(parts) == 1 else DataProto.concat(parts)
         return data if self.perm is None else data[self.perm]
+
+
+class LocalOutputs:
+    """The DataProtos this worker process returned lately, by the id of the task that returned them.
+
+    A call's output part goes to its owner (the driver) through Ray; when the next call reads
+    that part on the same worker — one worker running the rollout, the reward and the training
+    step, or dp ranks that keep their rows — fetching it back would be a round trip through the
+    owner for rows the process still holds. :meth:`RemoteRows.materialize` takes them from here
+    instead. Readers get the very object the producer returned, shared as the object store
+    shares a part among tp replicas (a method that writes its inputs declares
+    ``writable_inputs`` and gets a copy). Worker tasks create no objects but their return values
+    (workers never ``ray.put``), so the task id of a ref names the output it refers to. The
+    oldest entries go first once the kept tensors exceed ``max_bytes``; a part no longer here is
+    fetched from the object store as before.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[DataProto, int]] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+
+    def put(self, task_id: str, value: Any) -> None:
+        if not isinstance(value, DataProto) or len(value) == 0:
+            return
+        nbytes = payload_nbytes(value)
+        if nbytes > self.max_bytes:
+            return
+        self._items[task_id] = (value, nbytes)
+        self._bytes += nbytes
+        while self._bytes > self.max_bytes:
+            _, (_, dropped) = self._items.popitem(last=False)
+            self._bytes -= dropped
+
+    def get(self, ref: ray.ObjectRef) -> DataProto | None:
+        item = self._items.get(ref.task_id().hex()) if self._items else None
+        if item is None:
+            return None
+        self.hits += 1
+        return item[0]
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+
+#: This process's :class:`LocalOutputs` (filled by ``WorkerHost.execute``).
+local_outputs = LocalOutputs()
 
 
 def materialize_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

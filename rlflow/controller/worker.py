@@ -20,7 +20,7 @@ import numpy as np
 import ray
 import torch
 
-from rlflow.controller.data_plane import materialize_args
+from rlflow.controller.data_plane import local_outputs, materialize_args
 from rlflow.controller.decorator import Dispatch, method_spec, register
 from rlflow.controller.errors import TaskError, WorkerError
 from rlflow.protocol import DataProto
@@ -224,4 +224,6 @@ class WorkerHost:
         except Exception as exc:
             task = str(exc) if isinstance(exc, TaskError) else None
             raise WorkerError(role, self._info.rank, self._info.node_id, method, traceback.format_exc(), task) from None
+        if isinstance(output, DataProto) and ray.is_initialized():  # a later call here reads it locally
+            local_outputs.put(ray.get_runtime_context().get_task_id(), output)
         return (output, _rows_of(output)) if with_num_rows else output

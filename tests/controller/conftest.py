@@ -139,6 +139,13 @@ class ActorWorker(Worker):
         return data.batch["id"].data_ptr()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def local_reads(self) -> int:
+        """How many future parts this process read from its own outputs (no fetch through Ray)."""
+        from rlflow.controller.data_plane import local_outputs
+
+        return local_outputs.hits
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def num_rows(self, data: DataProto) -> list[int]:
         return data.batch["id"].tolist()
 
