@@ -224,3 +224,12 @@ def test_rlflow_plan_prints_the_search_summary_and_the_explanation(capsys):
     why = text[text.index("why the searched plan is") :]
     for name in ("actor_gen", "critic_inf", "ref_inf", "reward_inf", "actor_train", "critic_train", "devices busy"):
         assert name in why
+
+
+def test_rlflow_plan_max_options_keeps_the_fastest_options_of_each_call(capsys):
+    argv = "plan --algo ppo --actor llama2-7b --nodes 2 --devices-per-node 4 --batch 64 --prompt-len 128 --gen-len 128 --search-steps 200 --chains 1 --no-progress".split()  # fmt: skip
+    assert main([*argv, "--max-options", "5"]) == 0
+    assert capsys.readouterr().out.startswith("problem: 6 calls, 30 options, ")
+    with pytest.raises(SystemExit):
+        main([*argv, "--max-options", "0"])
+    assert "--max-options=0 must be >= 1" in capsys.readouterr().err
