@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -132,6 +132,7 @@ class PlanInputs:
     problem: Any
     build_seconds: float  # wall
     build_cpu_seconds: float
+    rates: dict = field(default_factory=dict, compare=False)  # cluster -> its rates, built once
 
     def price(self, mfc: int, option, cluster) -> float:
         """Seconds of MFC ``mfc`` under ``option`` on ``cluster`` (the cost model the problem used)."""
@@ -139,7 +140,9 @@ class PlanInputs:
         from rlflow.planner.cost import call_cost
 
         mfc_def = self.graph.nodes[self.problem.mfc_names[mfc]]["mfc"]
-        rates = pricing_rates(cluster, self.profile)
+        if cluster not in self.rates:
+            self.rates[cluster] = pricing_rates(cluster, self.profile)
+        rates = self.rates[cluster]
         model = self.models[mfc_def.model_name]
         return call_cost(mfc_def, model, option.strategy, option.mesh, cluster, self.workload, rates).time_s
 
