@@ -114,3 +114,15 @@ def test_only_a_dead_worker_or_a_failed_collective_is_worth_a_restart():
     bug = WorkerError("model", 0, None, "execute", "ValueError: reward function returned 3 values for 4 samples")
     assert is_recoverable(died) and is_recoverable(peer) and is_recoverable(hung)
     assert not is_recoverable(bug) and not is_recoverable(ValueError("Timed out"))
+
+
+@pytest.mark.parametrize("save_on_signal", [True, False])
+def test_signal_handlers_are_rlflows_only_while_it_trains_and_only_when_asked(tmp_path, save_on_signal):
+    overrides = [*COMMON, f"checkpoint.save_on_signal={str(save_on_signal).lower()}", f"logging.dir={tmp_path}"]
+    trainer = Trainer(load_config(GRPO, overrides), progress_bars=False)  # built, not launched: no workers
+    signals = (signal.SIGINT, signal.SIGTERM)
+    before = [signal.getsignal(s) for s in signals]
+    with trainer._signals_stop_training():
+        inside = [signal.getsignal(s) for s in signals]
+    assert (inside != before) is save_on_signal
+    assert [signal.getsignal(s) for s in signals] == before
