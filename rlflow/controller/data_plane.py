@@ -103,7 +103,8 @@ class LocalOutputs:
     owner for rows the process still holds. :meth:`RemoteRows.materialize` takes them from here
     instead. Readers get the very object the producer returned, shared as the object store
     shares a part among tp replicas (a method that writes its inputs declares
-    ``writable_inputs`` and gets a copy). Worker tasks create no objects but their return values
+    ``writable_inputs`` and gets a copy). Only host tensors are kept. Worker tasks create no
+    objects but their return values
     (workers never ``ray.put``), so the task id of a ref names the output it refers to. The
     oldest entries go first once the kept tensors exceed ``max_bytes``; a part no longer here is
     fetched from the object store as before.
@@ -116,7 +117,10 @@ class LocalOutputs:
         self.hits = 0
 
     def put(self, task_id: str, value: Any) -> None:
+        """Keeps ``value`` (a DataProto of host tensors; device memory is never held here)."""
         if not isinstance(value, DataProto) or len(value) == 0:
+            return
+        if any(t.device.type != "cpu" for _, t in value._items()):
             return
         nbytes = payload_nbytes(value)
         if nbytes > self.max_bytes:
