@@ -4,6 +4,7 @@ and the explanation ``rlflow plan`` prints of why the searched plan beats the he
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -22,7 +23,7 @@ from rlflow.planner.cost import call_cost
 from rlflow.planner.explain import explain_plan, free_links
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
-from rlflow.planner.search import search
+from rlflow.planner.search import fill_idle_devices, search
 from rlflow.planner.simulate import Simulator, simulate_py
 from rlflow.planner.space import enumerate_meshes
 from rlflow.planner.transfer import data_table, realloc_time_table
@@ -233,3 +234,21 @@ def test_rlflow_plan_max_options_keeps_the_fastest_options_of_each_call(capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--max-options", "0"])
     assert "--max-options=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_idle_devices_are_put_to_work_only_where_that_is_faster():
+    # MFC 0 may run on devices 0-3, 0-7 (faster) or 4-7; MFC 1 only on 0-3.
+    problem = frozen_problem(
+        [[opt(0, 4, 2.0), opt(0, 8, 1.5), opt(4, 4, 2.0)], [opt(0, 4, 1.0)]],
+        version_edges=[(0, 1), (1, 0)],
+    )
+    sim = Simulator(problem)
+    assert fill_idle_devices(sim, (0, 0)) == ((1, 0), sim.cost((1, 0)))
+    assert sim.cost((1, 0)) < sim.cost((0, 0))
+    # Where the larger mesh is slower, the idle devices stay idle.
+    slower = frozen_problem([[opt(0, 4, 2.0), opt(0, 8, 2.5)]])
+    assert fill_idle_devices(Simulator(slower), (0,)) == ((0,), Simulator(slower).cost((0,)))
+    # The search ends with the pass: its best plan leaves no device idle that a call could use faster.
+    found = search(sim, max_steps=50, num_chains=1, initial_plans=[(0, 0)], progress=False)
+    assert found.cost <= fill_idle_devices(sim, found.choice)[1]
+    assert "4 idle devices put to work" in dataclasses.replace(found, filled_devices=4).summary()
