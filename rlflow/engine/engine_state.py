@@ -34,6 +34,7 @@ __all__ = ["load_checkpoint", "load_state_dict_full", "save_checkpoint", "save_p
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
+_KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")  # how AdamW runs, not what it holds
 
 
 def mesh_rank(engine: TrainEngine) -> int:
@@ -242,6 +243,11 @@ def load_checkpoint(engine: TrainEngine, path: str) -> None:
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 entry[key] = _as_param_layout(value, param)
+    # The kernel (fused, foreach) is this engine's choice for its parameters, not the writer's: a
+    # checkpoint of a fused single-rank engine may be loaded, resharded, into DTensor parameters.
+    kernels = [{k: g[k] for k in _KERNEL_FLAGS if k in g} for g in engine.optimizer.param_groups]
     engine.optimizer.load_state_dict(optim_sd)
+    for group, flags in zip(engine.optimizer.param_groups, kernels, strict=True):
+        group.update(flags)
     engine.scheduler.load_state_dict(state["scheduler"])
     engine.global_step = state["global_step"]
