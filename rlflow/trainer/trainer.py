@@ -7,7 +7,10 @@ functions, the model and tokenizer in the run directory; :mod:`rlflow.trainer.in
 ``fit()`` reads as a list of named stages — resume, evaluate, warm up, copy the ``init: copy``
 models from their sources, train (steps of the graph, overlapping iterations where the graph
 allows), evaluate, save, report — and every stage is a method of its own. Variants are
-configuration, never copies of this loop.
+configuration, never copies of this loop. Around the stages, ``fit()`` restarts the workers from
+the last checkpoint after a recoverable failure (``trainer.max_restarts``), and the training
+stage turns SIGINT/SIGTERM into a checkpoint and an exit (``checkpoint.save_on_signal``); a
+checkpoint loads under whatever layouts this run planned (:mod:`rlflow.trainer.checkpoint_layouts`).
 """
 
 from __future__ import annotations
