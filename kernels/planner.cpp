@@ -529,6 +529,10 @@ struct ReallocInputs {
   std::vector<double> c_share, cum, item_bytes;
 };
 
+// A destination receives nothing when what it holds of the home layout is all it needs, up to
+// rounding (the numpy twin's _LOCAL_TOLERANCE).
+constexpr double kLocalTolerance = 1e-9;
+
 // cum[n * (items + 1) + k]: bytes of items < k that home option h holds on node n.
 void node_holdings(const ReallocInputs& in, i64 h, i64 width, std::vector<double>& hold, std::vector<double>& counts) {
   const i64 items = (i64)in.item_bytes.size(), dp = in.h_dp[h], tp = in.h_tp[h], pp = in.h_pp[h];
@@ -566,6 +570,8 @@ double column_seconds(const ReallocInputs& in, i64 h, i64 width, const std::vect
                                            std::max(double(q) / double(h_tp), double(r) / double(tp)));
   const double local = inside ? shared * tp_part / double(h_dp) * share : 0.0;
   const double seconds = (on_node - local) / in.intra + (total - on_node) / in.inter;
+  // One broadcast per parameter tensor; a device that holds all it needs copies it in memory.
+  if (!(total - local > kLocalTolerance * total)) return local / in.intra;
   return seconds + double(in.tensors[e] - in.tensors[s]) * in.latency;
 }
 

@@ -190,6 +190,9 @@ def _target_columns(t: dict, start, stop, replicated: bool) -> dict[str, np.ndar
     }
 
 
+# A destination receives nothing when what it holds of the home layout is all it needs, up to rounding.
+_LOCAL_TOLERANCE = 1e-9
+
 # Bits of each field of a column's sort key, device first: unique columns come out sorted by device.
 _KEY_BITS = (("device", 13), ("tp", 7), ("r", 7), ("share_dp", 13), ("s", 10), ("e", 10))
 
@@ -229,8 +232,11 @@ def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict
     tp_part = _interval_overlap(q / h_tp, (q + 1) / h_tp, r / tp, (r + 1) / tp)
     local = np.where(inside, shared * tp_part / h_dp * share, 0.0)
     seconds = (on_node - local) / cluster.intra_host_bandwidth + (total - on_node) / cluster.inter_host_bandwidth
-    # One broadcast per parameter tensor of the destination stage.
-    return seconds + (tensors[e_j] - tensors[s_j]) * cluster.collective_latency_s
+    # One broadcast per parameter tensor of the destination stage; a device that already holds
+    # all it needs (one worker training and generating) copies it in memory, no collective.
+    receives = total - local > _LOCAL_TOLERANCE * total
+    latency = (tensors[e_j] - tensors[s_j]) * cluster.collective_latency_s
+    return np.where(receives, seconds + latency, local / cluster.intra_host_bandwidth)
 
 
 def realloc_time_table(

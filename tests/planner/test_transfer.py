@@ -60,7 +60,8 @@ def test_same_host_is_cheaper_than_another_host():
 
 def _reference(model, src, dst, cluster, replicated):
     """Slowest destination over all (device, item, tp-block) pieces, straight from the definitions:
-    a replicated destination needs its whole tp block, an FSDP one its 1/dp of it."""
+    a replicated destination needs its whole tp block, an FSDP one its 1/dp of it; one broadcast
+    per tensor, except for a destination that holds all it needs (a copy in memory)."""
     (hm, hs), (tm, ts) = src, dst
     if (hm, hs) == (tm, ts) and not replicated:
         return 0.0
@@ -72,15 +73,22 @@ def _reference(model, src, dst, cluster, replicated):
         pp_rank, _, r = ts.coords(rank)
         need = model.stages(ts.pp)[pp_rank]
         seconds = sum(model.item_tensors[i] for i in need) * cluster.collective_latency_s
+        received, held = 0.0, 0.0
         for item in need:
             for g_rank, g in enumerate(hm.device_ids):
                 g_stage, _, q = hs.coords(g_rank)
-                if g_stage != home_stage[item] or g == d:
+                if g_stage != home_stage[item]:
                     continue
                 lo, hi = max(q / hs.tp, r / ts.tp), min((q + 1) / hs.tp, (r + 1) / ts.tp)
                 piece = max(0.0, hi - lo) * model.item_params[item] * b / hs.dp * share
+                if g == d:
+                    held += piece
+                    continue
                 bw = cluster.intra_host_bandwidth if g // dpn == d // dpn else cluster.inter_host_bandwidth
                 seconds += piece / bw
+                received += piece
+        if received <= 1e-9 * (received + held):
+            seconds = held / cluster.intra_host_bandwidth
         worst = max(worst, seconds)
     return worst
 
@@ -133,3 +141,18 @@ def test_ema_blend_is_the_reshard_onto_the_target_home_plus_the_blend_by_hand():
     # another pair of devices on the host: each reference device receives its whole shard over NVLink
     assert table[0, 0] == pytest.approx(shard / cluster.intra_host_bandwidth + latency + blend, rel=1e-12)
     assert table[1, 0] == pytest.approx(blend, rel=1e-12)  # identical homes: nothing moves
+
+
+def test_one_worker_copies_its_weights_in_memory_without_broadcasts():
+    """Training and generation on the same single device: the rollout copy is filled from the
+    training weights in memory, so no per-tensor broadcast latency is priced (it was, 35 ms for
+    issue 12's tiny model against 1.5 ms measured); one more device in the home makes it a
+    collective again."""
+    model = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=256, num_heads=4, num_kv_heads=4, vocab_size=100)
+    cluster = cluster_preset("a100-80g", num_nodes=1)
+    one = (M(1, 1), S())
+    copy = realloc_time_table(model, [one], [one], cluster)[0, 0]
+    assert copy == pytest.approx(model.num_params * 4 / cluster.intra_host_bandwidth, rel=1e-9)
+    assert copy == pytest.approx(_reference(model, one, one, cluster, True), rel=1e-9)
+    fsdp = realloc_time_table(model, [(M(1, 2), S(dp=2))], [one], cluster)[0, 0]
+    assert fsdp >= int(model.item_tensors.sum()) * cluster.collective_latency_s > copy
