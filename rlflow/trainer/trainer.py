@@ -421,16 +421,26 @@ class Trainer:
         w = self.cfg.warmup
         bar = progress(w.steps, "sft warm-up", disable=not self.progress_bars)
         batches = iter(self._cycle(self.data.warmup))
-        losses: list[float] = []
-        score, reached, taken = None, False, 0
-        for taken in range(1, w.steps + 1):
-            submitted = self.side_runner.submit(
+
+        def submit() -> Submitted:
+            return self.side_runner.submit(
                 next(batches), [build.WARMUP_SFT], {build.WARMUP_SFT: {"lr": w.lr}}, step=self.step
             )
+
+        losses: list[float] = []
+        score, reached, taken = None, False, 0
+        following: Submitted | None = None
+        for taken in range(1, w.steps + 1):
+            submitted = following or submit()
+            evaluates = bool(w.eval_every) and taken % w.eval_every == 0
+            # The next step queues behind this one on the workers before the driver waits, so the
+            # workers never idle on the driver's round trip; not past an evaluation, which must see
+            # this step's weights and may end the warm-up (the same steps and batches either way).
+            following = submit() if taken < w.steps and not evaluates else None
             self.side_runner.wait(submitted)
             bar.update(1)
             score = None
-            if w.eval_every and taken % w.eval_every == 0:
+            if evaluates:
                 recent = self._warmup_losses()
                 losses += recent
                 score = self._warmup_eval(taken, recent)
