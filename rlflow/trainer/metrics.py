@@ -127,20 +127,21 @@ class MetricsLogger:
         """Forget what was logged after ``step``, so that each step appears once.
 
         A run resumed from the checkpoint of ``step`` (or restarted there after a failure) logs
-        the steps after it again; what the interrupted run logged for them is dropped:
+        the steps after it again; ``step = -1`` forgets everything (a run restarted from its very
+        start, before any checkpoint, logs step 0 again too). What was logged after it is dropped:
         ``metrics.jsonl`` keeps its records up to ``step`` (rewritten atomically; a torn last
         line of a killed run goes too), and TensorBoard reopens with ``purge_step=step + 1``,
         which makes its readers hide the older events from that step on. wandb and MLflow keep
         theirs (wandb refuses steps below its last; MLflow stores both values).
 
         Raises:
-            ValueError: a negative step.
+            ValueError: a step below -1.
             RuntimeError: the logger is closed.
         """
         if self._closed:
             raise RuntimeError("MetricsLogger.rewind() after close()")
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int")
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < -1:
+            raise ValueError(f"step={step!r} must be an int >= -1 (-1: forget every step)")
         if self._jsonl is not None:
             self._jsonl.close()
             path = self.run_dir / "metrics.jsonl"

@@ -264,6 +264,8 @@ class Trainer:
                 self.launch()
                 self._resume(self._last_saved if restarts else None)
                 if restarts:
+                    if self._last_saved is None and self.step == 0:
+                        self.logger.rewind(-1)  # starting over: what the failed attempt logged goes
                     self.logger.log(self.step, {"trainer/restarts": restarts})
                 self._run()
                 break

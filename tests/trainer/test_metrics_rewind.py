@@ -64,10 +64,23 @@ def test_a_restart_in_the_same_process_rewinds_the_open_logger(tmp_path):
     assert jsonl_steps(tmp_path) == [1, 2, 3]
 
 
-def test_rewind_refuses_a_negative_step_and_a_closed_logger(tmp_path):
-    logger = MetricsLogger(LoggingConfig(console=False, tensorboard=False), tmp_path)
-    with pytest.raises(ValueError, match="step=-1"):
+def test_a_restart_from_the_start_forgets_every_step(tmp_path):
+    # A worker died before the first checkpoint: the run starts over and logs step 0 (evaluation,
+    # warm-up) and every step after it again; rewind(-1) drops all the failed attempt logged.
+    with MetricsLogger(LoggingConfig(console=False, tensorboard=False), tmp_path) as logger:
+        logger.log(0, {"eval/score": 0.25})
+        logger.log(1, {"loss": 1.0})
         logger.rewind(-1)
+        assert (tmp_path / "metrics.jsonl").read_text() == ""
+        logger.log(0, {"eval/score": 0.25})
+        logger.log(1, {"loss": 2.0})
+    assert jsonl_steps(tmp_path) == [0, 1]
+
+
+def test_rewind_refuses_a_step_below_minus_one_and_a_closed_logger(tmp_path):
+    logger = MetricsLogger(LoggingConfig(console=False, tensorboard=False), tmp_path)
+    with pytest.raises(ValueError, match="step=-2"):
+        logger.rewind(-2)
     logger.close()
     with pytest.raises(RuntimeError, match="after close"):
         logger.rewind(0)
