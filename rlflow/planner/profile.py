@@ -388,8 +388,6 @@ class ProfiledRates(Rates):
 
     def __init__(self, profile: MachineProfile, cluster: ClusterSpec, calibrate: bool = True):
         super().__init__(cluster)
-        self.call_scales: dict[str, float] = {}
-        self.call_fixed: dict[str, float] = {}
         nbytes = profile.layer.bytes_per_param
         spec = profile.layer.spec()
         hw = profile.hardware
@@ -421,8 +419,6 @@ class ProfiledRates(Rates):
                 alone = {kind: self._calibrate(calls.timings(_KIND[kind], alone=True), calls.model, cluster, kind)
                          for kind in _INTERFACES}  # fmt: skip
             self.busy_fits, self.alone_fits, self.busy_processes = busy, alone, calls.processes
-            self.call_fixed = {kind: fixed for kind, (fixed, _) in busy.items()}
-            self.call_scales = {kind: scale for kind, (_, scale) in busy.items()}
 
     def _calibrate(
         self, timings: list[RolloutTiming | BatchTiming], model: ModelSpec, cluster: ClusterSpec, interface: str
@@ -479,6 +475,16 @@ class ProfiledRates(Rates):
         cost = call_cost(mfc, model, ParallelStrategy(dp=dp), mesh, cluster, workload, self)
         comm = cost.breakdown.get("fsdp_exposed_s", 0.0) + cost.breakdown.get("sync_s", 0.0)
         return max(cost.time_s - comm, 1e-12), max(timing.seconds - comm, 0.0)
+
+    @property
+    def call_scales(self) -> dict[str, float]:
+        """The busy fit's scale per interface type (empty without calibration)."""
+        return {kind: scale for kind, (_, scale) in self.busy_fits.items()}
+
+    @property
+    def call_fixed(self) -> dict[str, float]:
+        """The busy fit's fixed seconds per interface type (empty without calibration)."""
+        return {kind: fixed for kind, (fixed, _) in self.busy_fits.items()}
 
     def _fit(self, interface_type: str, busy_devices: int | None) -> tuple[float, float]:
         """``(fixed_s, scale)`` of a call keeping ``busy_devices`` devices of a host busy: the alone

@@ -92,7 +92,7 @@ def test_every_worker_where_a_call_splits_without_contention():
 
 
 @pytest.mark.parametrize("busy_devices", [None, 2, 3])
-def test_a_profile_without_alone_timings_prices_every_mesh_busy(busy_devices):
+def test_a_call_on_every_device_of_a_host_or_no_mesh_is_priced_by_the_busy_fit(busy_devices):
     from rlflow.planner.profile import ProfiledRates
 
     gen = {"alone": 0.030, "alone_alt": 0.026, "busy": 0.060, "busy_alt": 0.055}
