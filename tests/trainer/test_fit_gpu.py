@@ -54,9 +54,9 @@ def test_grpo_on_one_gpu_with_the_builtin_sampler(ray_session, tmp_path):
     for record in steps:
         # on-policy: the rollout sampled from the weights being trained
         assert record["actor_train/approx_kl"] < 0.05
-        # the calls ran on the GPU: a CUDA peak of a tiny model, far below any process's RSS
+        # the calls ran on the GPU: a tiny model's CUDA peak (~70 MiB on an H200), below a worker's RSS
         for call in ("actor_gen", "actor_train"):
-            assert 0 < record[f"{call}/peak_memory_bytes"] < 64 * 2**20, call
+            assert 0 < record[f"{call}/peak_memory_bytes"] < 256 * 2**20, call
 
 
 def test_ppo_with_critic_and_reference_on_one_gpu_resumes(ray_session, tmp_path):
@@ -68,4 +68,4 @@ def test_ppo_with_critic_and_reference_on_one_gpu_resumes(ray_session, tmp_path)
     steps = _step_records(tmp_path)
     assert [r["step"] for r in steps] == [1, 2, 3]  # the resumed run appended step 3
     for call in ("actor_train", "critic_train", "ref_inf"):
-        assert 0 < steps[-1][f"{call}/peak_memory_bytes"] < 64 * 2**20, call
+        assert 0 < steps[-1][f"{call}/peak_memory_bytes"] < 256 * 2**20, call
