@@ -119,7 +119,8 @@ def test_builtin_declarations():
     assert issubclass(vllm, SleepsBetweenCalls) and not issubclass(hf, SleepsBetweenCalls)
     assert hf.supports_device("cpu") and not vllm.supports_device("cpu") and vllm.supports_device("cuda")
     assert hf.capabilities.supports(ParallelStrategy(dp=2, tp=2))
-    assert hf.capabilities.unsupported(ParallelStrategy(pp=2)) == "pp=2 (no pipeline-parallel generation)"
+    assert hf.capabilities.supports(ParallelStrategy(dp=2, tp=2, pp=2))  # pipelined generation
+    assert vllm.capabilities.unsupported(ParallelStrategy(pp=2)) == "pp=2 (no pipeline-parallel generation)"
     assert vllm.capabilities.supports(ParallelStrategy(tp=4), world_size=4)
     assert not vllm.capabilities.supports(ParallelStrategy(tp=2), world_size=4)  # spans the pool
     assert (hf.weight_dtype, vllm.weight_dtype) == (None, torch.bfloat16)

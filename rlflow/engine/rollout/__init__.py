@@ -1,8 +1,9 @@
 """Rollout engines: sample responses from a policy.
 
 Importing this package registers the built-in engines: ``"hf"`` (own KV-cache sampling
-loop over any HF causal LM; CPU or GPU; dp × tp; built per call) and ``"vllm"`` (GPU; built
-once per process and asleep between calls; vLLM imported only when the engine is built).
+loop over any HF causal LM; CPU or GPU; dp × tp × pp, pp pipelined over micro-batches; built
+per call) and ``"vllm"`` (GPU; built once per process and asleep between calls; vLLM imported
+only when the engine is built).
 Workers, config and planner read an engine's declarations (:class:`RolloutEngine`), never its
 name; a new engine is a class registered with :func:`register_rollout_engine`.
 

@@ -32,13 +32,16 @@ tokens from the same generator.
 :func:`rlflow.parallel.tensor_parallel.apply_tp` (logits come back replicated); tp rank 0
 chooses the tokens and broadcasts them in the tp group, so all tp ranks append the same token
 even if their logits differ in the last bit, and all of them stop at the same step (same
-number of collectives). Greedy decoding gives the same tokens under every (dp, tp).
+number of collectives). Under pp > 1 each rank holds one pipeline stage and the stages pass
+activations every decode step over micro-batches of prompts (:mod:`~rlflow.engine.rollout.pipelined`),
+drawing the same noise as pp = 1. Greedy decoding gives the same tokens under every (dp, tp, pp).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -105,13 +108,21 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next token of each row: argmax when greedy, else temperature → top-k → top-p → sample.
 
     Args:
         logits: ``(N, V)`` float logits of the next position.
         params: sampling parameters.
-        generator: random source for sampling (ignored when greedy).
+        generator: random source for sampling (ignored when greedy or given ``noise``).
+        noise: ``(N, V)`` float32 Exp(1) draws to sample with instead of drawing them from
+            ``generator`` (pipelined generation draws a whole step's at once, as pp = 1 does, and
+            hands each micro-batch its rows); overwritten.
 
     Returns:
         ``(N,)`` int64 token ids.
@@ -123,7 +134,8 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     # torch.multinomial's own algorithm for one sample (ATen's Distributions.cpp: argmax of p / q,
     # q ~ Exp(1) from the generator), so the same draws and tokens, without its validity checks,
     # whose host sync costs more than the draw (sample_responses checks the log-probs once instead).
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
     return torch.div(probs, noise, out=noise).argmax(dim=-1)
 
 
@@ -384,17 +396,33 @@ class _HFDecoder:
         self._next_pos = self._next_pos[keep]
 
 
-def _mesh_coords(device_mesh: DeviceMesh | None) -> tuple[int, dist.ProcessGroup | None, DeviceMesh | None]:
-    """``(dp_rank, tp_group, tp_mesh)`` of this rank; validates the ``("pp", "dp", "tp")`` mesh."""
+@dataclass(frozen=True)
+class _MeshCoords:
+    """This rank's place in a generate call's ``("pp", "dp", "tp")`` mesh."""
+
+    dp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    tp_mesh: DeviceMesh | None = None
+
+
+def _mesh_coords(device_mesh: DeviceMesh | None) -> _MeshCoords:
+    """This rank's coordinates and groups; validates the ``("pp", "dp", "tp")`` mesh."""
     if device_mesh is None:
-        return 0, None, None
+        return _MeshCoords()
     if tuple(device_mesh.mesh_dim_names or ()) != _MESH_DIMS:
         raise ValueError(f"device_mesh dims must be {_MESH_DIMS}, got {device_mesh.mesh_dim_names}")
-    if device_mesh["pp"].size() != 1:
-        raise ValueError(f"the hf rollout engine does not support pipeline parallelism (pp={device_mesh['pp'].size()})")
-    tp_mesh = device_mesh["tp"]
-    tp_group = tp_mesh.get_group() if tp_mesh.size() > 1 else None
-    return device_mesh["dp"].get_local_rank(), tp_group, tp_mesh
+    tp_mesh, pp_mesh = device_mesh["tp"], device_mesh["pp"]
+    return _MeshCoords(
+        dp_rank=device_mesh["dp"].get_local_rank(),
+        pp=pp_mesh.size(),
+        pp_rank=pp_mesh.get_local_rank(),
+        pp_group=pp_mesh.get_group() if pp_mesh.size() > 1 else None,
+        tp_group=tp_mesh.get_group() if tp_mesh.size() > 1 else None,
+        tp_mesh=tp_mesh,
+    )
 
 
 def _local_part(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -429,23 +457,30 @@ def _local_part(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.T
 
 @register_rollout_engine("hf")
 class HFRolloutEngine:
-    """Rollout engine over an HF causal LM, on CPU or GPU, under dp × tp.
+    """Rollout engine over an HF causal LM, on CPU or GPU, under dp × tp × pp.
 
     Declarations (:class:`~rlflow.engine.rollout.base.RolloutEngine`): the worker builds it per
     call around a plain HF model of the call's tensor-parallel layout (``style="hf"``), which the
     reshard executor writes; it generates in the dtype of that copy and holds only what the batch
     needs. Subclasses may declare another persistence and add sleep/wake.
 
+    Under pp > 1 each rank holds its pipeline stage (:func:`rlflow.engine.pipeline.build_stage`,
+    the training engine's split) and generation is pipelined over micro-batches of prompts
+    (:mod:`~rlflow.engine.rollout.pipelined`); the module is then that stage.
+
     Args:
-        model: an HF causal LM (Llama/Qwen2 family for tp > 1) on this rank's device. It is
-            split in place with ``apply_tp`` when the mesh has tp > 1 and the model is not
-            split yet.
-        device_mesh: this call's torch mesh with dims ``("pp", "dp", "tp")``; pp must be 1.
-            None for a single process.
+        model: an HF causal LM (Llama/Qwen2 family for tp > 1 or pp > 1) on this rank's device,
+            or, under pp > 1, this rank's :class:`~rlflow.engine.pipeline.DecoderStage` of one.
+            A full model is cut to this rank's stage; the stage is split in place with
+            ``apply_tp`` when the mesh has tp > 1 and it is not split yet.
+        device_mesh: this call's torch mesh with dims ``("pp", "dp", "tp")``; None for a single
+            process.
         pad_token_id: written after a row's stop token; defaults to the model config's
             ``pad_token_id``, else 0.
         fast_decode: decode with the lean decoder of :mod:`~rlflow.engine.rollout.fast_decode`
             where it applies (else HF's modules, said in a debug log); False forces HF's modules.
+            Pipelined generation always runs HF's modules.
+        num_micro_batches: micro-batches of prompts in flight under pp > 1; default ``pp``.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -460,7 +495,7 @@ class HFRolloutEngine:
     layout_style: ClassVar[str] = "hf"
     persistence: ClassVar[str] = PER_CALL
     can_sleep: ClassVar[bool] = False
-    capabilities: ClassVar[RolloutCapabilities] = RolloutCapabilities(dp=True, tp=True, pp=False)
+    capabilities: ClassVar[RolloutCapabilities] = RolloutCapabilities(dp=True, tp=True, pp=True)
     weight_dtype: ClassVar[torch.dtype | None] = None
     holds_memory_fraction: ClassVar[bool] = False
 
@@ -471,8 +506,16 @@ class HFRolloutEngine:
         *,
         pad_token_id: int | None = None,
         fast_decode: bool = True,
+        num_micro_batches: int | None = None,
     ):
-        self._dp_rank, self._tp_group, tp_mesh = _mesh_coords(device_mesh)
+        self._coords = coords = _mesh_coords(device_mesh)
+        self._dp_rank, self._tp_group = coords.dp_rank, coords.tp_group
+        if num_micro_batches is not None and num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+        self._num_micro_batches = num_micro_batches
+        if coords.pp > 1:
+            model = _pipeline_stage(model, coords.pp, coords.pp_rank)
+        tp_mesh = coords.tp_mesh
         if tp_mesh is not None and tp_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
             from rlflow.parallel.tensor_parallel import apply_tp
 
@@ -501,6 +544,15 @@ class HFRolloutEngine:
             from transformers.initialization import no_init_weights
         except ImportError:  # older transformers: pay for the random init
             from contextlib import nullcontext as no_init_weights
+        coords = _mesh_coords(spec.device_mesh)
+        if coords.pp > 1:  # only this rank's stage is materialised (uninitialised: weights come next)
+            from rlflow.engine.loading import build_meta_model, init_buffers
+            from rlflow.engine.pipeline import build_stage
+
+            stage = build_stage(build_meta_model(spec.config, "lm", dtype=spec.dtype), coords.pp, coords.pp_rank)
+            stage.to_empty(device=spec.device)
+            init_buffers(stage)
+            return cls(stage, spec.device_mesh, pad_token_id=spec.pad_token_id)
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype)
         # Skipping the init also skips tying: a tied LM head would be a parameter of its own,
@@ -509,7 +561,8 @@ class HFRolloutEngine:
         return cls(model.to(spec.device), spec.device_mesh, pad_token_id=spec.pad_token_id)
 
     def weight_target(self) -> nn.Module:
-        """The HF model: the reshard executor writes its (tensor-parallel) parameters."""
+        """The HF model, or this rank's pipeline stage: the reshard executor writes its (tensor-parallel)
+        parameters."""
         return self._model
 
     @property
@@ -532,16 +585,31 @@ class HFRolloutEngine:
         """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate`. Outputs on the prompts' device."""
         input_ids, attention_mask, source = split_prompts(prompts)
         device = next(self._model.parameters()).device
-        responses, response_mask, old_logp = sample_responses(
-            self._model,
-            input_ids.to(device),
-            attention_mask.to(device),
-            params,
-            pad_token_id=self._pad_token_id,
-            generator=self._generator(params.seed, device),
-            tp_group=self._tp_group,
-            fast_decode=self._fast_decode,
-        )
+        if self._coords.pp > 1:
+            from rlflow.engine.rollout.pipelined import pipelined_sample  # it builds on this module
+
+            responses, response_mask, old_logp = pipelined_sample(
+                self._model,
+                input_ids.to(device),
+                attention_mask.to(device),
+                params,
+                pad_token_id=self._pad_token_id,
+                pp_group=self._coords.pp_group,
+                generator=self._generator(params.seed, device),
+                tp_group=self._tp_group,
+                num_micro_batches=self._num_micro_batches,
+            )
+        else:
+            responses, response_mask, old_logp = sample_responses(
+                self._model,
+                input_ids.to(device),
+                attention_mask.to(device),
+                params,
+                pad_token_id=self._pad_token_id,
+                generator=self._generator(params.seed, device),
+                tp_group=self._tp_group,
+                fast_decode=self._fast_decode,
+            )
         out_device = input_ids.device
         return assemble_rollout(
             input_ids,
@@ -558,17 +626,47 @@ class HFRolloutEngine:
         """Copy tensors into the parameters named like HF's ``named_parameters()``.
 
         Each tensor may be the full parameter (this rank cuts its tp shard out) or exactly this
-        rank's shard. Tied parameters may be given under either name.
+        rank's shard. Tied parameters may be given under either name. Under pp > 1 the parameters
+        of other stages are skipped.
 
         Raises:
             KeyError: an unknown name (the message shows a few known ones).
             ValueError: a shape that is neither the full nor the local shape.
         """
         params = dict(self._model.named_parameters(remove_duplicate=False))
+        elsewhere: set[str] = set()
+        if self._coords.pp > 1:
+            params, elsewhere = _stage_params(self._model, params)
         items = weights.items() if isinstance(weights, Mapping) else weights
         for name, tensor in items:
+            if name in elsewhere:
+                continue
             if name not in params:
                 raise KeyError(f"update_weights: no parameter {name!r}; known e.g. {sorted(params)[:4]}")
             param = params[name]
             target = param.to_local() if isinstance(param, DTensor) else param
             target.copy_(_local_part(param, tensor, name))
+
+
+def _pipeline_stage(model: nn.Module, pp: int, pp_rank: int) -> nn.Module:
+    """This rank's :class:`~rlflow.engine.pipeline.DecoderStage` of ``model`` (cut here when whole)."""
+    from rlflow.engine.pipeline import DecoderStage, build_stage
+    from rlflow.parallel.layout import pipeline_stages
+
+    if not isinstance(model, DecoderStage):
+        return build_stage(model, pp, pp_rank)
+    expected = pipeline_stages(model.config, pp, "lm")[pp_rank]
+    if model.items != expected:
+        raise ValueError(f"the stage given holds {model.items}; pp_rank {pp_rank} of pp={pp} holds {expected}")
+    return model
+
+
+def _stage_params(stage: nn.Module, params: dict[str, nn.Parameter]) -> tuple[dict[str, nn.Parameter], set[str]]:
+    """``(this stage's parameters by HF name, the names other stages hold)``; a last stage's own copy
+    of a tied embedding answers to the embedding's name too."""
+    family = stage.family
+    names = {name for _, shapes in family.item_param_shapes(stage.config) for name in shapes}
+    names.add(family.lm_head_name)  # a tied head may be given under its own name
+    if stage.tied and stage.is_last and not stage.is_first:
+        params = {**params, family.embed_name: params[family.lm_head_name]}
+    return params, names - set(params)
