@@ -7,9 +7,12 @@ machines), ``host_device_bandwidth`` its host<->device copy rate (PCIe).
 
 Latencies follow NCCL's own tuning model (``src/graph/tuning.cc``, ring algorithm, LL
 protocol): a collective costs a base latency of 6.6 us plus 0.6 us per NVLink step or
-2.7 us per network step. The sustained-efficiency factors come from measurements on an H100
-lent to this project (docs/reference: 798 TFLOP/s on an 8192^3 bf16 matmul against 989 peak;
-3.0 TB/s device-to-device copy against 3.35 TB/s); they are applied to every GPU preset.
+2.7 us per network step. The sustained-efficiency factors of the H100 and H200 presets come from
+measurements on an H100 lent to this project (docs/reference: 798 TFLOP/s on an 8192^3 bf16
+matmul against 989 peak; 3.0 TB/s device-to-device copy against 3.35 TB/s); the A100 preset's
+matmul fraction is Megatron-LM's sustained training rate on A100s, and its decode latencies
+(host launch per layer, tp ranks waiting at each decode all-reduce) come from metaseq's eager
+and CUDA-graph decode on A100s; every constant below names its source.
 
 Dtypes are the engines', not the model's: :class:`Precision` says how many bytes every weight,
 gradient, activation and transfer takes on this kind of device (fp32 master weights
@@ -55,6 +58,28 @@ NCCL_NET_STEP_S = 2.7e-6
 # Measured on an H100 SXM here (see module docstring): sustained / peak.
 H100_MATMUL_EFFICIENCY = 798.0 / 989.0
 H100_MEMORY_EFFICIENCY = 3.0 / 3.35
+
+# A100: what a training step's matmuls sustain in a real engine, not one large GEMM. Megatron-LM
+# (Narayanan et al., SC'21, Table 1) trains a 7.5B GPT on A100s at 142 TFLOP/s per GPU of 312,
+# counting the recomputed forward (43-46% from 1.7B to 76B). No A100 copy was measured here; the
+# H100's copy ratio is kept.
+A100_MATMUL_EFFICIENCY = 142.0 / 312.0
+A100_MEMORY_EFFICIENCY = H100_MEMORY_EFFICIENCY
+
+# Eager decode on A100s: metaseq's OPT-175B (96 layers, hidden 12288, fp16) on 8 A100-40GB with
+# tp=8 (facebookresearch/metaseq PR #270) took ~95 ms per token eagerly and ~66 ms with the step
+# captured as one CUDA graph. The difference is the host launching each layer's kernels; what the
+# graph keeps beyond reading a layer's weights (at A100-40GB's 1.555 TB/s) and NCCL's model of its
+# two all-reduces is the tp ranks waiting for each other, spread over the all-reduces' 2 x 14 ring steps.
+METASEQ_LAYERS, METASEQ_HIDDEN, METASEQ_TP = 96, 12288, 8
+METASEQ_EAGER_TOKEN_S, METASEQ_GRAPH_TOKEN_S = 95e-3, 66e-3
+A100_DECODE_LAYER_DISPATCH_S = (METASEQ_EAGER_TOKEN_S - METASEQ_GRAPH_TOKEN_S) / METASEQ_LAYERS
+_METASEQ_RING_STEPS = 2 * (METASEQ_TP - 1)  # of one all-reduce
+_METASEQ_WEIGHT_READ_S = 12 * METASEQ_HIDDEN**2 * 2 / METASEQ_TP / (1.555e12 * A100_MEMORY_EFFICIENCY)
+_METASEQ_NCCL_S = 2 * (NCCL_BASE_LATENCY_S + _METASEQ_RING_STEPS * NCCL_NVLINK_STEP_S)
+A100_DECODE_TP_STEP_S = (METASEQ_GRAPH_TOKEN_S / METASEQ_LAYERS - _METASEQ_WEIGHT_READ_S - _METASEQ_NCCL_S) / (
+    2 * _METASEQ_RING_STEPS
+)
 
 
 @dataclass(frozen=True)
@@ -139,6 +164,13 @@ class ClusterSpec:
         comm_overlaps_compute: FSDP's collectives run beside compute (NCCL on a stream of its
             own). ``False`` for CPU workers: gloo's threads take the cores the workers compute on,
             so every collective adds to the call's time.
+        decode_layer_dispatch_s: host seconds to launch one decoder layer's kernels in an eager
+            decode step, added to the step (0: not priced; CPU profiles measure their own).
+        decode_tp_step_s: seconds per ring step that a tp all-reduce inside a decode step takes
+            beyond the NCCL model (the tp ranks wait for each other at every all-reduce).
+        decode_kv_passes: passes over the KV cache per decode step (``None``: HF's
+            ``DynamicCache``, :data:`rlflow.planner.passes.KV_CACHE_PASSES`; 1: a cache appended
+            in place).
         name: preset name, for reports.
     """
 
@@ -158,6 +190,9 @@ class ClusterSpec:
     precision: Precision = field(default_factory=lambda: GPU_PRECISION)
     rollout_memory_fraction: float | None = None
     comm_overlaps_compute: bool = True
+    decode_layer_dispatch_s: float = 0.0
+    decode_tp_step_s: float = 0.0
+    decode_kv_passes: int | None = None
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -170,12 +205,17 @@ class ClusterSpec:
         ):  # fmt: skip
             if not getattr(self, attr) > 0:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be > 0")
-        for attr in ("collective_latency_s", "intra_host_latency_s", "inter_host_latency_s"):
+        for attr in (
+            "collective_latency_s", "intra_host_latency_s", "inter_host_latency_s", "decode_layer_dispatch_s",
+            "decode_tp_step_s",
+        ):  # fmt: skip
             if getattr(self, attr) < 0:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be >= 0")
         for attr in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be in (0, 1]")
+        if self.decode_kv_passes is not None and self.decode_kv_passes < 1:
+            raise ValueError(f"ClusterSpec.decode_kv_passes={self.decode_kv_passes} must be >= 1 or None")
         if self.rollout_memory_fraction is not None and not 0 < self.rollout_memory_fraction <= 1:
             raise ValueError(f"ClusterSpec.rollout_memory_fraction={self.rollout_memory_fraction} must be in (0, 1]")
         if not isinstance(self.precision, Precision):
@@ -207,19 +247,24 @@ class ClusterSpec:
 
 # Vendor specifications (dense bf16, SXM parts; NVIDIA A100/H100/H200 datasheets). NVLink is
 # per direction; InfiniBand HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s per device NIC;
-# PCIe Gen4 x16 = 32 GB/s, Gen5 x16 = 64 GB/s per direction.
+# PCIe Gen4 x16 = 32 GB/s, Gen5 x16 = 64 GB/s per direction. Then the sustained fractions and
+# decode latencies above (H100 and H200: measured on an H100 here; no decode latencies measured).
 _GPU_PRESETS: dict[str, dict[str, float]] = {
     "a100-80g": dict(
         device_memory_bytes=80 * GiB, peak_flops=312e12, mem_bandwidth=2.0e12,
         intra_host_bandwidth=300 * GB, inter_host_bandwidth=25 * GB, host_device_bandwidth=32 * GB,
+        matmul_efficiency=A100_MATMUL_EFFICIENCY, memory_efficiency=A100_MEMORY_EFFICIENCY,
+        decode_layer_dispatch_s=A100_DECODE_LAYER_DISPATCH_S, decode_tp_step_s=A100_DECODE_TP_STEP_S,
     ),
     "h100-80g": dict(
         device_memory_bytes=80 * GiB, peak_flops=989e12, mem_bandwidth=3.35e12,
         intra_host_bandwidth=450 * GB, inter_host_bandwidth=50 * GB, host_device_bandwidth=64 * GB,
+        matmul_efficiency=H100_MATMUL_EFFICIENCY, memory_efficiency=H100_MEMORY_EFFICIENCY,
     ),
     "h200": dict(
         device_memory_bytes=141 * GB, peak_flops=989e12, mem_bandwidth=4.8e12,
         intra_host_bandwidth=450 * GB, inter_host_bandwidth=50 * GB, host_device_bandwidth=64 * GB,
+        matmul_efficiency=H100_MATMUL_EFFICIENCY, memory_efficiency=H100_MEMORY_EFFICIENCY,
     ),
 }  # fmt: skip
 
@@ -255,8 +300,6 @@ def cluster_preset(
         return ClusterSpec(
             num_nodes=num_nodes,
             devices_per_node=devices_per_node,
-            matmul_efficiency=H100_MATMUL_EFFICIENCY,
-            memory_efficiency=H100_MEMORY_EFFICIENCY,
             precision=GPU_PRECISION,
             name=name,
             **_GPU_PRESETS[name],

@@ -5,7 +5,9 @@ of one pipeline stage is priced by :mod:`rlflow.planner.passes` (layers, the gat
 tp collectives). On top come:
 
 * pp: a point-to-point send of the hidden states per micro-batch and stage boundary, and the
-  pipeline bubble: ``n_mb + pp - 1`` micro-batch slots for ``n_mb`` micro-batches;
+  pipeline bubble: ``n_mb + pp - 1`` micro-batch slots for ``n_mb`` micro-batches (a pipelined
+  decode step: the longer of ``n_mb`` stage passes and one micro-batch's round trip through the
+  stages and back, :func:`_pipelined_decode_step_s`);
 * dp: every call but a generation runs on FSDP2 (``TrainEngine``, homes and forward copies
   alike): each micro-batch all-gathers every layer's weights in the compute dtype — once per
   forward, and again in backward when layers are resharded after forward (``pp == 1``) — and
@@ -158,6 +160,16 @@ def _pipeline(slot_s, n_mbs: int, pp: int):
     return (n_mbs + pp - 1) * slot_s
 
 
+def _pipelined_decode_step_s(stage_s, hidden_send_s, token_send_s, n_mbs: int, pp: int):
+    """One decode step of ``n_mbs`` micro-batches through ``pp`` stages (the pipelined sampler,
+    ``rlflow.engine.rollout.pipelined``): each stage runs every micro-batch once, ``n_mbs`` stage
+    passes, but a micro-batch's next step waits for its round trip — ``pp`` stage passes,
+    ``pp - 1`` sends of its hidden states and one of its tokens back to the first stage. Sends
+    overlap the stages' compute; with fewer micro-batches than stages the round trip is the step
+    (the bubble)."""
+    return np.maximum(n_mbs * stage_s, pp * stage_s + (pp - 1) * hidden_send_s + token_send_s)
+
+
 def _fsdp_exposed_s(model, strategy, mesh, cluster, compute_s: float, gathers: int, train: bool) -> float:
     """FSDP communication of one (mini-)batch that compute does not hide: ``gathers`` all-gathers
     of the stage in the compute dtype (and a reduce-scatter of fp32 gradients when ``train``),
@@ -194,6 +206,15 @@ def busy_devices(mesh: DeviceMesh) -> int:
     return mesh.num_devices
 
 
+def _decode_latency_s(model, strategy, cluster) -> float:
+    """Fixed seconds a decode step spends on its slowest stage beyond the roofline: the host's launch of
+    each layer's kernels (an eager step's kernels are too short to hide it) and, under tp, the wait of
+    the layer's two all-reduces for every tp rank (``cluster.decode_tp_step_s`` per ring step)."""
+    layers = int(model.stage_layers(strategy.pp).max())
+    sync = 2 * 2 * (strategy.tp - 1) * cluster.decode_tp_step_s
+    return layers * (cluster.decode_layer_dispatch_s + sync)
+
+
 def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     prec = cluster.precision
     b, tp = prec.generate_bytes, strategy.tp
@@ -201,6 +222,8 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     rows = seqs_per_rank(n, strategy.dp)
     prompts = seqs_per_rank(workload.n_prompts(mfc), strategy.dp)
     n_mbs = num_microbatches(mfc, strategy, n, workload.seq_len)
+    if strategy.pp > 1:  # the pipelined sampler cuts micro-batches of whole prompts
+        n_mbs = min(n_mbs, prompts)
     mb, prompt_mb = math.ceil(rows / n_mbs), math.ceil(prompts / n_mbs)
     cross = mesh.num_nodes > 1
     p_len, steps = workload.prompt_len, np.arange(max(0, workload.gen_len - 1))
@@ -214,14 +237,17 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     repeat = float(rates.memory_s(prompt_kv * (1 + rows / prompts))) if rows > prompts else 0.0
     decode_pass = StagePass(mb, 1, p_len + steps + 1, b, p_len + steps, mb)
     decode_slot = stage_pass_s(model, strategy, cluster, rates, decode_pass)
-    if strategy.pp > 1:
-        decode_slot = decode_slot + p2p_s(cluster, mb * hidden, cross)
+    decode_slot = decode_slot + _decode_latency_s(model, strategy, cluster)
     # Every token: tp rank 0 draws it and broadcasts it to its tp peers, and the sampler's own
     # fixed work (its bytes are in the head's softmax passes).
     broadcast = float(collective_s(cluster, rows * 8, tp, False, "all_gather"))
     per_token = (broadcast + float(rates.sample_step_s(rows))) * workload.gen_len
-    # In steady state the micro-batches circulate: each step takes max(n_mbs, pp) slots.
-    decode = float(np.sum(decode_slot)) * max(n_mbs, strategy.pp) + per_token
+    if strategy.pp > 1:
+        hops = p2p_s(cluster, mb * hidden, cross), p2p_s(cluster, mb * 8, cross)  # hidden states on, tokens back
+        decode_steps = _pipelined_decode_step_s(decode_slot, *hops, n_mbs, strategy.pp)
+    else:
+        decode_steps = decode_slot * n_mbs
+    decode = float(np.sum(decode_steps)) + per_token
     busy = busy_devices(mesh)
     scale, fixed = rates.call_scale("generate", busy), rates.call_fixed_s("generate", busy)
     prefill, repeat, decode = prefill * scale, repeat * scale, decode * scale

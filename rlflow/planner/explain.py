@@ -39,6 +39,7 @@ def free_links(cluster: ClusterSpec) -> ClusterSpec:
         collective_latency_s=0.0,
         intra_host_latency_s=0.0,
         inter_host_latency_s=0.0,
+        decode_tp_step_s=0.0,  # the tp ranks' wait at a decode step's all-reduces
     )
 
 

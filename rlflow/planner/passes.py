@@ -128,7 +128,9 @@ def dp_group_crosses_hosts(mesh: DeviceMesh, strategy: ParallelStrategy) -> bool
 # ----------------------------------------------------------------------------- one layer, the head
 
 
-def layer_work(model: ModelSpec, tp: int, seqs, new_tokens, pairs, nbytes: int, kv_read_tokens=0):
+def layer_work(
+    model: ModelSpec, tp: int, seqs, new_tokens, pairs, nbytes: int, kv_read_tokens=0, kv_passes: int = KV_CACHE_PASSES
+):
     """``(flops, matmul_bytes, stream_bytes)`` of one decoder layer on one tp rank.
 
     Args:
@@ -140,6 +142,7 @@ def layer_work(model: ModelSpec, tp: int, seqs, new_tokens, pairs, nbytes: int, 
             pass over ``s`` tokens, ``c+1`` for a decode step at context ``c``); may be an array.
         nbytes: bytes per weight and activation element (the call's compute dtype).
         kv_read_tokens: cached tokens per sequence (decode): read, then copied by the append.
+        kv_passes: passes over the KV cache per decode step (1 for an engine that appends in place).
 
     >>> from rlflow.planner.model_spec import ModelSpec
     >>> m = ModelSpec(num_layers=1, hidden_size=4, intermediate_size=8, num_heads=1, num_kv_heads=1, vocab_size=2)
@@ -154,7 +157,7 @@ def layer_work(model: ModelSpec, tp: int, seqs, new_tokens, pairs, nbytes: int, 
     matmul = model.layer_params * nbytes / tp + tokens * nbytes * io
     per_token = ELEMENTWISE_HIDDEN * h + (ELEMENTWISE_QK * (q + kv) + ELEMENTWISE_INTERMEDIATE * i) / tp
     kv_cache = seqs * np.asarray(kv_read_tokens) * 2 * kv / tp * nbytes
-    return flops, matmul, tokens * nbytes * per_token + KV_CACHE_PASSES * kv_cache
+    return flops, matmul, tokens * nbytes * per_token + kv_passes * kv_cache
 
 
 def head_s(model: ModelSpec, tp: int, logit_tokens, nbytes: int, cluster: ClusterSpec, rates: Rates, backward=False):
@@ -202,7 +205,8 @@ def stage_pass_s(model, strategy, cluster, rates: Rates, p: StagePass, backward:
     hidden_bytes = tokens * model.hidden_size * p.nbytes
     all_reduce = collective_s(cluster, hidden_bytes, tp, False)
     kv = 0 if backward else p.kv_read_tokens
-    flops, matmul, stream = layer_work(model, tp, p.seqs, p.new_tokens, p.pairs, p.nbytes, kv)
+    kv_passes = KV_CACHE_PASSES if cluster.decode_kv_passes is None else cluster.decode_kv_passes
+    flops, matmul, stream = layer_work(model, tp, p.seqs, p.new_tokens, p.pairs, p.nbytes, kv, kv_passes)
     layer = rates.compute_s(factor * flops, factor * matmul, factor * stream, tokens, backward) + 2 * all_reduce
     head = head_s(model, tp, p.logit_tokens, p.nbytes, cluster, rates, backward)
     embed = rates.memory_s(2 * hidden_bytes) + (0.0 if backward else all_reduce)  # gather rows, sum shards

@@ -40,14 +40,18 @@ def test_training_time_is_eight_flops_per_parameter_and_token():
 
 def test_small_batch_decoding_is_bound_by_reading_the_weights():
     one = Workload(batch_size=1, prompt_len=16, gen_len=100)
-    c = call_cost(GEN, LLAMA7B, S(), DeviceMesh(1, 1), A100, one)
+    graph = dataclasses.replace(A100, decode_layer_dispatch_s=0.0)  # no host launch per layer
+    c = call_cost(GEN, LLAMA7B, S(), DeviceMesh(1, 1), graph, one)
     # bf16 generation on a GPU preset; the prefill's logits give the first of the 100 tokens, so
     # 99 decode steps each read every weight but the embedding table once
     per_step = 2 * (LLAMA7B.num_params - LLAMA7B.embedding_params) / A100.bandwidth
     assert c.breakdown["decode_s"] == pytest.approx(99 * per_step, rel=0.02)
     # the HF sampler runs the fp32 copy it is given: twice the bytes
-    hf = call_cost(GEN, LLAMA7B, S(), DeviceMesh(1, 1), A100.with_precision(rollout_bytes=4), one)
+    hf = call_cost(GEN, LLAMA7B, S(), DeviceMesh(1, 1), graph.with_precision(rollout_bytes=4), one)
     assert hf.breakdown["decode_s"] == pytest.approx(99 * 2 * per_step, rel=0.02)
+    # eager: the host launches every layer's kernels at every step
+    eager = call_cost(GEN, LLAMA7B, S(), DeviceMesh(1, 1), A100, one).breakdown["decode_s"]
+    assert eager - c.breakdown["decode_s"] == pytest.approx(99 * 32 * A100.decode_layer_dispatch_s)
 
 
 @pytest.mark.parametrize("mfc", [GEN, REF, TRAIN], ids=["generate", "inference", "train"])
