@@ -76,12 +76,23 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-len", type=int, default=128)
     g.add_argument("--gen-len", type=int, default=896)
     g.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps per train call)")
+    g.add_argument(
+        "--recompute-old-logp",
+        action="store_true",
+        help="recompute the rollout's log-probs with the trainer (the actor_inf call; algorithm.recompute_old_logp)",
+    )
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=1)
     g.add_argument("--devices-per-node", type=int, default=8)
     g.add_argument("--device", default="a100-80g", help="device preset: a100-80g, h100-80g, h200 or cpu")
     g.add_argument("--profile", help="hardware profile JSON from `rlflow profile` (prices the cpu preset)")
-    g.add_argument("--pipeline-generate", action="store_true", help="allow pipeline-parallel generation")
+    g.add_argument(
+        "--pipeline-generate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="allow pipeline-parallel generation (the built-in sampler's; --no-pipeline-generate plans for an "
+        "engine that cannot pipeline, such as vLLM)",
+    )
     g.add_argument(
         "--max-options",
         type=int,
@@ -102,6 +113,18 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write the plan as JSON")
     g.add_argument("--timeline", help="draw the plan's simulated timeline (.png or .svg)")
+
+
+def _algorithm_graph(args: argparse.Namespace) -> Any:
+    """``--algo``'s dataflow graph, with the old-log-prob recompute call under ``--recompute-old-logp``."""
+    from rlflow.dataflow import algorithm_graph, list_algorithms
+
+    if args.algo not in list_algorithms():
+        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {list_algorithms()}")
+    try:
+        return algorithm_graph(args.algo, recompute_old_logp=args.recompute_old_logp)
+    except ValueError as exc:
+        raise UsageError(f"--recompute-old-logp: {exc}") from exc
 
 
 def _model_specs(args: argparse.Namespace, model_names: list[str]) -> dict:
@@ -151,14 +174,12 @@ def build_plan_problem(args: argparse.Namespace) -> PlanInputs:
     """The dataflow graph and the planning problem the ``plan`` arguments describe."""
     import time
 
-    from rlflow.dataflow import algorithm_graph, list_algorithms, model_calls
+    from rlflow.dataflow import model_calls
     from rlflow.planner.build import Workload, build_problem
     from rlflow.planner.cluster import cluster_preset
     from rlflow.planner.space import RuntimeCapabilities
 
-    if args.algo not in list_algorithms():
-        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {list_algorithms()}")
-    graph = algorithm_graph(args.algo)
+    graph = _algorithm_graph(args)
     models = _model_specs(args, list(model_calls(graph)))
     try:
         profile = None
@@ -294,16 +315,15 @@ def _draw_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", required=True, help="algorithm whose dataflow graph is drawn")
     p.add_argument("--out", required=True, help="output picture (.png, .svg or .pdf)")
     p.add_argument("--unroll", type=int, default=1, help="iterations to unroll (shows parameter-version edges)")
+    p.add_argument("--recompute-old-logp", action="store_true", help="with the old-log-prob recompute call (actor_inf)")
 
 
 def _run_draw(args: argparse.Namespace) -> int:
-    from rlflow.dataflow import algorithm_graph, draw, list_algorithms, unroll_graph
+    from rlflow.dataflow import draw, unroll_graph
 
-    if args.algo not in list_algorithms():
-        raise UsageError(f"--algo: unknown algorithm {args.algo!r}; expected one of {list_algorithms()}")
     if args.unroll < 1:
         raise UsageError(f"--unroll={args.unroll} must be >= 1")
-    graph = algorithm_graph(args.algo)
+    graph = _algorithm_graph(args)
     path = draw(unroll_graph(graph, args.unroll) if args.unroll > 1 else graph, args.out)
     print(f"dataflow graph of {args.algo} written to {path}")
     return 0

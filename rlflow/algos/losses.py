@@ -28,6 +28,7 @@ __all__ = [
     "entropy_bonus",
     "get_policy_loss",
     "list_policy_losses",
+    "logp_mismatch",
     "ppo_policy_loss",
     "register_policy_loss",
     "sft_loss",
@@ -228,6 +229,28 @@ def behaviour_weights(
         "behaviour_kl": float(masked_mean((ratio - 1.0) - log_ratio, mask)),
     }
     return weights, metrics
+
+
+def logp_mismatch(recomputed: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far a rollout engine's log-probs are from the trainer's recomputed ones, over the masked tokens.
+
+    Args:
+        recomputed: log-probs of the sampled tokens under the training engine, ``(b, t)``.
+        rollout: the rollout engine's log-probs of the same tokens, ``(b, t)``.
+        mask: the tokens that count (response tokens).
+
+    Returns:
+        ``logp_mismatch_mean`` and ``logp_mismatch_max``: the mean and the largest ``|recomputed - rollout|``
+        (nats; 0 without masked tokens).
+
+    >>> logp_mismatch(torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), torch.tensor([[1, 1, 0]]))
+    {'logp_mismatch_mean': 0.25, 'logp_mismatch_max': 0.5}
+    """
+    real = mask.bool()
+    delta = (recomputed.detach().float() - rollout.float()).abs()[real]
+    if delta.numel() == 0:
+        return {"logp_mismatch_mean": 0.0, "logp_mismatch_max": 0.0}
+    return {"logp_mismatch_mean": float(delta.mean()), "logp_mismatch_max": float(delta.max())}
 
 
 def value_loss(

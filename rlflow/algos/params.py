@@ -98,10 +98,35 @@ class AlgorithmParams:
     is_cap: float = declared_field(
         2.0, "decoupled correction: truncation of the importance weight pi_prox / pi_rollout (TIS)", gt=0.0
     )
+    recompute_old_logp: bool | None = declared_field(
+        None,
+        "recompute the rollout's log-probs with the trainer's model and engine (an inference call after the "
+        "rollout; the PPO ratio then uses them); null: when the rollout's numerics differ from the trainer's "
+        "(a rollout engine with its own kernels such as vllm, another dtype, top_p < 1 or top_k > 0)",
+    )
+    tis_cap: float | None = declared_field(
+        None,
+        "with recomputed log-probs: weight each token by min(pi_old / pi_rollout, tis_cap), the truncated "
+        "importance weight against the rollout engine's log-probs (TIS); null: off",
+        gt=0.0,
+    )
 
     def __post_init__(self) -> None:
         for f in fields(AlgorithmParams):
             _check(f"AlgorithmParams.{f.name}", getattr(self, f.name), f.metadata)
+        conflict = self.conflict()
+        if conflict is not None:
+            raise ValueError(f"AlgorithmParams.{conflict[0]}={getattr(self, conflict[0])!r}: {conflict[1]}")
+
+    def conflict(self) -> tuple[str, str] | None:
+        """``(field, problem)`` of the first pair of fields that contradict each other, or None."""
+        if self.tis_cap is not None and self.resolved_behaviour_correction == "decoupled":
+            return (
+                "tis_cap",
+                "the decoupled correction (policy_lag > 0) already weights each token by min(pi_prox / pi_rollout, "
+                "is_cap), against the recomputed log-probs when there are; set is_cap instead",
+            )
+        return None
 
     @property
     def resolved_adv_estimator(self) -> str | None:

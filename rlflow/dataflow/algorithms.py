@@ -17,7 +17,9 @@ key                         meaning (shape, dtype)
 ``input_ids``               prompt + response ids (N, P+R), int64
 ``attention_mask``          (N, P+R), 1 for real tokens
 ``response_mask``           (N, P+R), 1 for response tokens
-``old_logp``                log-prob of every token under the rollout policy (N, P+R), float
+``old_logp``                log-prob of every token under the policy the PPO ratio is taken against
+                            (N, P+R), float: the rollout's own, or recomputed by the trainer
+``rollout_logp``            with ``GraphOptions.recompute_old_logp``: the rollout engine's log-probs
 ``ref_logp``                the same under the reference model
 ``values``                  critic values (N, P+R), float
 ``rewards``                 one scalar per sequence (N,), float
@@ -42,6 +44,7 @@ from rlflow.dataflow.mfc import MFCDef, ParamReallocHook
 
 __all__ = [
     "DATASETS",
+    "RECOMPUTE_CALL_SUFFIX",
     "Algorithm",
     "GraphOptions",
     "algorithm_graph",
@@ -49,6 +52,7 @@ __all__ = [
     "get_algorithm",
     "list_algorithms",
     "register_algorithm",
+    "with_old_logp_recompute",
 ]
 
 ROLLOUT_KEYS = ("input_ids", "attention_mask", "response_mask")
@@ -58,6 +62,9 @@ PAIR_KEYS = ("input_ids", "attention_mask", "loss_mask")
 # What one training row is: a prompt to sample from, a (chosen, rejected) pair, a prompt+response example.
 DATASETS = ("prompts", "pairs", "examples")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+# The old-log-prob recompute call of model X is named X + this (``actor_inf``).
+RECOMPUTE_CALL_SUFFIX = "_inf"
 
 # OpenRLHF's default EMA coefficient (--ema_beta 0.992) expressed as a blend factor 1 - beta. The
 # one default of the EMA factor: the trainer's ``algorithm.ema_eta`` reads it from here.
@@ -80,6 +87,9 @@ class GraphOptions:
         use_ref: keep the reference call (a KL term reads it); algorithms whose record says
             ``ref="always"`` build it regardless.
         ref_ema_eta: PPO-EMA blend factor of the actor into the reference per iteration.
+        recompute_old_logp: recompute the behaviour log-probs with the trainer's model and engine
+            in an inference call after the rollout (:func:`with_old_logp_recompute`); only for
+            algorithms that sample responses.
     """
 
     n_seqs: int | None = None
@@ -88,6 +98,7 @@ class GraphOptions:
     rule_based_reward: bool | None = None
     use_ref: bool = True
     ref_ema_eta: float = DEFAULT_REF_EMA_ETA
+    recompute_old_logp: bool = False
 
 
 # --- The record ---
@@ -199,7 +210,12 @@ class Algorithm:
             options = replace(options, rule_based_reward=self.reward_by_rule)
         if self.ref == "always" and not options.use_ref:
             options = replace(options, use_ref=True)
-        graph = build_graph(self.build_mfcs(options))
+        mfcs = self.build_mfcs(options)
+        if options.recompute_old_logp:
+            if not self.samples_responses:
+                raise ValueError(f"algorithm {self.name!r} samples nothing: it has no old log-probs to recompute")
+            mfcs = with_old_logp_recompute(mfcs)
+        graph = build_graph(mfcs)
         graph.graph["algorithm"] = self.name
         return graph
 
@@ -260,6 +276,63 @@ def algorithm_graph(name: str, **options) -> nx.DiGraph:
             f"unknown option(s) {sorted(unknown)} for algorithm {name!r}; expected a subset of {sorted(known)}"
         )
     return algo.graph(GraphOptions(**options))
+
+
+# --- The old-log-prob recompute ---
+
+
+def with_old_logp_recompute(mfcs: list[MFCDef]) -> list[MFCDef]:
+    """The MFCs with the behaviour log-probs recomputed by the trainer after the rollout.
+
+    The generate call that writes ``old_logp`` writes it as ``rollout_logp`` instead; an
+    inference call on its model (``<model>_inf``, placed right after it) reads the rollout and
+    writes ``old_logp`` with the training engine's forward, so every reader of ``old_logp`` (the
+    PPO ratio, a KL in the reward) gets the trainer's numerics. The ``rl`` train calls of that
+    model also read ``rollout_logp``, for the truncated importance weight against the rollout and
+    the decoupled correction of ``policy_lag``. The recompute call reads ``rollout_logp`` too: it
+    logs the mismatch between the two.
+
+    Raises:
+        ValueError: not exactly one generate call writes ``old_logp``, it does not write the
+            rollout keys under their own names, or a call named ``<model>_inf`` already exists.
+
+    >>> [m.name for m in with_old_logp_recompute(algorithm_mfcs("grpo"))]
+    ['actor_gen', 'actor_inf', 'ref_inf', 'reward_inf', 'actor_train']
+    """
+    gens = [m for m in mfcs if m.interface_type == "generate" and "old_logp" in m.output_keys]
+    if len(gens) != 1:
+        raise ValueError(f"recomputing old_logp needs one generate call writing it; got {[m.name for m in gens]}")
+    (gen,) = gens
+    if not set(ROLLOUT_KEYS) <= set(gen.output_keys):
+        raise ValueError(f"MFC {gen.name!r} must write {ROLLOUT_KEYS} for old_logp to be recomputed from them")
+    name = gen.model_name + RECOMPUTE_CALL_SUFFIX
+    if any(m.name == name for m in mfcs):
+        raise ValueError(f"the graph already has a call named {name!r}; the old-log-prob recompute takes that name")
+    returned = next(iface for iface, key in gen.interface_outputs().items() if key == "old_logp")
+    rollout = replace(
+        gen,
+        output_keys=tuple("rollout_logp" if k == "old_logp" else k for k in gen.output_keys),
+        output_key_remap={**gen.output_key_remap, returned: "rollout_logp"},
+    )
+    recompute = MFCDef(
+        name,
+        gen.model_name,
+        "inference",
+        ROLLOUT_KEYS + ("rollout_logp",),
+        ("old_logp",),
+        output_key_remap={"logp": "old_logp"},
+        n_seqs=gen.n_seqs,
+        n_mbs=gen.n_mbs,
+    )
+    out: list[MFCDef] = []
+    for mfc in mfcs:
+        if mfc is gen:
+            out += [rollout, recompute]
+        elif mfc.objective == "rl" and mfc.model_name == gen.model_name:
+            out.append(replace(mfc, input_keys=mfc.input_keys + ("rollout_logp",)))
+        else:
+            out.append(mfc)
+    return out
 
 
 # --- The graphs of the shipped algorithms ---

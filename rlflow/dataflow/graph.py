@@ -110,7 +110,11 @@ def version_edges(graph: nx.DiGraph) -> list[tuple[str, str]]:
 
     For every model X, the calls on X (plus the calls whose hooks read X's weights) that have
     no earlier such call are its *first* calls, those with no later one its *last* calls; every
-    last call links to every first call. A model with a single call links it to itself.
+    last call links to every first call. A model with a single call links it to itself. A call
+    after X's rollout whose earlier calls on X are all generate calls (the old-log-prob
+    recompute) reads X's newest weights too: the last calls link to it as well, an edge implied
+    on-policy and the one that holds it behind the previous train step when the rollout lags
+    (:func:`version_spans`).
 
     >>> from rlflow.dataflow.algorithms import algorithm_graph
     >>> sorted(version_edges(algorithm_graph("ppo")))[:2]
@@ -121,10 +125,20 @@ def version_edges(graph: nx.DiGraph) -> list[tuple[str, str]]:
         readers.setdefault(mfc.model_name, []).append(mfc.name)
         for source in mfc.hook_sources:
             readers.setdefault(source, []).append(mfc.name)
+    generate = {n for n, mfc in graph.nodes(data="mfc") if mfc.interface_type == "generate"}
     edges: list[tuple[str, str]] = []
     for calls in readers.values():
-        first, last = _first_and_last(graph, list(dict.fromkeys(calls)))
-        edges += [(a, b) for a in last for b in first if (a, b) not in edges]
+        calls = list(dict.fromkeys(calls))
+        first, last = _first_and_last(graph, calls)
+        after_rollout = [
+            c
+            for c in calls
+            if c not in first
+            and c not in last
+            and c not in generate
+            and nx.ancestors(graph, c) & set(calls) <= generate
+        ]
+        edges += [(a, b) for a in last for b in first + after_rollout if (a, b) not in edges]
     return edges
 
 

@@ -171,15 +171,19 @@ def _copy_model(name: str, source: str, path: Path) -> str:
 
 
 def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
-    """The algorithm's dataflow graph with the config's mini-batches, reward source and reference use."""
+    """The algorithm's dataflow graph with the config's mini-batches, reward source, reference use and
+    old-log-prob recompute (``algorithm.recompute_old_logp``; the graph records why in ``old_logp_mismatch``)."""
     algo = cfg.algorithm
     options = GraphOptions(
         n_ppo_minibatches=algo.n_minibatches,
         rule_based_reward=rule_reward,
         use_ref="ref" in cfg.required_models(),  # a KL term reads it; without one it is not built
         ref_ema_eta=algo.ema_eta,
+        recompute_old_logp=algo.recomputes_old_logp(cfg.rollout, cfg.placement.use_gpu),
     )
-    return algo.record.graph(options)
+    graph = algo.record.graph(options)
+    graph.graph["old_logp_mismatch"] = algo.old_logp_mismatch(cfg.rollout, cfg.placement.use_gpu)
+    return graph
 
 
 def extra_calls(

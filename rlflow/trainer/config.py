@@ -111,6 +111,48 @@ class AlgorithmConfig(_Section, AlgorithmParams):
                 f"{self.policy_lag} needs an algorithm that samples rollouts; {self.name!r} trains on "
                 f"{self.record.dataset} (set 0)",
             )
+        if self.recompute_old_logp and not self.record.samples_responses:
+            raise ConfigError(
+                "recompute_old_logp", f"true needs an algorithm that samples rollouts; {self.name!r} samples nothing"
+            )
+        conflict = self.conflict()
+        if conflict is not None:
+            raise ConfigError(conflict[0], f"{getattr(self, conflict[0])!r}: {conflict[1]}")
+
+    def old_logp_mismatch(self, rollout: RolloutConfig, use_gpu: bool | None) -> tuple[str, ...]:
+        """Why the rollout's log-probs may differ from the trainer's: what ``recompute_old_logp: null`` reads.
+
+        A rollout engine that generates with its own model code (any ``layout_style`` but ``"hf"``:
+        vLLM's kernels), a rollout dtype other than the training compute dtype (bf16 on GPUs, fp32
+        on CPU workers; ``use_gpu`` null: this host's GPUs, as ``placement.devices_per_node``
+        assumes), or a filtered sampling distribution (``top_p < 1``, ``top_k > 0``: vLLM reports
+        the filtered log-probs). Empty for an algorithm that samples nothing.
+        """
+        if not self.record.samples_responses:
+            return ()
+        import torch
+
+        from rlflow.engine.parallelize import mixed_precision_dtype
+        from rlflow.workers.residency import PARAM_DTYPE
+
+        engine = get_rollout_engine(rollout.engine)
+        reasons = []
+        if engine.layout_style != "hf":
+            reasons.append(f"rollout.engine={rollout.engine!r} generates with its own kernels")
+        gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
+        rollout_dtype = engine.weight_dtype or PARAM_DTYPE
+        train_dtype = mixed_precision_dtype(torch.device("cuda" if gpu else "cpu"), "auto")
+        if rollout_dtype != train_dtype:
+            reasons.append(f"the rollout runs in {rollout_dtype}, training in {train_dtype}")
+        if rollout.top_p < 1.0 or rollout.top_k > 0:
+            reasons.append(f"sampling is filtered (rollout.top_p={rollout.top_p:g}, top_k={rollout.top_k})")
+        return tuple(reasons)
+
+    def recomputes_old_logp(self, rollout: RolloutConfig, use_gpu: bool | None) -> bool:
+        """``recompute_old_logp``, or when null whether :meth:`old_logp_mismatch` finds a reason."""
+        if self.recompute_old_logp is not None:
+            return self.recompute_old_logp
+        return bool(self.old_logp_mismatch(rollout, use_gpu))
 
 
 @dataclass(kw_only=True)
@@ -545,6 +587,13 @@ class RLFlowConfig(_Section):
                 raise ConfigError(
                     "algorithm.reward_fn", f"{algo.reward_fn!r} and models.reward both give rewards; keep one"
                 )
+        if algo.tis_cap is not None and not algo.recomputes_old_logp(self.rollout, self.placement.use_gpu):
+            raise ConfigError(
+                "algorithm.tis_cap",
+                f"{algo.tis_cap} weighs the rollout's log-probs against recomputed ones, but recompute_old_logp="
+                f"{str(algo.recompute_old_logp).lower() if algo.recompute_old_logp is not None else 'null'} "
+                "recomputes none here; set algorithm.recompute_old_logp=true",
+            )
         if self.warmup.steps and (record.dataset == "examples" or "actor" not in record.trains):
             raise ConfigError("warmup.steps", f"{self.warmup.steps}; a warm-up precedes RL or DPO, not {algo.name!r}")
         self._check_warmup_eval()

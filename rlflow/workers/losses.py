@@ -60,7 +60,15 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
     The KL term is added when the KL is not already in the reward (``kl_in_reward=False``)
     and ``kl_coef > 0``; the batch must then hold ``ref_logp``.
 
-    Batch keys: ``response_mask``, ``old_logp``, ``advantages`` (all ``(b, t)``), ``ref_logp``.
+    The ratio is taken against ``old_logp``. When the graph recomputes it (the batch then also
+    holds the rollout engine's ``rollout_logp``), the behaviour policy is the rollout's: the
+    decoupled correction weights by ``min(pi_prox / pi_rollout, is_cap)`` with the recomputed
+    log-probs as the proximal ones, and otherwise ``tis_cap`` (when set) weights each token by
+    ``min(pi_old / pi_rollout, tis_cap)`` — one truncated importance weight
+    (:func:`~rlflow.algos.behaviour_weights`) in both.
+
+    Batch keys: ``response_mask``, ``old_logp``, ``advantages`` (all ``(b, t)``), ``ref_logp``,
+    ``rollout_logp``, ``prox_logp``.
     """
     policy = get_policy_loss(algo.policy_loss)
     options = _supported(
@@ -79,13 +87,21 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         mask = batch["response_mask"]
         log_prob = outputs["log_probs"]
         old_logp, advantages, correction = batch["old_logp"], batch["advantages"], {}
+        recomputed = "rollout_logp" in batch
         if decoupled:
             # Decoupled PPO: clip around the proximal policy (the weights before this step: the
-            # batch's prox_logp, or this forward's own log-probs when the step makes one update),
-            # and weight each token by the truncated importance ratio proximal / behaviour (TIS).
-            prox = batch["prox_logp"] if "prox_logp" in batch else log_prob.detach()
-            weight, correction = behaviour_weights(prox, old_logp, mask, algo.is_cap)
+            # recomputed old_logp, the batch's prox_logp, or this forward's own log-probs when the
+            # step makes one update), and weight each token by the truncated importance ratio
+            # proximal / behaviour (TIS).
+            behaviour = batch["rollout_logp"] if recomputed else old_logp
+            prox = batch.get("prox_logp", old_logp if recomputed else log_prob.detach())
+            weight, correction = behaviour_weights(prox, behaviour, mask, algo.is_cap)
             old_logp, advantages = prox, advantages * weight
+        elif recomputed and algo.tis_cap is not None:
+            # On-policy TIS: the ratio stays around the recomputed log-probs; each token is weighted
+            # by how much likelier the trainer finds it than the rollout engine did, truncated.
+            weight, correction = behaviour_weights(old_logp, batch["rollout_logp"], mask, algo.tis_cap)
+            advantages = advantages * weight
         out = policy(log_prob, old_logp, advantages, mask, **options)
         entropy = agg_loss(outputs["entropy"], mask, algo.loss_agg_mode)
         loss = out.loss - algo.entropy_coef * entropy

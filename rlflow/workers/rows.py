@@ -23,7 +23,7 @@ from rlflow.workers.context import CallContext
 __all__ = ["dataflow_rows", "interface_rows", "num_tokens", "peak_memory_bytes", "reduce_metrics"]
 
 # How per-rank metrics combine over the dp ranks of a call; any other key is a row-weighted mean.
-_MAX_KEYS = ("time_s", "peak_memory_bytes")
+_MAX_KEYS = ("time_s", "peak_memory_bytes", "logp_mismatch_max")
 _SUM_KEYS = ("tokens", "rows")
 
 

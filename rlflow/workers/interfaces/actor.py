@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rlflow.algos import logp_mismatch
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.protocol import DataProto
@@ -144,16 +145,30 @@ class ActorInterface(ModelInterface):
         else:
             self.num_rollouts += 1
         sampled = engine.generate(prompts, params)
+        # An engine that reports log-probs of the top-k/top-p filtered distribution says so (vLLM);
+        # logged as <call>/old_logp_filtered (algorithm.recompute_old_logp replaces them).
+        filtered = sampled.meta_info.get("old_logp_filtered")
         if repeat > 1:
             sampled = sampled.repeat(repeat, interleave=True)
         out = rollout_rows(sampled, tensors["prompts"].shape[1])
         out.meta_info["response_length"] = float(out.batch["response_mask"].sum(dim=1).float().mean())
+        if filtered is not None:
+            out.meta_info["old_logp_filtered"] = float(bool(filtered))
         return out
 
     # ------------------------------------------------------------------ inference
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
-        """``logp`` ``(N, T)`` under the current policy at the sampling temperature."""
-        return log_probs(engine, data, self.temperature)
+        """``logp`` ``(N, T)`` under the current policy at the sampling temperature.
+
+        Given the rollout engine's ``rollout_logp`` (the old-log-prob recompute call), it also
+        reports how far those are from ``logp`` over the response tokens (``logp_mismatch_mean``,
+        ``logp_mismatch_max``).
+        """
+        out = log_probs(engine, data, self.temperature)
+        if out is not None and "rollout_logp" in data.batch_keys:
+            mask = data.batch["response_mask"]
+            out.meta_info.update(logp_mismatch(out.batch["logp"], data.batch["rollout_logp"], mask))
+        return out
 
     # ------------------------------------------------------------------ train
     def train_step(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
@@ -171,10 +186,14 @@ class ActorInterface(ModelInterface):
         batch["advantages"] = advantages
         if not self.algo.kl_in_reward and metrics["kl_coef"] > 0:
             batch["ref_logp"] = tensors_of(data, ("ref_logp",))["ref_logp"]
+        if "rollout_logp" in data.batch_keys:  # old_logp was recomputed by the trainer (see policy_loss_fn)
+            batch["rollout_logp"] = data.batch["rollout_logp"]
         num_mini_batches = self.num_mini_batches(ctx)
-        if self.algo.behaviour_correction == "decoupled" and self.algo.ppo_epochs * num_mini_batches > 1:
+        several_updates = self.algo.ppo_epochs * num_mini_batches > 1
+        if self.algo.behaviour_correction == "decoupled" and several_updates and "rollout_logp" not in batch:
             # Several updates: the proximal policy is the weights before the first, computed here
-            # (one update: its own forward's log-probs are the proximal ones, see policy_loss_fn).
+            # (one update: its own forward's log-probs are the proximal ones, see policy_loss_fn;
+            # a recomputed old_logp is that forward already).
             prox = log_probs(engine, data, self.temperature)
             batch["prox_logp"] = prox.batch["logp"] if prox is not None else batch["old_logp"]
         metrics.update(policy_lag_metrics(data))
