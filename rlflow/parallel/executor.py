@@ -44,13 +44,20 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 @dataclass(frozen=True)
 class ReshardStats:
-    """What one rank did in :func:`execute_reshard` (bytes are wire bytes)."""
+    """What one rank did in :func:`execute_reshard` (bytes are wire bytes).
+
+    ``sent_intra_host_bytes + sent_inter_host_bytes == sent_bytes``: what it sent to peers on its
+    own host and on other hosts (``plan.host_of``). Summed over the plan's ranks they are the
+    plan's ``intra_host_bytes`` and ``inter_host_bytes`` (:func:`~rlflow.parallel.reshard.transfer_bytes_summary`).
+    """
 
     sent_bytes: int
     received_bytes: int
     copied_bytes: int
     num_messages: int
     seconds: float
+    sent_intra_host_bytes: int = 0
+    sent_inter_host_bytes: int = 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -243,12 +250,16 @@ def execute_reshard(
         work.wait()
     for buf, pieces in recv_bufs:
         _unpack(buf, pieces, plan.dst, rank, dst_tensors)
+    sent = {peer: sum(p.numel for p in pieces) * itemsize for peer, pieces in send.items()}
+    intra = sum(n for peer, n in sent.items() if plan.host_of[peer] == plan.host_of[rank])
     return ReshardStats(
-        sent_bytes=sum(sum(p.numel for p in ps) for ps in send.values()) * itemsize,
+        sent_bytes=sum(sent.values()),
         received_bytes=sum(b.numel() for b, _ in recv_bufs) * itemsize,
         copied_bytes=copied,
         num_messages=len(ops),
         seconds=time.perf_counter() - start,
+        sent_intra_host_bytes=intra,
+        sent_inter_host_bytes=sum(sent.values()) - intra,
     )
 
 

@@ -93,9 +93,18 @@ class ReallocManager:
         self.device = torch.device(device)
         self._models: dict[str, _Model] = {}
         self._plans: dict[tuple[Layout, Layout], ReshardPlan] = {}
-        # Counters for metrics: reshards run on this rank, their seconds and wire bytes, and the
-        # calls off home whose copy was current (no reshard).
-        self.stats = {"reshards": 0, "reshard_seconds": 0.0, "sent_bytes": 0, "received_bytes": 0, "skipped": 0}
+        # Counters for metrics: reshards run on this rank, their seconds and wire bytes (what it
+        # sent also split by the receiver's host: its own or another), and the calls off home
+        # whose copy was current (no reshard).
+        self.stats = {
+            "reshards": 0,
+            "reshard_seconds": 0.0,
+            "sent_bytes": 0,
+            "received_bytes": 0,
+            "sent_intra_host_bytes": 0,
+            "sent_inter_host_bytes": 0,
+            "skipped": 0,
+        }
 
     # ---- registration and versions ----
 
@@ -341,6 +350,8 @@ class ReallocManager:
         self.stats["reshard_seconds"] += stats.seconds
         self.stats["sent_bytes"] += stats.sent_bytes
         self.stats["received_bytes"] += stats.received_bytes
+        self.stats["sent_intra_host_bytes"] += stats.sent_intra_host_bytes
+        self.stats["sent_inter_host_bytes"] += stats.sent_inter_host_bytes
 
 
 def _shared_layouts(src: Layout, dst: Layout, source: str, target: str) -> tuple[Layout, Layout, tuple[str, ...]]:

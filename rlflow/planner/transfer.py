@@ -210,11 +210,13 @@ def _column_keys(cols: dict[str, np.ndarray], replicated: bool) -> np.ndarray:
     return key
 
 
-def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict, sl: slice) -> np.ndarray:
-    """Receive time ``(len(home), n_columns)`` of every destination device in ``cols[sl]``."""
+def _column_bytes(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict, sl: slice):
+    """Bytes every destination device in ``cols[sl]`` needs, of each home option: ``total``, what
+    its own host holds (``on_node``, itself included) and what it holds itself (``local``), each
+    ``(len(home), n_columns)``. Its intra-host bytes are ``on_node - local``, its inter-host
+    bytes ``total - on_node``."""
     b, dpn = cluster.precision.param_bytes, cluster.devices_per_node
     cum = np.concatenate([[0.0], np.cumsum(model.item_params.astype(np.float64) * b)])
-    tensors = np.concatenate([[0], np.cumsum(model.item_tensors)])
     device, tp, r, share, s_j, e_j = (cols[k][sl] for k in _COLUMN_KEYS)
     node = device // dpn
     total = (cum[e_j] - cum[s_j]) / tp * share
@@ -231,6 +233,14 @@ def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict
     shared = cum[np.maximum(hi, lo)] - cum[lo]
     tp_part = _interval_overlap(q / h_tp, (q + 1) / h_tp, r / tp, (r + 1) / tp)
     local = np.where(inside, shared * tp_part / h_dp * share, 0.0)
+    return np.broadcast_to(total, local.shape), on_node, local
+
+
+def _column_costs(model, cluster, h: dict, h_start, h_stop, holdings, cols: dict, sl: slice) -> np.ndarray:
+    """Receive time ``(len(home), n_columns)`` of every destination device in ``cols[sl]``."""
+    total, on_node, local = _column_bytes(model, cluster, h, h_start, h_stop, holdings, cols, sl)
+    tensors = np.concatenate([[0], np.cumsum(model.item_tensors)])
+    s_j, e_j = cols["s"][sl], cols["e"][sl]
     seconds = (on_node - local) / cluster.intra_host_bandwidth + (total - on_node) / cluster.inter_host_bandwidth
     # One broadcast per parameter tensor of the destination stage; a device that already holds
     # all it needs (one worker training and generating) copies it in memory, no collective.
@@ -315,6 +325,51 @@ def _realloc_table_cpp(model, cluster, home: dict, targets: dict, ucols, inverse
         cluster.inter_host_bandwidth,
         cluster.collective_latency_s,
     )
+
+
+def realloc_bytes(
+    model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec, replicated: bool = True
+) -> dict[str, float]:
+    """Bytes the reallocation :func:`realloc_time_table` prices moves, by link, summed over the
+    destination devices of ``dst`` (the same receive-side accounting: a byte two destinations
+    receive counts twice).
+
+    Every destination takes what a device of its own host holds from there, the rest from another
+    host. This is what :func:`rlflow.parallel.reshard.plan_reshard` moves wherever the model's
+    even spread of each block over its FSDP shards is the layouts' own: FSDP homes to
+    dp-replicated generations, every parameter's first dimension divisible by the home's dp and
+    the LM head untied. Elsewhere it is an estimate (docs/placement.md, "Transfer model").
+
+    Returns:
+        ``{"local_bytes", "intra_host_bytes", "inter_host_bytes"}``; all 0 for an FSDP ``dst``
+        equal to ``src`` (no reallocation).
+
+    >>> from rlflow.planner.cluster import cluster_preset
+    >>> from rlflow.planner.mesh import DeviceMesh
+    >>> from rlflow.planner.model_spec import ModelSpec
+    >>> model = ModelSpec(num_layers=1, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=2, vocab_size=8)
+    >>> cluster = cluster_preset("a100-80g", num_nodes=2, devices_per_node=2)
+    >>> home = (DeviceMesh(2, 2, 0, 0, 2), ParallelStrategy(dp=4))
+    >>> gen = (DeviceMesh(1, 2, 1, 0, 2), ParallelStrategy(dp=2))
+    >>> moved = realloc_bytes(model, home, gen, cluster)  # the second host's two devices each need it all
+    >>> [moved[k] / (model.num_params * 4) for k in ("local_bytes", "intra_host_bytes", "inter_host_bytes")]
+    [0.5, 0.5, 1.0]
+    """
+    h, t = _option_arrays([src]), _option_arrays([dst])
+    if not replicated and bool(_same_layout(h, t)[0, 0]):
+        return {"local_bytes": 0.0, "intra_host_bytes": 0.0, "inter_host_bytes": 0.0}
+    h_start, h_stop = _stage_table(model, h["pp"])
+    t_start, t_stop = _stage_table(model, t["pp"])
+    cols = _target_columns(t, t_start, t_stop, replicated)
+    b, dpn = cluster.precision.param_bytes, cluster.devices_per_node
+    holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, dpn, b)
+    every = slice(0, len(cols["device"]))
+    total, on_node, local = _column_bytes(model, cluster, h, h_start, h_stop, holdings, cols, every)
+    return {
+        "local_bytes": float(local.sum()),
+        "intra_host_bytes": float((on_node - local).sum()),
+        "inter_host_bytes": float((total - on_node).sum()),
+    }
 
 
 def realloc_time(model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec, replicated: bool = True) -> float:

@@ -173,7 +173,17 @@ class MetricsLogger:
 
 
 # Bookkeeping metrics every call reports; they go to the files, not to the one-line console summary.
-CONSOLE_HIDDEN = ("/time_s", "/tokens", "/rows", "/peak_memory_bytes", "/pre_call", "/post_call", "/lr")
+CONSOLE_HIDDEN = (
+    "/time_s",
+    "/tokens",
+    "/rows",
+    "/peak_memory_bytes",
+    "/pre_call",
+    "/post_call",
+    "/lr",
+    "/bytes_intra_host",
+    "/bytes_inter_host",
+)
 
 
 def format_metrics(step: int, values: Mapping[str, float]) -> str:
@@ -314,6 +324,9 @@ def call_metrics(records: Sequence[CallRecord]) -> dict[str, float]:
         Per call ``time/<mfc>`` (seconds of the slowest rank) and ``<mfc>/<metric>`` (mean over
         its ranks' metrics); per hook ``time/<mfc>/pre_call`` or ``time/<mfc>/post_call``
         (slowest rank). A call issued twice within ``records`` is timed by its slowest record.
+        A call whose hooks moved weights also gets ``realloc/<mfc>/bytes_intra_host`` and
+        ``realloc/<mfc>/bytes_inter_host``: the wire bytes its hooks sent within a host and
+        between hosts, summed over ranks (a byte sent to ``k`` ranks counts ``k`` times).
 
     >>> from rlflow.workers.records import CallRecord
     >>> records = [CallRecord("ref_inf", "ref", "call", "call", r, 3, 0.0, 1.0 + r, {"tokens": 8.0 * r})
@@ -329,6 +342,10 @@ def call_metrics(records: Sequence[CallRecord]) -> dict[str, float]:
         seconds = max(r.seconds for r in group)
         if kind != "call":
             metrics[f"time/{mfc}/{kind}"] = seconds
+            if sum(r.metrics.get("realloc_reshards", 0.0) for r in group) > 0:
+                for link in ("intra_host", "inter_host"):
+                    key, sent = f"realloc/{mfc}/bytes_{link}", f"realloc_sent_{link}_bytes"
+                    metrics[key] = metrics.get(key, 0.0) + sum(r.metrics.get(sent, 0.0) for r in group)
             continue
         metrics[f"time/{mfc}"] = seconds
         metrics.update({f"{mfc}/{k}": v for k, v in mean_metrics([r.metrics for r in group]).items()})

@@ -142,7 +142,15 @@ class ModelWorker(Worker):
         # realloc_skipped: calls whose kept copy was current, so the hook moved no weights.
         moved = {
             f"realloc_{k}": stats[k] - before[k]
-            for k in ("reshards", "reshard_seconds", "sent_bytes", "received_bytes", "skipped")
+            for k in (
+                "reshards",
+                "reshard_seconds",
+                "sent_bytes",
+                "received_bytes",
+                "sent_intra_host_bytes",
+                "sent_inter_host_bytes",
+                "skipped",
+            )
         }
         # Timeline kinds (rlflow.planner.timeline): weights moved between layouts, or a home reloaded/offloaded.
         interval_kind = "reload" if self.setup.uses_home(mfc.name) and not mfc.hook_sources else "realloc"

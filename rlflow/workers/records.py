@@ -40,7 +40,9 @@ class CallRecord:
         start, end: wall-clock seconds (``time.time``) on the worker.
         metrics: the call's numbers (its ``meta_info``: ``time_s``, ``tokens``, losses, ...;
             hooks: ``realloc_reshards``, ``realloc_reshard_seconds``, ``realloc_sent_bytes``,
-            ``realloc_received_bytes``, ``realloc_skipped`` — calls whose kept copy was current).
+            ``realloc_received_bytes``, ``realloc_sent_intra_host_bytes`` and
+            ``realloc_sent_inter_host_bytes`` (what the rank sent to its own host / other hosts),
+            ``realloc_skipped`` — calls whose kept copy was current).
     """
 
     mfc: str

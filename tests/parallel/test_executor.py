@@ -79,9 +79,12 @@ def check_pair(rank, src, src_tensors, dst, dst_tensors, expected):
                 t.fill_(float("nan"))
     plan = plan_reshard(src, dst, HOSTS)
     stats = execute_reshard(plan, rank, src_tensors, dst_tensors, dtype=torch.float32)
-    moved = torch.tensor([stats.sent_bytes, stats.received_bytes])
+    moved = torch.tensor(
+        [stats.sent_bytes, stats.received_bytes, stats.sent_intra_host_bytes, stats.sent_inter_host_bytes]
+    )
     dist.all_reduce(moved)
-    assert moved.tolist() == [transfer_bytes_summary(plan, itemsize=4)["moved_bytes"]] * 2
+    summary = transfer_bytes_summary(plan, itemsize=4)
+    assert moved.tolist() == [summary["moved_bytes"]] * 2 + [summary["intra_host_bytes"], summary["inter_host_bytes"]]
     if dst_tensors is not None:
         slices = dst.slices(rank)
         for name, ts in dst_tensors.items():
