@@ -243,3 +243,30 @@ def test_fit_on_one_cpu_worker_recomputes_the_rollouts_own_log_probs(ray_session
         assert record["actor_train/clip_fraction"] == 0.0
         assert abs(record["actor_train/approx_kl"]) < 1e-8
         assert record["actor_inf/tokens"] > 0 and record["actor_train/grad_norm"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_with_lagged_rollouts_the_recomputed_log_probs_are_the_proximal_policy(ray_session, tmp_path):
+    """policy_lag 1: from step 2 each rollout was sampled by the weights one step older than those
+    training; actor_inf runs on the training weights, so the mismatch it logs is the staleness,
+    and the decoupled correction weighs the rollout against it."""
+    steps = 3
+    overrides = [
+        *GRPO_TINY,
+        "placement.devices_per_node=1",
+        f"trainer.total_steps={steps}",
+        "algorithm.policy_lag=1",
+        "algorithm.recompute_old_logp=true",
+        "checkpoint.save_final=false",
+    ]
+    _, result = fit(GRPO, overrides, tmp_path)
+    assert result.steps == steps
+    metrics = step_metrics(tmp_path)
+    assert [metrics[s]["actor_train/policy_lag"] for s in range(1, steps + 1)] == [0, 1, 1]
+    assert metrics[1]["actor_inf/logp_mismatch_max"] < 1e-4  # sampled by the weights that train on it
+    for step in range(2, steps + 1):
+        record = metrics[step]
+        assert record["actor_inf/logp_mismatch_mean"] > 1e-3, (step, record)
+        assert record["actor_inf/logp_mismatch_max"] >= record["actor_inf/logp_mismatch_mean"]
+        assert record["actor_train/behaviour_kl"] > 0 and record["actor_train/is_weight_max"] != 1.0
