@@ -33,13 +33,16 @@ from tests.workers.worker_helpers import prompt_batch, save_models
 
 
 class BF16Sampler(HFRolloutEngine):
-    """The built-in sampler generating with a bf16 copy of its weights: a rollout in another dtype."""
+    """The built-in sampler generating with a bf16 copy of its weights: a rollout in another dtype.
+    It says whether it sampled a filtered distribution, as vLLM does."""
 
     weight_dtype = torch.bfloat16
 
     def generate(self, prompts, params):
         bf16 = copy.deepcopy(self.module).to(torch.bfloat16)
-        return HFRolloutEngine(bf16, pad_token_id=self._pad_token_id).generate(prompts, params)
+        out = HFRolloutEngine(bf16, pad_token_id=self._pad_token_id).generate(prompts, params)
+        out.meta_info["old_logp_filtered"] = params.top_k > 0 or params.top_p < 1.0
+        return out
 
 
 class OwnKernels(VLLMRolloutEngine):
@@ -165,12 +168,12 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def recompute_worker(paths, engine: str, algo: AlgorithmParams) -> ModelWorker:
+def recompute_worker(paths, engine: str, algo: AlgorithmParams, top_k: int = 0) -> ModelWorker:
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", use_ref=False, rule_based_reward=False, recompute_old_logp=True)}
     del mfcs["reward_inf"]  # rewards are given
     actor = ModelSetup("actor", "actor", paths["actor"], trainable=True, optim=OptimConfig(lr=1e-2))
     one = CallLayout((0,), ParallelStrategy())
-    sampling = SamplingParams(n=algo.n_samples, max_new_tokens=6, seed=0)
+    sampling = SamplingParams(n=algo.n_samples, max_new_tokens=6, seed=0, top_k=top_k)
     setup = WorkerSetup(
         {"actor": actor}, mfcs, {n: one for n in mfcs}, algo, sampling, SamplingParams(greedy=True),
         paths["tokenizer"], rollout_engine=engine,
@@ -195,19 +198,21 @@ def run_step(worker: ModelWorker, paths) -> tuple[DataProto, DataProto, dict]:
 
 @pytest.mark.timeout(300)
 def test_a_bf16_rollout_is_recomputed_its_mismatch_logged_and_weighted_by_tis(engines, one_rank):
-    algo = AlgorithmParams(name="grpo", adv_estimator="grpo", n_samples=2, tis_cap=1.2).resolved()
-    gen, old, train = run_step(recompute_worker(one_rank, "hf_bf16", algo), one_rank)
+    algo = AlgorithmParams(name="grpo", adv_estimator="grpo", n_samples=2, tis_cap=1.02).resolved()
+    gen, old, train = run_step(recompute_worker(one_rank, "hf_bf16", algo, top_k=40), one_rank)
     mask = gen.batch["response_mask"].bool()
     assert "old_logp" not in gen.batch.keys() and "rollout_logp" in gen.batch.keys()
+    assert gen.meta_info["old_logp_filtered"] == 1.0  # the engine's flag, logged by the generate call
     # The metric is the mismatch between the rows the calls exchanged, and bf16 shows.
     expected = logp_mismatch(old.batch["old_logp"], gen.batch["rollout_logp"], mask)
     assert old.meta_info["logp_mismatch_mean"] == pytest.approx(expected["logp_mismatch_mean"])
     assert old.meta_info["logp_mismatch_max"] == pytest.approx(expected["logp_mismatch_max"])
     assert old.meta_info["logp_mismatch_mean"] > 1e-3, old.meta_info
-    # The train step weighted each token by min(pi_old / pi_rollout, 1.2).
+    # The train step weighted each token by min(pi_old / pi_rollout, 1.02).
     ratio = (old.batch["old_logp"] - gen.batch["rollout_logp"]).exp()[mask]
     assert train["is_weight_mean"] != 1.0 and train["is_weight_max"] == pytest.approx(float(ratio.max()), rel=1e-4)
-    assert train["is_truncated_fraction"] == pytest.approx(float((ratio > 1.2).float().mean()), abs=1e-6)
+    truncated = float((ratio > 1.02).float().mean())
+    assert 0 < truncated < 1 and train["is_truncated_fraction"] == pytest.approx(truncated, abs=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -217,6 +222,7 @@ def test_an_fp32_rollout_of_the_built_in_sampler_is_recomputed_to_itself(one_ran
     mask = gen.batch["response_mask"].bool()
     torch.testing.assert_close(old.batch["old_logp"][mask], gen.batch["rollout_logp"][mask], rtol=0, atol=1e-5)
     assert old.meta_info["logp_mismatch_max"] < 1e-5 and "is_weight_mean" not in train
+    assert "old_logp_filtered" not in gen.meta_info  # the built-in sampler reports full-vocabulary log-probs
 
 
 # --- A real run ---
