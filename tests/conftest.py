@@ -45,14 +45,12 @@ def ray_session():
     """A local Ray cluster shared by every test of the session."""
     import ray
 
+    from rlflow.trainer.build import WORKER_ENV, scoped_environ
+
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=RAY_NUM_CPUS,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={
-                "env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-            },
-        )
+        # The worker env inherited rather than a job runtime_env, as a run's own Ray does: actors
+        # then start in the workers Ray prestarted (build.ensure_ray).
+        with scoped_environ(WORKER_ENV):
+            ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

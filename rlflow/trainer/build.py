@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -371,6 +372,26 @@ def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> d
     return {name: replace(c, hook_ranks=setup.hook_ranks(name)) for name, c in calls.items()}
 
 
+# The environment of every Ray process a run starts: one torch thread per worker (few cores are
+# shared; oversubscription makes gloo collectives crawl), no tokenizer thread pools.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@contextlib.contextmanager
+def scoped_environ(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the block (for the processes it starts), then restored."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def ensure_ray(cfg: RLFlowConfig) -> bool:
     """Joins the configured Ray cluster, or starts a local one with this machine's cores (with
     Ray's dashboard only when ``placement.ray_dashboard`` asks for it); then refuses a config the
@@ -389,15 +410,18 @@ def ensure_ray(cfg: RLFlowConfig) -> bool:
     started = False
     if not ray.is_initialized():
         p = cfg.placement
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         if p.ray_address is not None:
-            ray.init(address=p.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+            ray.init(address=p.ray_address, runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=True)
         else:
-            ray.init(
-                num_cpus=local_ray_cpus(cfg),
-                include_dashboard=p.ray_dashboard,  # its web server and agents delay a local start: off unless asked
-                runtime_env={"env_vars": env},
-            )
+            # Not as a job runtime_env: Ray prestarts a Python worker per CPU for the first driver,
+            # without runtime env, and an actor starts in one of them only when its runtime env
+            # matches; with env_vars every worker would be a new process and the prestarted ones
+            # idle. The raylet, and every worker it starts, inherit the driver's environment.
+            with scoped_environ(WORKER_ENV):
+                ray.init(
+                    num_cpus=local_ray_cpus(cfg),
+                    include_dashboard=p.ray_dashboard,  # its web server and agents delay a local start: off unless asked
+                )
             started = True
     try:
         check_cluster(cfg, uses_gpu(cfg))
