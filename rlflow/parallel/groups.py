@@ -191,9 +191,35 @@ def build_call_groups(
     key = (ranks, strategy, device_type)
     if key not in _CACHE:
         mesh = TorchDeviceMesh(device_type, rank_grid(ranks, strategy), mesh_dim_names=MESH_AXES)
+        _build_return_groups(ranks, strategy)
         rank = dist.get_rank()
         _CACHE[key] = CallGroups(ranks, strategy, mesh, rank) if rank in ranks else None
     return _CACHE[key]
+
+
+# pp column (global ranks) -> its second group, on which pipelined generation sends the sampled
+# tokens back to the first stage (rlflow.engine.rollout.pipelined: NCCL serialises one
+# communicator's point-to-point operations); NON_GROUP_MEMBER on ranks outside the column.
+_RETURN_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _build_return_groups(ranks: tuple[int, ...], strategy: ParallelStrategy) -> None:
+    """A second group per pp column of a pipelined call, created with the call's groups (every
+    pool rank, same order); columns shared with an earlier call reuse its group."""
+    if strategy.pp == 1:
+        return
+    grid = rank_grid(ranks, strategy)
+    for dp_rank in range(strategy.dp):
+        for tp_rank in range(strategy.tp):
+            column = tuple(int(r) for r in grid[:, dp_rank, tp_rank])
+            if column not in _RETURN_GROUPS:  # the same keys on every rank: the same new_group calls
+                _RETURN_GROUPS[column] = dist.new_group(list(column))
+
+
+def pp_return_group(column: Sequence[int]) -> dist.ProcessGroup | None:
+    """The second group :func:`build_call_groups` made for the pp column ``column`` (global ranks in
+    stage order), or None when no call of the pool has that column."""
+    return _RETURN_GROUPS.get(tuple(int(r) for r in column))
 
 
 def build_plan_groups(
@@ -210,3 +236,4 @@ def build_plan_groups(
 def clear_group_cache() -> None:
     """Forget cached call groups (after ``destroy_process_group``)."""
     _CACHE.clear()
+    _RETURN_GROUPS.clear()

@@ -7,7 +7,14 @@ import torch
 import torch.distributed as dist
 from realloc_helpers import run_world
 
-from rlflow.parallel.groups import axis_ranks, build_call_groups, build_plan_groups, global_coords, rank_grid
+from rlflow.parallel.groups import (
+    axis_ranks,
+    build_call_groups,
+    build_plan_groups,
+    global_coords,
+    pp_return_group,
+    rank_grid,
+)
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 
@@ -36,6 +43,7 @@ def groups_body(rank, world_size):
         ([2, 3], ParallelStrategy(tp=2)),  # a subset: ranks 0 and 1 help create it and get None
         ([0, 1], ParallelStrategy(pp=2)),
         ([0, 1, 2, 3], ParallelStrategy(dp=2, tp=2)),  # repeated: served from the cache
+        ([0, 1, 2, 3], ParallelStrategy(tp=2, pp=2)),  # pp columns (0, 2) and (1, 3)
     ]
     groups = build_plan_groups(calls, device_type="cpu")
     assert groups[3] is groups[0]
@@ -54,6 +62,13 @@ def groups_body(rank, world_size):
         dist.all_reduce(value, group=sub.group("tp"))
         assert value.item() == 5.0 and sub.global_rank(0, 0, 1) == 3
     assert (groups[2] is None) == (rank in (2, 3))
+    # A pipelined call's columns get a second group each (pipelined generation's tokens travel back on it)
+    column = groups[4].axis_ranks("pp")
+    assert column == (rank % 2, rank % 2 + 2) and pp_return_group((0, 1)) is not None
+    assert pp_return_group((0, 3)) is None and pp_return_group(column) is not groups[4].group("pp")
+    value = torch.tensor([2.0**rank])
+    dist.all_reduce(value, group=pp_return_group(column))
+    assert value.item() == sum(2.0**r for r in column)
     with pytest.raises(ValueError, match="must be increasing"):
         build_call_groups([3, 2], ParallelStrategy(tp=2))
     with pytest.raises(ValueError, match="outside the pool"):

@@ -4,7 +4,8 @@ One worker group (ranks 0 and 1) hosts a trainable ``actor`` (home: dp=2), a fro
 (dp=2, resident) and a value-head ``reward`` model (home dp=2, plus a call on rank 1 alone,
 so it rests offloaded and is copied for that call). The driver side here does what the
 trainer does: ``pre_call`` on ``setup.hook_ranks``, the call on its view, ``post_call``.
-Generation always runs on a copy — dp=2 replicas, or tensor parallel over both ranks.
+Generation always runs on a copy — dp=2 replicas, tensor parallel over both ranks, or two
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 N_SAMPLES, MAX_NEW, TEMPERATURE, EMA_ETA = 2, 5, 0.8, 0.5
 DP2 = CallLayout((0, 1), ParallelStrategy(dp=2))
 TP2 = CallLayout((0, 1), ParallelStrategy(tp=2))
+PP2 = CallLayout((0, 1), ParallelStrategy(pp=2))
 RANK1 = CallLayout((1,), ParallelStrategy())
 
 
@@ -38,6 +40,7 @@ def build_setup(paths: dict[str, str]) -> WorkerSetup:
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False)}
     extra = [
         MFCDef("actor_gen_tp", "actor", "generate", PROMPT_KEYS, GEN_OUTPUT_KEYS),
+        MFCDef("actor_gen_pp", "actor", "generate", PROMPT_KEYS, GEN_OUTPUT_KEYS),
         MFCDef("reward_inf_one", "reward", "inference", ROLLOUT_KEYS, ("rewards",)),
         MFCDef(
             "ref_inf_ema",
@@ -50,7 +53,7 @@ def build_setup(paths: dict[str, str]) -> WorkerSetup:
         ),
     ]
     mfcs.update({m.name: m for m in extra})
-    layouts = {name: DP2 for name in mfcs} | {"actor_gen_tp": TP2, "reward_inf_one": RANK1}
+    layouts = {name: DP2 for name in mfcs} | {"actor_gen_tp": TP2, "actor_gen_pp": PP2, "reward_inf_one": RANK1}
     models = {
         "actor": ModelSetup("actor", "actor", paths["actor"], trainable=True, optim=OptimConfig(lr=1e-2)),
         "ref": ModelSetup("ref", "ref", paths["actor"]),
@@ -165,9 +168,10 @@ def test_train_step_reports_metrics_and_changes_the_weights(iteration):
     assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["actor_gen_tp", "actor_gen"])
+@pytest.mark.parametrize("name", ["actor_gen_tp", "actor_gen_pp", "actor_gen"])
 def test_generate_after_train_uses_the_new_weights(world, iteration, tmp_path, name):
-    """Greedy rollouts on a tp=2 copy and on dp=2 copies equal one process running the home weights."""
+    """Greedy rollouts on a tp=2 copy, on pp=2 stages (pipelined) and on dp=2 copies equal one process
+    running the home weights."""
     driver, paths, _ = world
     batch = prompt_batch(paths["tokenizer"])
     out = driver.call(name, batch, greedy=True, evaluate=True).get()

@@ -47,6 +47,7 @@ from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.pipeline import DecoderStage
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.hf_sampler import _PRUNE_FRACTION, _DecodeMasks, _mask_kind, choose_tokens, token_logprobs
+from rlflow.parallel.groups import pp_return_group
 
 __all__ = ["StageDecoder", "back_group", "pipelined_sample"]
 
@@ -161,20 +162,24 @@ class StageDecoder:
         return additive.masked_fill_(~allowed, torch.finfo(self._dtype).min)
 
 
-# (backend, ranks) -> the group tokens travel back on; one per pp column, created once per process.
-_BACK_GROUPS: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+# ranks -> the group tokens travel back on, where the members made it themselves; once per process.
+_BACK_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def back_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A second group of the ranks of ``pp_group``, for the tokens the last stage sends back.
 
-    Only the group's members call it (local synchronisation); cached per process.
+    In a worker pool it is the one :func:`rlflow.parallel.groups.build_call_groups` made with the
+    call's groups (every pool rank creates groups, in the same order). Outside one (ranks that
+    built their mesh themselves, as the tests do) the group's members create it here, together.
     """
     ranks = tuple(dist.get_process_group_ranks(pp_group))
-    key = (str(dist.get_backend(pp_group)), ranks)
-    if key not in _BACK_GROUPS:
-        _BACK_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _BACK_GROUPS[key]
+    made = pp_return_group(ranks)
+    if made is not None:
+        return made
+    if ranks not in _BACK_GROUPS:
+        _BACK_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _BACK_GROUPS[ranks]
 
 
 @dataclass
