@@ -91,14 +91,15 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def step_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    """Training-step metrics by step, without wall-clock and memory figures."""
+    """Training-step metrics by step, without wall-clock and memory figures or the bytes
+    reallocations moved (which depend on the copies a run holds, not on what it trains)."""
     out: dict[int, dict[str, float]] = {}
     for record in records(run_dir):
         if any(k.startswith("actor_train/") for k in record):
             out[record["step"]] = {
                 k: v
                 for k, v in record.items()
-                if k != "time" and not k.startswith("time/") and k.rsplit("/", 1)[-1] not in UNCOMPARED
+                if k != "time" and not k.startswith(("time/", "realloc/")) and k.rsplit("/", 1)[-1] not in UNCOMPARED
             }
     return out
 
