@@ -202,7 +202,8 @@ def build_problem(
             with ``value_head=True``).
         cluster: the hardware.
         workload: batch and sequence lengths of one iteration.
-        capabilities: what the engines support (default: no pipelined generation).
+        capabilities: what the engines support (default: :class:`RuntimeCapabilities`, the built-in engines'
+            — pipelined generation included).
         trainable: models trained by the graph; default: every model with a train_step MFC.
         profile: measured profile (a ``MachineProfile`` or JSON path) replacing the analytic roofline.
         num_iterations: iterations the simulator unrolls; under ``policy_lag`` L, 2·L more, so

@@ -34,7 +34,9 @@ class RuntimeCapabilities:
 
     Attributes:
         pipeline_generate / pipeline_inference / pipeline_train: ``pp > 1`` is supported for
-            that interface (built-in HF generation and vLLM rollouts are not pipelined).
+            that interface. The built-in sampler pipelines generation
+            (:mod:`rlflow.engine.rollout.pipelined`); vLLM rollouts do not, and a trainer reads
+            what its engine declares (``rlflow.trainer.placement.runtime_capabilities``).
         tensor_parallel_generate: ``tp > 1`` is supported for generation.
         max_tp / max_pp: upper bounds on the degrees (``None``: no bound beyond the mesh).
         generate_world_size: a generation must use exactly this many devices (the whole
@@ -42,7 +44,7 @@ class RuntimeCapabilities:
             any mesh.
     """
 
-    pipeline_generate: bool = False
+    pipeline_generate: bool = True
     pipeline_inference: bool = True
     pipeline_train: bool = True
     tensor_parallel_generate: bool = True
@@ -115,7 +117,7 @@ def num_microbatches(
     """Micro-batches every dp rank splits one (mini-)batch into — the planner and the engines agree on it.
 
     ``mfc.n_mbs`` when set. Otherwise a generation runs its batch at once (``pp`` micro-batches
-    when pipelined); other calls take ``MICROBATCHES_PER_STAGE * pp`` under pipelining, else 1,
+    when pipelined; the sampler cuts them of whole prompts, so never more than the rank's prompts); other calls take ``MICROBATCHES_PER_STAGE * pp`` under pipelining, else 1,
     raised so that no micro-batch exceeds ``max_tokens_per_mb`` tokens, and never more than
     the rank's sequences.
 
@@ -182,7 +184,8 @@ def enumerate_options(
     >>> from rlflow.dataflow import algorithm_mfcs
     >>> from rlflow.planner.model_spec import model_preset
     >>> gen = algorithm_mfcs("ppo")[0]
-    >>> len(enumerate_options(gen, model_preset("llama2-7b"), 1, 8, n_seqs=64))  # pp == 1: dp*tp per mesh
+    >>> no_pp = RuntimeCapabilities(pipeline_generate=False)
+    >>> len(enumerate_options(gen, model_preset("llama2-7b"), 1, 8, n_seqs=64, capabilities=no_pp))  # dp*tp per mesh
     26
     """
     options = []

@@ -35,7 +35,7 @@ def test_ppo_problem_shapes(ppo):
         assert table.shape == (len(ppo.options[i]), len(ppo.options[k])) and np.all(np.asarray(table) >= 0)
     assert sorted(ppo.realloc_time) == [(4, 0), (5, 1)] and sorted(ppo.reload_time) == [2, 3]
     assert (ppo.num_nodes, ppo.devices_per_node, ppo.device_memory_bytes) == (2, 4, CLUSTER.device_memory_bytes)
-    assert all(o.strategy.pp == 1 for o in ppo.options[0])  # no pipelined generation by default
+    assert any(o.strategy.pp > 1 for o in ppo.options[0])  # pipelined generation by default (the built-in sampler's)
     compile_problem(ppo)  # the simulator accepts it
 
 
@@ -87,10 +87,11 @@ def test_rule_based_reward_stays_off_the_devices():
     assert max(o.strategy.dp for o in problem.options[2]) <= 32 // 4
 
 
-def test_pipelined_generation_when_the_runtime_allows_it():
-    caps = RuntimeCapabilities(pipeline_generate=True)
+def test_no_pipelined_generation_when_the_runtime_cannot():
+    caps = RuntimeCapabilities(pipeline_generate=False)
     problem = build_problem(algorithm_graph("ppo"), MODELS, CLUSTER, WORK, capabilities=caps, num_iterations=2)
-    assert any(o.strategy.pp > 1 for o in problem.options[0]) and problem.num_iterations == 2
+    assert all(o.strategy.pp == 1 for o in problem.options[0]) and problem.num_iterations == 2
+    assert any(o.strategy.pp > 1 for o in problem.options[2])  # inference still pipelines
 
 
 def test_bad_inputs_name_what_is_wrong():

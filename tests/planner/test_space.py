@@ -48,12 +48,15 @@ def test_strategies_on_one_host_by_hand():
     mesh = DeviceMesh(1, 8)
     # tp in {1,2,4,8} (32 heads), pp | 8/tp: 4 + 3 + 2 + 1
     assert len(enumerate_strategies(mesh, LLAMA7B, REF, n_seqs=512)) == 10
-    # no pipelined generation by default: only pp == 1
-    assert enumerate_strategies(mesh, LLAMA7B, GEN, n_seqs=512) == [S(8, 1, 1), S(4, 2, 1), S(2, 4, 1), S(1, 8, 1)]
-    assert (
-        len(enumerate_strategies(mesh, LLAMA7B, GEN, 512, capabilities=RuntimeCapabilities(pipeline_generate=True)))
-        == 10
-    )
+    # pipelined generation by default (the built-in sampler's); an engine that cannot gets pp == 1 only
+    assert len(enumerate_strategies(mesh, LLAMA7B, GEN, n_seqs=512)) == 10
+    no_pp = RuntimeCapabilities(pipeline_generate=False)
+    assert enumerate_strategies(mesh, LLAMA7B, GEN, 512, capabilities=no_pp) == [
+        S(8, 1, 1),
+        S(4, 2, 1),
+        S(2, 4, 1),
+        S(1, 8, 1),
+    ]
     assert all(
         s.tp <= 2 for s in enumerate_strategies(mesh, LLAMA7B, REF, 512, capabilities=RuntimeCapabilities(max_tp=2))
     )
@@ -92,9 +95,12 @@ def test_every_dp_rank_needs_enough_sequences():
 
 def test_options_cover_every_mesh():
     opts = enumerate_options(GEN, LLAMA7B, 1, 8, n_seqs=64)
-    # per mesh of size k on one host with pp == 1: one strategy per tp | k
-    assert len(opts) == 8 * 1 + 4 * 2 + 2 * 3 + 1 * 4
+    # per mesh of size k on one host: one strategy per (tp, pp) with tp * pp | k
+    assert len(opts) == 8 * 1 + 4 * 3 + 2 * 6 + 1 * 10
     assert len({(m, s) for m, s in opts}) == len(opts)
+    # an engine that cannot pipeline: pp == 1, one strategy per tp | k
+    no_pp = RuntimeCapabilities(pipeline_generate=False)
+    assert len(enumerate_options(GEN, LLAMA7B, 1, 8, n_seqs=64, capabilities=no_pp)) == 8 * 1 + 4 * 2 + 2 * 3 + 1 * 4
 
 
 def test_microbatches():
