@@ -59,7 +59,6 @@ def manual(mfc: str, devices: int = 2, **strategy: int) -> list[str]:
     return [f"{key}.mesh.num_devices={devices}"] + [f"{key}.strategy.{k}={v}" for k, v in strategy.items()]
 
 
-GRPO_MANUAL = ["placement.mode=manual", *manual("actor_train", dp=2), *manual("actor_gen", tp=2)]
 PPO_MANUAL = [
     "placement.mode=manual",
     *manual("actor_train", dp=2),
@@ -125,16 +124,21 @@ def check_run(result: FitResult, run_dir: Path, device_mfcs: list[str]) -> dict[
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_grpo_on_a_manual_plan_that_reshards_fsdp_weights_to_tensor_parallel_rollouts(ray_session, tmp_path):
-    _, result = fit(GRPO, GRPO_TINY + GRPO_MANUAL, tmp_path)
+@pytest.mark.parametrize("gen", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_grpo_on_a_manual_plan_that_reshards_fsdp_weights_to_parallel_rollouts(ray_session, tmp_path, gen):
+    """Tensor-parallel rollouts, and pipelined ones (two stages passing activations every decode step)."""
+    placement = ["placement.mode=manual", *manual("actor_train", dp=2), *manual("actor_gen", **gen)]
+    _, result = fit(GRPO, GRPO_TINY + placement, tmp_path)
     metrics = check_run(result, tmp_path, ["actor_gen", "actor_train"])
     plan = ExecutionPlan.load(tmp_path / "plan.json")
     assert plan.name == "manual"
-    assert (plan.call("actor_train").strategy.dp, plan.call("actor_gen").strategy.tp) == (2, 2)
+    strategy = plan.call("actor_gen").strategy
+    expected = (2, gen.get("tp", 1), gen.get("pp", 1))
+    assert (plan.call("actor_train").strategy.dp, strategy.tp, strategy.pp) == expected
     for record in metrics.values():
         # Every rollout runs on a copy resharded from the FSDP home first ...
         assert record["time/actor_gen/pre_call"] > 0
-        # ... and that copy is the policy being trained: log-probs of the tp=2 rollout equal
+        # ... and that copy is the policy being trained: log-probs of the tp=2 / pp=2 rollout equal
         # the FSDP engine's up to rounding (one stale step would make them differ by far more).
         assert record["actor_train/approx_kl"] < 1e-5
         assert record["actor_train/grad_norm"] > 0
@@ -210,7 +214,11 @@ def test_manual_strategy_that_does_not_fill_its_mesh_names_the_mfc():
     ("placement", "message"),
     [
         (manual("actor_train", dp=2), r"placement\.manual has no entry for MFC\(s\) \['actor_gen'\]"),
-        (manual("actor_train", dp=2) + manual("actor_gen", pp=2), r"'actor_gen' has no option with mesh"),
+        # two pipeline stages of a one-layer model (pipelined generation itself runs: the hf engine declares pp)
+        (
+            ["models.actor.num_layers=1", *manual("actor_train", dp=2), *manual("actor_gen", pp=2)],
+            r"'actor_gen' has no option with mesh",
+        ),
     ],
 )
 def test_manual_plans_the_runtime_cannot_run_are_refused_when_planning(ray_session, tmp_path, placement, message):
