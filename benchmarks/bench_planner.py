@@ -14,7 +14,8 @@
     within 2%.
 
 The paper's engine pipelines generation, so these problems allow ``pp > 1`` for generation
-(``RuntimeCapabilities(pipeline_generate=True)``); rlflow's own engines do not.
+(``RuntimeCapabilities(pipeline_generate=True)``, the default since rlflow's built-in sampler
+pipelines too).
 
     python -m benchmarks.run planner
     python -m benchmarks.bench_planner --search-seconds 3 --check-seconds 10 --reference-seconds 60
