@@ -34,7 +34,6 @@ Every rank of the pp group returns the same rollout: the last stage broadcasts i
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -50,8 +49,6 @@ from rlflow.engine.rollout.hf_sampler import _PRUNE_FRACTION, _DecodeMasks, _mas
 from rlflow.parallel.groups import pp_return_group
 
 __all__ = ["StageDecoder", "back_group", "pipelined_sample"]
-
-_log = logging.getLogger(__name__)
 
 
 class StageDecoder:
@@ -191,7 +188,6 @@ class _MicroBatch:
     decoder: StageDecoder
     alive: torch.Tensor | None = None  # (N_m,) bool, rows not yet stopped (last stage, with stop tokens)
     done: bool = False
-    pending: list = field(default_factory=list)
 
 
 @dataclass
