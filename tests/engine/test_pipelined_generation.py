@@ -72,6 +72,9 @@ def _worker(rank: int, port: int, outdir: str, stops: tuple[int, ...]) -> None:
             if mesh_name == "pp2_dp2":  # three micro-batches of uneven size (2, 1, 1 prompts)
                 uneven = HFRolloutEngine(tiny_model(seed=0), mesh, num_micro_batches=3)
                 results[(mesh_name, "stop_3mb")] = uneven.generate((ids[rows], mask[rows]), _cases(stops)["stop"])
+            if mesh_name == "pp4":  # HF's layers in every stage (the lean decoder ran above)
+                hf_layers = HFRolloutEngine(tiny_model(seed=0), mesh, fast_decode=False)
+                results[(mesh_name, "stop_hf_layers")] = hf_layers.generate((ids, mask), _cases(stops)["sampled_stop"])
             if mesh_name == "pp4":  # a worker's path: built empty, written from full weights, tied embeddings
                 source = _tied_model()
                 spec = RolloutBuild(
@@ -144,6 +147,13 @@ def test_uneven_micro_batches(runs):
     ranks, references, _ = runs
     for rank, result in enumerate(ranks):
         _check(result[("pp2_dp2", "stop_3mb")], references[("stop", 2)][rank % 2])
+
+
+def test_stages_through_hf_layers(runs):
+    """Under tp the stages run HF's layers; here every stage of pp=4 does, sampling with stop tokens."""
+    ranks, references, _ = runs
+    for result in ranks:
+        _check(result[("pp4", "stop_hf_layers")], references[("sampled_stop", 1)][0])
 
 
 def test_built_stage_takes_full_weights_with_tied_embeddings(runs):

@@ -91,7 +91,7 @@ def fast_decode_blocker(model: nn.Module) -> str | None:
     partial = config_value(config, "partial_rotary_factor")
     if partial not in (None, 1, 1.0):  # RoPE on part of each head is not implemented
         return f"partial_rotary_factor={partial}"
-    expected = {name for _, shapes in family.item_param_shapes(config) for name in shapes}
+    expected = _expected_params(model, family, config)
     actual = {name for name, _ in model.named_parameters()}
     if expected != actual:
         missing, extra = sorted(expected - actual), sorted(actual - expected)
@@ -102,6 +102,25 @@ def fast_decode_blocker(model: nn.Module) -> str | None:
         ]
         return f"parameters differ from family {family.name!r}'s: {', '.join(parts)}"
     return None
+
+
+def _stage_items(model: nn.Module) -> list[str] | None:
+    """The pipeline items a stage (:class:`rlflow.engine.pipeline.DecoderStage`) holds; None for a whole model."""
+    items = getattr(model, "items", None)
+    return list(items) if items is not None else None
+
+
+def _expected_params(model: nn.Module, family: ModelFamily, config) -> set[str]:
+    """The family's parameter names of ``model``: all of them, or a stage's items' (a last stage's own
+    copy of a tied embedding under the LM head's name)."""
+    items = _stage_items(model)
+    per_item = family.item_param_shapes(config)
+    if items is None:
+        return {name for _, shapes in per_item for name in shapes}
+    names = {name for item, shapes in per_item if item in items for name in shapes}
+    if "head" in items and "embed" not in items and family.embed_name in names:
+        names = (names - {family.embed_name}) | {family.lm_head_name}
+    return names
 
 
 def kv_cache_bytes(model: nn.Module, num_rows: int, total_len: int) -> int:
@@ -136,7 +155,7 @@ def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if tensors[0] is None else torch.cat(tensors, dim=0)
 
 
-def _build_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]:
+def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozenset[int] | None) -> list[_Layer]:
     dims = family.dims(config)
     params = dict(model.named_parameters())
     window = config_value(config, "sliding_window")
@@ -149,6 +168,8 @@ def _build_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]
 
     layers = []
     for i, kind in enumerate(family.layer_types(config)):
+        if indices is not None and i not in indices:  # another pipeline stage's layer
+            continue
         q_norm = get(i, "self_attn.q_norm.weight")
         qk_norm = None
         if q_norm is not None:
@@ -205,13 +226,14 @@ def _weight_key(model: nn.Module) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def _cached_layers(model: nn.Module, family: ModelFamily, config) -> list[_Layer]:
-    """The layers of ``model``, concatenated once per weight version where that is small."""
+def _cached_layers(model: nn.Module, family: ModelFamily, config, indices: frozenset[int] | None) -> list[_Layer]:
+    """The layers of ``model`` (those of ``indices`` on a pipeline stage), concatenated once per
+    weight version where that is small."""
     key = _weight_key(model)
     cached = _LAYER_CACHE.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
-    layers = _build_layers(model, family, config)
+    layers = _build_layers(model, family, config, indices)
     fused_bytes = sum(t.nbytes for layer in layers for t in (layer.qkv_weight, layer.gate_up_weight))
     if fused_bytes <= _CACHE_MAX_BYTES:
         _LAYER_CACHE[model] = (key, layers)
@@ -223,7 +245,9 @@ class FastDecoder:
     on a model :func:`fast_decode_blocker` accepts; the same interface as the sampler's HF path.
 
     Args:
-        model: an HF causal LM of a family with ``fast_decode``.
+        model: an HF causal LM of a family with ``fast_decode``, or a pipeline stage of one
+            (:class:`rlflow.engine.pipeline.DecoderStage`: its layers, with the embedding on the
+            first stage and the head on the last; the stages pass hidden states).
         max_new_tokens: ``R``, the decode steps the KV buffers are sized for.
 
     >>> from rlflow.data.tiny_models import build_tiny_model
@@ -241,10 +265,15 @@ class FastDecoder:
         family = family_of(config)
         dims = family.dims(config)
         self._rotary = model.get_submodule(family.rotary_module)
-        self._layers = _cached_layers(model, family, config)
-        self._embed = model.get_parameter(family.embed_name)
-        self._norm = model.get_parameter(f"{family.norm_module}.weight")
-        self._head_t = model.get_submodule(family.lm_head_module).weight.t()
+        items = _stage_items(model)  # a pipeline stage runs its items only
+        holds = (lambda item: True) if items is None else items.__contains__
+        layers = None if items is None else frozenset(int(i.split(".")[1]) for i in items if i.startswith("layer."))
+        self._layers = _cached_layers(model, family, config, layers)
+        self._embed = model.get_parameter(family.embed_name) if holds("embed") else None
+        self._norm = model.get_parameter(f"{family.norm_module}.weight") if holds("norm") else None
+        self._head_t = model.get_submodule(family.lm_head_module).weight.t() if holds("head") else None
+        param = next(model.parameters())
+        self._dtype, self._device = param.dtype, param.device
         self._eps = float(config_value(config, "rms_norm_eps", 1e-6))
         self._act = ACT2FN[config_value(config, "hidden_act", "silu")].forward  # skip nn.Module's call hooks
         self._heads, self._kv_heads, self._head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
@@ -256,12 +285,16 @@ class FastDecoder:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int) -> torch.Tensor:
         """Run the ``(B, P)`` left-padded prompts, fill the KV buffers, repeat them ``n`` times.
 
+        On a pipeline stage without the embedding ``input_ids`` are the previous stage's
+        ``(B, P, H)`` hidden states.
+
         Returns:
-            ``(B*n, V)`` float32 logits of the next position, rows interleaved by prompt.
+            ``(B*n, V)`` float32 logits of the next position, rows interleaved by prompt; on a
+            stage without the head, its ``(B, P, H)`` hidden states (one row per prompt).
         """
-        batch, prompt_len = input_ids.shape
+        batch, prompt_len = attention_mask.shape
         total = prompt_len + self._max_new
-        dtype, device = self._embed.dtype, self._embed.device
+        dtype, device = self._dtype, self._device
         positions = position_ids_from_mask(attention_mask)  # (B, P)
         self._build_tables(attention_mask, total, dtype, device)
         shape = (batch, self._kv_heads, total, self._head_dim)
@@ -271,11 +304,15 @@ class FastDecoder:
 
         cos, sin = self._cos[positions][:, :, None], self._sin[positions][:, :, None]  # (B, P, 1, D)
         valid = attention_mask.bool()
-        hidden = torch.embedding(self._embed, input_ids.reshape(-1))  # (B*P, hidden)
+        if self._embed is not None:
+            hidden = torch.embedding(self._embed, input_ids.reshape(-1))  # (B*P, hidden)
+        else:
+            hidden = input_ids.reshape(batch * prompt_len, -1)
         for index, layer in enumerate(self._layers):
             mask = self._prompt_mask(valid, layer.window)
             hidden = self._prompt_layer(hidden, batch, index, layer, cos, sin, mask)
-        logits = self._logits(hidden.view(batch, prompt_len, -1)[:, -1])
+        out = hidden.view(batch, prompt_len, -1)
+        logits = self._logits(out[:, -1]) if self._head_t is not None else None
         # the n samples of a prompt share its cache, positions and masks
         self._k = [k.repeat_interleave(n, dim=0) for k in self._k]
         self._v = [v.repeat_interleave(n, dim=0) for v in self._v]
@@ -292,16 +329,20 @@ class FastDecoder:
         else:
             self._key_mask = additive[:, None, None, :]  # (N, 1, 1, T)
         self._grouped_views()
-        return logits.repeat_interleave(n, dim=0)
+        return out if logits is None else logits.repeat_interleave(n, dim=0)
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        """Feed ``(N,)`` tokens (response position ``step``); ``(N, V)`` float32 next logits."""
+        """Feed ``(N,)`` tokens (response position ``step``), or on a stage without the embedding the
+        previous stage's ``(N, 1, H)``; ``(N, V)`` float32 next logits, or a stage's ``(N, 1, H)``."""
         slot = self._length + step
         cos, sin = self._step_cos.select(1, step), self._step_sin.select(1, step)  # (N, 1, D)
-        hidden = torch.embedding(self._embed, tokens)  # (N, hidden)
+        if self._embed is not None:
+            hidden = torch.embedding(self._embed, tokens)  # (N, hidden)
+        else:
+            hidden = tokens.reshape(tokens.shape[0], -1)
         for index, layer in enumerate(self._layers):
             hidden = self._step_layer(hidden, index, layer, cos, sin, slot)
-        return self._logits(hidden)
+        return self._logits(hidden) if self._head_t is not None else hidden.view(hidden.shape[0], 1, -1)
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the decoding rows ``keep`` (indices into the current rows)."""
@@ -387,7 +428,8 @@ class FastDecoder:
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """``(rows, V)`` float32 logits from the last position's ``(rows, hidden)`` states."""
-        return torch.mm(_rms_norm(last, self._norm, self._eps), self._head_t).float()
+        normed = last if self._norm is None else _rms_norm(last, self._norm, self._eps)
+        return torch.mm(normed, self._head_t).float()
 
     # ------------------------------------------------------------------ tables and masks, once per call
 

@@ -479,7 +479,6 @@ class HFRolloutEngine:
             ``pad_token_id``, else 0.
         fast_decode: decode with the lean decoder of :mod:`~rlflow.engine.rollout.fast_decode`
             where it applies (else HF's modules, said in a debug log); False forces HF's modules.
-            Pipelined generation always runs HF's modules.
         num_micro_batches: micro-batches of prompts in flight under pp > 1; default ``pp``.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -598,6 +597,7 @@ class HFRolloutEngine:
                 generator=self._generator(params.seed, device),
                 tp_group=self._tp_group,
                 num_micro_batches=self._num_micro_batches,
+                fast_decode=self._fast_decode,
             )
         else:
             responses, response_mask, old_logp = sample_responses(

@@ -3,7 +3,9 @@
 Each rank of a pipelined generate call holds one stage of the model — the items
 :func:`rlflow.parallel.layout.pipeline_stages` gives it, cut by
 :func:`rlflow.engine.pipeline.build_stage` as the training engine cuts them, tensor-parallel
-inside when tp > 1 — and its own KV cache of those layers (:class:`StageDecoder`). The rows of a
+inside when tp > 1 — and its own KV cache of those layers (the sampler's lean decoder,
+:class:`~rlflow.engine.rollout.fast_decode.FastDecoder`, where it applies; HF's layers,
+:class:`StageDecoder`, under tp or elsewhere). The rows of a
 dp rank are cut into ``M`` micro-batches of whole prompts (default ``min(pp, prompts)``, what
 the planner prices). In every *round* each stage runs every unfinished micro-batch once, in
 order: round 0 is the prefill, round ``r`` feeds the tokens chosen in round ``r - 1``:
@@ -34,6 +36,7 @@ Every rank of the pp group returns the same rollout: the last stage broadcasts i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -45,10 +48,13 @@ from rlflow.engine.models import cache_kwarg
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.pipeline import DecoderStage
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker
 from rlflow.engine.rollout.hf_sampler import _PRUNE_FRACTION, _DecodeMasks, _mask_kind, choose_tokens, token_logprobs
 from rlflow.parallel.groups import pp_return_group
 
 __all__ = ["StageDecoder", "back_group", "pipelined_sample"]
+
+_log = logging.getLogger(__name__)
 
 
 class StageDecoder:
@@ -253,6 +259,7 @@ def pipelined_sample(
     generator: torch.Generator | None = None,
     tp_group: dist.ProcessGroup | None = None,
     num_micro_batches: int | None = None,
+    fast_decode: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~rlflow.engine.rollout.hf_sampler.sample_responses` with the model cut into pipeline stages.
 
@@ -267,6 +274,11 @@ def pipelined_sample(
         generator: random source (used on the last stage's tp rank 0 only).
         tp_group: the stage's tensor-parallel group when it is split.
         num_micro_batches: micro-batches of whole prompts; default ``min(pp, B)``.
+        fast_decode: run the stage with the sampler's lean decoder
+            (:class:`~rlflow.engine.rollout.fast_decode.FastDecoder`) where
+            :func:`~rlflow.engine.rollout.fast_decode.fast_decode_blocker` allows it (not under
+            tp); else, or when False, HF's layers (:class:`StageDecoder`). Both pass the same
+            hidden states, so stages may differ.
 
     Returns:
         ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` as at pp = 1, on every rank.
@@ -285,7 +297,8 @@ def pipelined_sample(
         device=device, hidden_size=stage.config.hidden_size, dtype=next(stage.parameters()).dtype,
     )  # fmt: skip
     with torch.inference_mode():
-        _Schedule(pipe, stage, input_ids, attention_mask, params, pad_token_id, generator, num_micro_batches).run(
+        decoder = _decoder_factory(stage, params.max_new_tokens, input_ids.shape[1], tp_group, fast_decode)
+        _Schedule(pipe, decoder, input_ids, attention_mask, params, pad_token_id, generator, num_micro_batches).run(
             responses, response_mask, old_logp
         )
     last = pp - 1
@@ -296,18 +309,32 @@ def pipelined_sample(
     return responses, response_mask, old_logp
 
 
+def _decoder_factory(stage, max_new_tokens: int, prompt_len: int, tp_group, fast_decode: bool):
+    """What builds this stage's decoder of one micro-batch: the lean one where it applies (logged otherwise)."""
+    if not fast_decode:
+        reason = "fast_decode=False"
+    elif tp_group is not None and dist.get_world_size(tp_group) > 1:
+        reason = "tensor parallelism"
+    else:
+        reason = fast_decode_blocker(stage)
+    if reason is None:
+        return lambda: FastDecoder(stage, max_new_tokens)
+    _log.debug("pipelined stage decodes through HF's layers: %s", reason)
+    return lambda: StageDecoder(stage, max_new_tokens, prompt_len + max_new_tokens)
+
+
 class _Schedule:
     """The rounds of one pipelined generate call on one rank (module docstring)."""
 
-    def __init__(self, pipe, stage, input_ids, attention_mask, params, pad_token_id, generator, num_mbs):
+    def __init__(self, pipe, decoder, input_ids, attention_mask, params, pad_token_id, generator, num_mbs):
         self.pipe, self.params, self.pad, self.generator = pipe, params, pad_token_id, generator
         self.input_ids, self.attention_mask = input_ids, attention_mask
-        n, total = params.n, input_ids.shape[1] + params.max_new_tokens
+        n = params.n
         self.mbs = []
         for part in torch.arange(input_ids.shape[0]).tensor_split(num_mbs):
             a, b = int(part[0]), int(part[-1]) + 1
             rows = torch.arange(a * n, b * n, device=input_ids.device)
-            self.mbs.append(_MicroBatch(slice(a, b), rows, StageDecoder(stage, params.max_new_tokens, total)))
+            self.mbs.append(_MicroBatch(slice(a, b), rows, decoder()))
         self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=input_ids.device)
         self.temperature = 1.0 if params.greedy else params.temperature
         # pp = 1's decoding rows (last stage): the rows one step's noise is drawn for
