@@ -208,7 +208,8 @@ class _Pipe:
     device: torch.device
     hidden_size: int
     dtype: torch.dtype
-    sends: list = field(default_factory=list)
+    sends: list = field(default_factory=list)  # this round's sends in flight
+    older: list = field(default_factory=list)  # the round before's
 
     @property
     def first(self) -> bool:
@@ -227,10 +228,17 @@ class _Pipe:
         dist.recv(buf, group=self.back if back else self.group, group_src=src)
         return buf
 
-    def wait_sends(self) -> None:
-        for work, _ in self.sends:
+    def end_round(self) -> None:
+        """Wait for the sends of the round before this one: a send may complete only once its peer
+        receives it, which for the tokens is during the first stage's next round, so waiting for
+        this round's would keep the last stage from starting the next one."""
+        for work, _ in self.older:
             work.wait()
-        self.sends.clear()
+        self.older, self.sends = self.sends, []
+
+    def wait_sends(self) -> None:
+        self.end_round()
+        self.end_round()
 
 
 def _prune(mb: _MicroBatch, alive: torch.Tensor) -> torch.Tensor | None:
@@ -354,7 +362,7 @@ class _Schedule:
             for mb in self.mbs:
                 if not mb.done:
                     self._micro_batch(mb, rnd, responses, response_mask, old_logp)
-            pipe.wait_sends()
+            pipe.end_round()
             if all(mb.done for mb in self.mbs) or (pipe.last and not self._pp1_prune()):
                 break
         pipe.wait_sends()
