@@ -61,3 +61,33 @@ def test_grpo_with_vllm_rollouts_learns_the_main_task(ray_session, tmp_path, cap
     # Held-out greedy accuracy on 200 problems (the sampled reward per step is printed, not
     # asserted: 256 samples a step move it less than its noise in 20 steps).
     assert last >= first + 0.05, scores
+
+
+TP2 = [
+    "rollout.engine=vllm", "placement.devices_per_node=2", "placement.mode=manual",
+    "placement.manual.actor_gen.mesh.num_devices=2", "placement.manual.actor_gen.strategy.tp=2",
+    "placement.manual.actor_train.mesh.num_devices=2", "placement.manual.actor_train.strategy.dp=2",
+    "placement.manual.actor_inf.mesh.num_devices=2", "placement.manual.actor_inf.strategy.dp=2",
+    "trainer.total_steps=3", "trainer.eval_every=0", "trainer.eval_before_train=false", "warmup.steps=0",
+    "checkpoint.every_n_steps=0", "checkpoint.save_final=false", "data.eval_size=8", "logging.console=false",
+    "logging.tensorboard=false",
+]  # fmt: skip
+
+
+def test_grpo_with_vllm_tp2_across_two_cpu_workers(ray_session, tmp_path):
+    """The rollout runs vLLM with tp = 2 over both Ray workers (training: dp = 2), each step's
+    weights pushed from the FSDP home into each worker's half of vLLM's parameters."""
+    from rlflow.trainer import Trainer, load_config
+
+    cfg = load_config(REPO / "recipes" / "grpo_arithmetic.yaml", [*TP2, f"logging.dir={tmp_path}"])
+    trainer = Trainer(cfg, progress_bars=False)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "actor_train/approx_kl" in r]
+    assert result.steps == 3 and len(steps) == 3
+    for record in steps:
+        assert record["realloc/actor_gen/bytes_intra_host"] > 0  # pushed between the two workers
+        assert record["actor_inf/logp_mismatch_max"] < 1e-4
