@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard kernels/*.cpp kernels/*.h
 test: install
 	$(PY) -m pytest -m "not gpu" -q
 
-# Every gpu-marked test (CUDA engine and offload, the KV-cache guard, whole runs on one GPU, vLLM on
+# Every gpu-marked test (CUDA engine and offload, the KV-cache guard, whole runs on one GPU, NCCL reshards on two GPUs, vLLM on
 # GPUs). -rs prints why each skipped test skipped: what it needs that this machine lacks.
 test-gpu: install
 	$(PY) -m pytest -m gpu -rs -q

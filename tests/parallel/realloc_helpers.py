@@ -157,14 +157,16 @@ def pipeline_logits(stage: nn.Module, layout: Layout, rank: int, input_ids: torc
     return out
 
 
-# ---- spawned gloo worlds ----
+# ---- spawned worlds (gloo; nccl on GPUs) ----
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        init_global_group(rank, world_size, master_port=port, backend="gloo", timeout_s=120)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank: NCCL refuses two ranks on one device
+        init_global_group(rank, world_size, master_port=port, backend=backend, timeout_s=120)
         fn(rank, world_size, *args)
         dist.barrier()
     except BaseException:
@@ -176,13 +178,18 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; re-raise failures."""
+def run_world(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes of one ``backend``
+    world (gloo; nccl: rank r on cuda:r); re-raise failures."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(
-            _child, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, join=True, start_method="spawn"
+            _child,
+            args=(world_size, free_port(), fn, args, errors, backend),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
         )
     except mp.ProcessRaisedException as exc:
         messages = []
