@@ -23,17 +23,22 @@ OVERRIDES = [
 ]  # fmt: skip
 
 
-def test_grpo_with_vllm_rollouts_learns_the_main_task(ray_session, tmp_path, capsys):
+def _fit(overrides: list[str], tmp_path):
+    """``fit()`` of the main recipe with ``overrides``; its result and every metrics record."""
     from rlflow.trainer import Trainer, load_config
 
-    cfg = load_config(REPO / "recipes" / "grpo_arithmetic.yaml", [*OVERRIDES, f"logging.dir={tmp_path}"])
-    start = time.time()
+    cfg = load_config(REPO / "recipes" / "grpo_arithmetic.yaml", [*overrides, f"logging.dir={tmp_path}"])
     trainer = Trainer(cfg, progress_bars=False)
     try:
         result = trainer.fit()
     finally:
         trainer.close()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return result, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_with_vllm_rollouts_learns_the_main_task(ray_session, tmp_path, capsys):
+    start = time.time()
+    result, records = _fit(OVERRIDES, tmp_path)
     steps = [r for r in records if "actor_train/approx_kl" in r]
     scores = [(r["step"], r["eval/score"]) for r in records if "eval/score" in r]
     rewards = [r["reward_inf/score_mean"] for r in steps]
@@ -77,15 +82,7 @@ TP2 = [
 def test_grpo_with_vllm_tp2_across_two_cpu_workers(ray_session, tmp_path):
     """The rollout runs vLLM with tp = 2 over both Ray workers (training: dp = 2), each step's
     weights pushed from the FSDP home into each worker's half of vLLM's parameters."""
-    from rlflow.trainer import Trainer, load_config
-
-    cfg = load_config(REPO / "recipes" / "grpo_arithmetic.yaml", [*TP2, f"logging.dir={tmp_path}"])
-    trainer = Trainer(cfg, progress_bars=False)
-    try:
-        result = trainer.fit()
-    finally:
-        trainer.close()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    result, records = _fit(TP2, tmp_path)
     steps = [r for r in records if "actor_train/approx_kl" in r]
     assert result.steps == 3 and len(steps) == 3
     for record in steps:

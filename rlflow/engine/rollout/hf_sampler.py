@@ -584,32 +584,22 @@ class HFRolloutEngine:
         """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate`. Outputs on the prompts' device."""
         input_ids, attention_mask, source = split_prompts(prompts)
         device = next(self._model.parameters()).device
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        common = dict(
+            pad_token_id=self._pad_token_id,
+            generator=self._generator(params.seed, device),
+            tp_group=self._tp_group,
+            fast_decode=self._fast_decode,
+        )
         if self._coords.pp > 1:
             from rlflow.engine.rollout.pipelined import pipelined_sample  # it builds on this module
 
             responses, response_mask, old_logp = pipelined_sample(
-                self._model,
-                input_ids.to(device),
-                attention_mask.to(device),
-                params,
-                pad_token_id=self._pad_token_id,
-                pp_group=self._coords.pp_group,
-                generator=self._generator(params.seed, device),
-                tp_group=self._tp_group,
-                num_micro_batches=self._num_micro_batches,
-                fast_decode=self._fast_decode,
-            )
+                self._model, ids, mask, params, pp_group=self._coords.pp_group,
+                num_micro_batches=self._num_micro_batches, **common,
+            )  # fmt: skip
         else:
-            responses, response_mask, old_logp = sample_responses(
-                self._model,
-                input_ids.to(device),
-                attention_mask.to(device),
-                params,
-                pad_token_id=self._pad_token_id,
-                generator=self._generator(params.seed, device),
-                tp_group=self._tp_group,
-                fast_decode=self._fast_decode,
-            )
+            responses, response_mask, old_logp = sample_responses(self._model, ids, mask, params, **common)
         out_device = input_ids.device
         return assemble_rollout(
             input_ids,
