@@ -171,6 +171,10 @@ class ClusterSpec:
         decode_kv_passes: passes over the KV cache per decode step (``None``: HF's
             ``DynamicCache``, :data:`rlflow.planner.passes.KV_CACHE_PASSES`; 1: a cache appended
             in place).
+        pipeline_lockstep: the engine's pipeline stages advance in lock-step, as DeepSpeed's
+            schedules do with blocking sends (ReaLHF's engine; rlflow's own engines do not): a
+            training stage's forward waits for its neighbour's backward, and a pipelined generation
+            runs ``pp - 1`` decode steps more (see :mod:`rlflow.planner.cost`).
         name: preset name, for reports.
     """
 
@@ -193,6 +197,7 @@ class ClusterSpec:
     decode_layer_dispatch_s: float = 0.0
     decode_tp_step_s: float = 0.0
     decode_kv_passes: int | None = None
+    pipeline_lockstep: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:

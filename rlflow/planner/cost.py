@@ -7,7 +7,13 @@ tp collectives). On top come:
 * pp: a point-to-point send of the hidden states per micro-batch and stage boundary, and the
   pipeline bubble: ``n_mb + pp - 1`` micro-batch slots for ``n_mb`` micro-batches (a pipelined
   decode step: the longer of ``n_mb`` stage passes and one micro-batch's round trip through the
-  stages and back, :func:`_pipelined_decode_step_s`);
+  stages and back, :func:`_pipelined_decode_step_s`). An engine whose stages advance in lock-step
+  (``cluster.pipeline_lockstep``: DeepSpeed's ``TrainSchedule`` with blocking sends, as ReaLHF
+  runs it) pays more: each schedule step of training is a forward on half the stages and a
+  backward on the others, and neither pair exchanges until both are done, so every micro-batch's
+  forward waits as long as its neighbour's backward (``n_mb x |backward - forward|`` on top of
+  the slots); its pipelined generation runs ``pp - 1`` decode steps more, so that the last
+  stage's stop signal reaches every stage (ReaLHF's ``PipelineRunner.generate``);
 * dp: every call but a generation runs on FSDP2 (``TrainEngine``, homes and forward copies
   alike): each micro-batch all-gathers every layer's weights in the compute dtype — once per
   forward, and again in backward when layers are resharded after forward (``pp == 1``) — and
@@ -226,7 +232,9 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         n_mbs = min(n_mbs, prompts)
     mb, prompt_mb = math.ceil(rows / n_mbs), math.ceil(prompts / n_mbs)
     cross = mesh.num_nodes > 1
-    p_len, steps = workload.prompt_len, np.arange(max(0, workload.gen_len - 1))
+    # A lock-step pipeline runs pp - 1 tokens more (its cache holds them too: not priced, a few tokens).
+    tokens = workload.gen_len + (strategy.pp - 1 if strategy.pp > 1 and cluster.pipeline_lockstep else 0)
+    p_len, steps = workload.prompt_len, np.arange(max(0, tokens - 1))
     hidden = model.hidden_size * b
     prefill_pass = StagePass(prompt_mb, p_len, p_len * (p_len + 1) / 2, b, 0, prompt_mb)
     prefill_slot = stage_pass_s(model, strategy, cluster, rates, prefill_pass)
@@ -241,7 +249,7 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     # Every token: tp rank 0 draws it and broadcasts it to its tp peers, and the sampler's own
     # fixed work (its bytes are in the head's softmax passes).
     broadcast = float(collective_s(cluster, rows * 8, tp, False, "all_gather"))
-    per_token = (broadcast + float(rates.sample_step_s(rows))) * workload.gen_len
+    per_token = (broadcast + float(rates.sample_step_s(rows))) * tokens
     if strategy.pp > 1:
         hops = p2p_s(cluster, mb * hidden, cross), p2p_s(cluster, mb * 8, cross)  # hidden states on, tokens back
         decode_steps = _pipelined_decode_step_s(decode_slot, *hops, n_mbs, strategy.pp)
@@ -309,7 +317,10 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     p2p = 2 * float(p2p_s(cluster, hidden_bytes, mesh.num_nodes > 1)) if strategy.pp > 1 else 0.0
     busy = busy_devices(mesh)
     scale = rates.call_scale("train_step", busy)
-    compute = float(_pipeline(fwd + bwd + p2p, n_mbs, strategy.pp)) * scale
+    compute = float(_pipeline(fwd + bwd + p2p, n_mbs, strategy.pp))
+    if strategy.pp > 1 and cluster.pipeline_lockstep:  # each forward waits for a neighbour's backward
+        compute += n_mbs * abs(bwd - fwd)
+    compute *= scale
     # Layers are resharded after forward (and gathered again in backward) only without pipelining.
     gathers = n_mbs * (2 if strategy.pp == 1 else 1)
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, gathers, train=True)

@@ -35,22 +35,24 @@ from rlflow.planner.cluster import (
 from rlflow.planner.cost import Workload, call_cost
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
+from rlflow.planner.passes import Rates, StagePass, stage_pass_s
 from rlflow.strategy import ParallelStrategy
 
 POINTS = {p.key: p for p in PUBLISHED}
-_64GPU_WHY = (
-    "64 GPUs: rlflow's search trains the 70B critic with FSDP across hosts, which the paper's engine lacks "
-    "(without it still 25-37% too fast), and its plans sustain 39% of peak where the paper's sustain 23%"
+_TP8_DECODE_WHY = (
+    "tp=8 decode: rlflow prices a step of the heuristic's tp=8 generation at ~24 ms (metaseq's eager latencies), "
+    "the paper's slope is ~40 ms at 8 GPUs and 55-66 ms per token pipelined over 8 hosts"
 )
 TIMES_MISSED = {
-    "64gpu-7b+70b-gen128": _64GPU_WHY,
-    "64gpu-7b+70b-gen384": _64GPU_WHY,
-    "64gpu-7b+70b-gen896": _64GPU_WHY,
+    "64gpu-7b+70b-gen896": "heuristic 34% too fast: " + _TP8_DECODE_WHY,
 }
 RATIOS_MISSED = {
-    "8gpu-7b+7b-gen896": "tp=8 decode: metaseq's per-ring-step wait (12 us) against ~30 us in the paper's own slope",
-    "64gpu-7b+70b-gen128": _64GPU_WHY,
-    "64gpu-7b+70b-gen384": _64GPU_WHY,
+    "8gpu-7b+7b-gen896": _TP8_DECODE_WHY,
+    "64gpu-7b+70b-gen128": (
+        "+16 points: rlflow's searched plan (generation dp=32 x tp=2 on all 64 GPUs, the 70B critic at pp=8 "
+        "with dp inside hosts) is 10% faster than the paper's while its heuristic is 3% slower"
+    ),
+    "64gpu-7b+70b-gen896": _TP8_DECODE_WHY,
 }
 
 
@@ -121,12 +123,51 @@ def test_the_gain_grows_with_generation_length_at_8_gpus():
     assert ratios[-1] >= ratios[0] - 0.03, ratios
 
 
-def test_generation_shares_few_gpus_with_the_70b_critic_as_in_table4():
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param(
+            "64gpu-7b+70b-gen128",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="at gen 128 the searched plan runs every call on all 64 GPUs (generation dp=32 x tp=2)",
+            ),
+        ),
+        "64gpu-7b+70b-gen384",
+        "64gpu-7b+70b-gen896",
+    ],
+)
+def test_generation_shares_few_gpus_with_the_70b_critic_as_in_table4(key):
     # Table 4 (64 GPUs): actor generation and training on 8 GPUs, the 70B critic's training on 56.
-    for p in PUBLISHED:
-        if p.gpus == 64:
-            gpus = _row(p.key)["gpus_per_call"]
-            assert gpus[0] < gpus[5] and gpus[4] < gpus[5], (p.key, gpus)
+    gpus = _row(key)["gpus_per_call"]
+    assert gpus[0] < gpus[5] and gpus[4] < gpus[5], (key, gpus)
+
+
+def test_lockstep_pipeline_prices_realhfs_schedule():
+    # ReaLHF's TrainSchedule with blocking sends: every micro-batch's forward waits as long as a
+    # neighbour's backward; its pipelined generation runs pp - 1 tokens more.
+    a100 = cluster_preset("a100-80g", num_nodes=2)
+    lockstep = replace(a100, pipeline_lockstep=True)
+    model, mesh, strategy = model_preset("llama2-7b"), DeviceMesh(2, 8), ParallelStrategy(dp=1, tp=8, pp=2)
+    gen, train = algorithm_mfcs("ppo")[0], algorithm_mfcs("ppo")[4]
+    work = Workload(batch_size=64, prompt_len=128, gen_len=128)
+    free, locked = (call_cost(train, model, strategy, mesh, c, work) for c in (a100, lockstep))
+    assert train.interface_type == "train_step" and locked.time_s > free.time_s
+    n_mbs, mb, s = 4, 4, 256  # 2 x pp micro-batches of the mini-batch's 16 sequences of 256 tokens
+    one = StagePass(mb, s, s * (s + 1) / 2, 2, 0, mb * s)
+    fwd = float(stage_pass_s(model, strategy, a100, Rates(a100), one))
+    bwd = float(stage_pass_s(model, strategy, a100, Rates(a100), one, backward=True)) + fwd  # with recompute
+    extra = (locked.breakdown["compute_s"] - free.breakdown["compute_s"]) / work.n_ppo_minibatches
+    assert extra == pytest.approx(n_mbs * (bwd - fwd))
+    steps = {
+        c.pipeline_lockstep: call_cost(gen, model, strategy, mesh, c, work).breakdown["decode_s"]
+        for c in (a100, lockstep)
+    }
+    assert steps[True] / steps[False] == pytest.approx((128 - 1 + 1) / (128 - 1), rel=0.02)
+    flat = ParallelStrategy(dp=1, tp=8, pp=1)  # no pipeline, nothing changes
+    assert call_cost(train, model, flat, DeviceMesh(1, 8), lockstep.with_shape(1), work).time_s == pytest.approx(
+        call_cost(train, model, flat, DeviceMesh(1, 8), a100.with_shape(1), work).time_s
+    )
 
 
 def test_table6_plan_is_an_option_and_the_search_beats_it():
