@@ -4,8 +4,10 @@ Issue 12 asks for generation several times faster than HF's own loop. Three cont
 the same model and prompts with the same sampling settings, alternating, with one torch thread:
 
 * **fast**: :meth:`rlflow.engine.rollout.HFRolloutEngine.generate` with its lean decoder
-  (:mod:`rlflow.engine.rollout.fast_decode`) — responses, masks and the log-prob of every
-  sampled token.
+  (:mod:`rlflow.engine.rollout.fast_decode`), its decode steps in C++ where they apply
+  (:mod:`rlflow.engine.rollout.native_decode`: both cases here) — responses, masks and the
+  log-prob of every sampled token.
+* **torch_twin**: the same engine with ``native_decode=False``: the lean decoder's steps as torch ops.
 * **hf_modules**: the same engine with ``fast_decode=False``: the same loop, the forward
   through HF's modules and ``DynamicCache``.
 * **generate**: ``model.generate`` on each prompt repeated ``n`` times, logits returned, then
@@ -50,7 +52,7 @@ CASES = {  # name -> build_tiny_model arguments, prompts, samples per prompt, ne
         "new_tokens": 5,
     },
 }
-CONTENDERS = ("fast", "hf_modules", "generate")
+CONTENDERS = ("fast", "torch_twin", "hf_modules", "generate")
 
 
 def _prompts(num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +110,10 @@ def _measure(case_name: str, case: dict, greedy: bool, repeats: int) -> dict:
     samples, new_tokens = case["samples"], case["new_tokens"]
     params = SamplingParams(n=samples, max_new_tokens=new_tokens, greedy=greedy, seed=0)
     fast, hf_modules = HFRolloutEngine(model), HFRolloutEngine(model, fast_decode=False)
+    twin = HFRolloutEngine(model, native_decode=False)
     calls = {
         "fast": lambda: fast.generate((ids, mask), params),
+        "torch_twin": lambda: twin.generate((ids, mask), params),
         "hf_modules": lambda: hf_modules.generate((ids, mask), params),
         "generate": lambda: _hf_generate(model, ids, mask, samples, greedy, new_tokens),
     }
@@ -127,11 +131,14 @@ def _measure(case_name: str, case: dict, greedy: bool, repeats: int) -> dict:
         "new_tokens_per_row": new_tokens,
         **{f"seconds_{name}": round(best[name], 4) for name in CONTENDERS},
         "tokens_per_s_fast": round(tokens / best["fast"], 1),
+        "speedup_vs_torch_twin": round(best["torch_twin"] / best["fast"], 2),
         "speedup_vs_hf_modules": round(best["hf_modules"] / best["fast"], 2),
         "speedup_vs_generate": round(best["generate"] / best["fast"], 2),
         **{f"cpu_seconds_{name}": round(best_cpu[name], 4) for name in CONTENDERS},
+        "cpu_speedup_vs_torch_twin": round(best_cpu["torch_twin"] / best_cpu["fast"], 2),
         "cpu_speedup_vs_hf_modules": round(best_cpu["hf_modules"] / best_cpu["fast"], 2),
         "cpu_speedup_vs_generate": round(best_cpu["generate"] / best_cpu["fast"], 2),
+        "same_tokens_as_torch_twin": bool(torch.equal(ours["responses"], outputs["torch_twin"]["responses"])),
         "same_tokens_as_hf_modules": bool(torch.equal(ours["responses"], outputs["hf_modules"]["responses"])),
         "max_logp_diff_vs_hf_modules": float((ours["old_logp"] - outputs["hf_modules"]["old_logp"]).abs().max()),
         "load_average_1min": round(os.getloadavg()[0], 2),

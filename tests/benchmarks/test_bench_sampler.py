@@ -13,6 +13,8 @@ def test_sampler_benchmark_records_agree():
         assert record["rows"] == 4 and record["new_tokens_per_row"] == 6
         assert all(record[f"seconds_{name}"] > 0 for name in bench_sampler.CONTENDERS)
         assert all(record[f"cpu_seconds_{name}"] > 0 for name in bench_sampler.CONTENDERS)
-        assert record["same_tokens_as_hf_modules"]  # the same generator draws on both paths
+        assert (
+            record["same_tokens_as_hf_modules"] and record["same_tokens_as_torch_twin"]
+        )  # the same draws on all paths
         assert record["max_logp_diff_vs_hf_modules"] < 1e-4
     assert records[1]["same_tokens_as_generate"]

@@ -17,7 +17,9 @@ forward is :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` wherever
 :func:`~rlflow.engine.rollout.fast_decode.fast_decode_blocker` allows it: the family's decoder
 math on the module's weights with fused projections and a preallocated KV cache, in a fraction
 of the ops of HF's modules (2–3× faster per rollout on issue 12's task, see
-docs/benchmarks/sampler.md). Elsewhere (tensor-parallel weights, an unknown family, a rope
+docs/benchmarks/sampler.md); on small float32 CPU models its decode steps run in C++, one call a
+step (:class:`~rlflow.engine.rollout.native_decode.NativeDecoder`, where
+:func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it). Elsewhere (tensor-parallel weights, an unknown family, a rope
 type whose angles depend on the sequence length, parameters the family does not name, a
 preallocated KV cache beyond half the free GPU memory, or ``fast_decode=False``) the loop runs HF's modules with a ``DynamicCache`` (:class:`_HFDecoder`,
 the reason in a debug log), with the masks of all steps built once in the form the model
@@ -64,6 +66,7 @@ from rlflow.engine.rollout.base import (
     split_prompts,
 )
 from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker, kv_cache_bytes
+from rlflow.engine.rollout.native_decode import NativeDecoder, native_decode_blocker
 from rlflow.protocol import DataProto
 
 __all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "choose_tokens", "sample_responses", "token_logprobs"]
@@ -246,6 +249,7 @@ def sample_responses(
     generator: torch.Generator | None = None,
     tp_group: dist.ProcessGroup | None = None,
     fast_decode: bool = True,
+    native_decode: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample ``params.n`` responses per prompt with a KV cache (module docstring).
 
@@ -261,6 +265,10 @@ def sample_responses(
         fast_decode: decode with :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` where
             :func:`~rlflow.engine.rollout.fast_decode.fast_decode_blocker` allows it; False
             always decodes through HF's modules.
+        native_decode: run the lean decoder's steps in C++
+            (:class:`~rlflow.engine.rollout.native_decode.NativeDecoder`) where
+            :func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it; False
+            keeps them in torch.
 
     Returns:
         ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` with rows interleaved by
@@ -275,7 +283,7 @@ def sample_responses(
     with torch.inference_mode():
         _decode(
             model, input_ids, attention_mask, params, pad_token_id, generator, tp_group, responses, response_mask,
-            old_logp, fast_decode,
+            old_logp, fast_decode, native_decode,
         )  # fmt: skip
     if bool(torch.isnan(old_logp).any()):  # choose_tokens draws without torch.multinomial's checks
         raise ValueError("sample_responses: the model's logits contain NaN (see old_logp)")
@@ -284,12 +292,12 @@ def sample_responses(
 
 def _decode(
     model, input_ids, attention_mask, params, pad_token_id, generator, tp_group, responses, response_mask, old_logp,
-    fast_decode,
+    fast_decode, native_decode,
 ) -> None:  # fmt: skip
     """The prefill and decoding loop of :func:`sample_responses`, writing its three outputs in place."""
     max_new, num_rows, device = params.max_new_tokens, responses.shape[0], input_ids.device
     temperature = 1.0 if params.greedy else params.temperature
-    decoder = _decoder(model, num_rows, input_ids.shape[1] + max_new, max_new, tp_group, fast_decode)
+    decoder = _decoder(model, num_rows, input_ids.shape[1] + max_new, max_new, tp_group, fast_decode, native_decode)
     logits = decoder.prefill(input_ids, attention_mask, params.n)
     if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
         for step in range(max_new):
@@ -323,9 +331,11 @@ def _decode(
 
 
 def _decoder(
-    model: nn.Module, num_rows: int, total_len: int, max_new_tokens: int, tp_group, fast_decode: bool
-) -> FastDecoder | _HFDecoder:
-    """The lean decoder where it applies (module :mod:`~rlflow.engine.rollout.fast_decode`), else HF's modules."""
+    model: nn.Module, num_rows: int, total_len: int, max_new_tokens: int, tp_group, fast_decode: bool,
+    native_decode: bool,
+) -> FastDecoder | _HFDecoder:  # fmt: skip
+    """The lean decoder where it applies (module :mod:`~rlflow.engine.rollout.fast_decode`), its steps in
+    C++ where that applies too (:mod:`~rlflow.engine.rollout.native_decode`), else HF's modules."""
     if not fast_decode:
         reason = "fast_decode=False"
     elif tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -333,6 +343,10 @@ def _decoder(
     else:
         reason = fast_decode_blocker(model) or _kv_memory_blocker(model, num_rows, total_len)
     if reason is None:
+        native_reason = native_decode_blocker(model) if native_decode else "native_decode=False"
+        if native_reason is None:
+            return NativeDecoder(model, max_new_tokens)
+        _log.debug("sampler decodes with the torch lean decoder: %s", native_reason)
         return FastDecoder(model, max_new_tokens)
     _log.debug("sampler decodes through HF's modules: %s", reason)
     return _HFDecoder(model, max_new_tokens)
@@ -479,6 +493,9 @@ class HFRolloutEngine:
             ``pad_token_id``, else 0.
         fast_decode: decode with the lean decoder of :mod:`~rlflow.engine.rollout.fast_decode`
             where it applies (else HF's modules, said in a debug log); False forces HF's modules.
+        native_decode: run that decoder's steps in C++ where
+            :func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it (one
+            process; pipeline stages keep torch's); False keeps them in torch.
         num_micro_batches: micro-batches of prompts in flight under pp > 1; default ``pp``.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -505,6 +522,7 @@ class HFRolloutEngine:
         *,
         pad_token_id: int | None = None,
         fast_decode: bool = True,
+        native_decode: bool = True,
         num_micro_batches: int | None = None,
     ):
         self._coords = coords = _mesh_coords(device_mesh)
@@ -523,7 +541,7 @@ class HFRolloutEngine:
             pad_token_id = getattr(model.config, "pad_token_id", None)
         self._pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self._model = model.eval()
-        self._fast_decode = fast_decode
+        self._fast_decode, self._native_decode = fast_decode, native_decode
 
     @classmethod
     def available(cls) -> bool:
@@ -599,7 +617,9 @@ class HFRolloutEngine:
                 num_micro_batches=self._num_micro_batches, **common,
             )  # fmt: skip
         else:
-            responses, response_mask, old_logp = sample_responses(self._model, ids, mask, params, **common)
+            responses, response_mask, old_logp = sample_responses(
+                self._model, ids, mask, params, native_decode=self._native_decode, **common
+            )
         out_device = input_ids.device
         return assemble_rollout(
             input_ids,
