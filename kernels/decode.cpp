@@ -405,6 +405,110 @@ class Decoder {
   bool avx2_ = false;
 };
 
+// ---------------------------------------------------------------- one sampling step
+
+// The sampler's per-step bookkeeping in one call (twin: the loop of hf_sampler._decode with
+// choose_tokens and token_logprobs, no top-k/top-p): each row's token is the argmax of its logits
+// (greedy) or of softmax(logits / T) / noise with noise ~ Exp(1) drawn by torch (torch.multinomial's
+// own algorithm); rows still alive get the token, mask 1 and log_softmax(logits / T)[token] at
+// (rows[i], step), finished rows pad / 0 / 0; a stop token finishes its row. Returns the rows alive.
+i64 sample_step(py::array_t<float, py::array::c_style> logits, py::object noise, double temperature, bool greedy,
+                py::array_t<i64, py::array::c_style> stop_ids, py::handle alive_out, py::array_t<i64, py::array::c_style> rows,
+                i64 step, i64 pad, py::handle responses_out, py::handle mask_out, py::handle logp_out,
+                py::handle tokens_out) {
+  if (logits.ndim() != 2) throw std::invalid_argument("sample_step: logits must be (N, V)");
+  const i64 n = logits.shape(0), vocab = logits.shape(1);
+  auto alive = py::reinterpret_borrow<py::array>(alive_out);
+  if (!py::isinstance<py::array_t<bool, py::array::c_style>>(alive) || alive.ndim() != 1 || alive.shape(0) != n ||
+      !alive.writeable()) {
+    throw std::invalid_argument("sample_step: alive must be a writable (N,) bool array");
+  }
+  auto tokens = py::reinterpret_borrow<py::array>(tokens_out);
+  if (!py::isinstance<py::array_t<i64, py::array::c_style>>(tokens) || tokens.ndim() != 1 || tokens.shape(0) != n) {
+    throw std::invalid_argument("sample_step: tokens must be a writable (N,) int64 array");
+  }
+  auto check_out = [&](py::handle h, bool is_float, const char* name) {
+    auto a = py::reinterpret_borrow<py::array>(h);
+    const bool dtype_ok = is_float ? py::isinstance<py::array_t<float, py::array::c_style>>(a)
+                                   : py::isinstance<py::array_t<i64, py::array::c_style>>(a);
+    if (!dtype_ok || a.ndim() != 2 || !a.writeable() || step < 0 || step >= a.shape(1)) {
+      throw std::invalid_argument(std::string("sample_step: ") + name + " must be a writable (B, R) array, step < R");
+    }
+    return a;
+  };
+  auto responses = check_out(responses_out, false, "responses");
+  auto mask = check_out(mask_out, false, "response_mask");
+  auto logp = check_out(logp_out, true, "old_logp");
+  const i64 width = responses.shape(1), num_out = responses.shape(0);
+  if (rows.ndim() != 1 || rows.shape(0) != n) throw std::invalid_argument("sample_step: rows must be (N,)");
+  const float* q = nullptr;
+  py::array_t<float, py::array::c_style> noise_arr;
+  if (!greedy) {
+    noise_arr = noise.cast<py::array_t<float, py::array::c_style>>();
+    if (noise_arr.ndim() != 2 || noise_arr.shape(0) != n || noise_arr.shape(1) != vocab) {
+      throw std::invalid_argument("sample_step: noise must be (N, V) like the logits");
+    }
+    q = noise_arr.data();
+  }
+  const float* x = logits.data();
+  const i64* row_of = rows.data();
+  const i64* stops = stop_ids.data();
+  const i64 num_stops = stop_ids.size();
+  bool* live = static_cast<bool*>(alive.mutable_data());
+  i64* tok = static_cast<i64*>(tokens.mutable_data());
+  i64* resp = static_cast<i64*>(responses.mutable_data());
+  i64* msk = static_cast<i64*>(mask.mutable_data());
+  float* lp = static_cast<float*>(logp.mutable_data());
+  const bool scale = !greedy && temperature != 1.0;
+  std::vector<float> scaled(vocab);
+  i64 num_alive = 0;
+  for (i64 r = 0; r < n; ++r) {
+    const float* xr = x + r * vocab;
+    // torch divides by the temperature (x / T); multiplying by 1 / T could round differently
+    for (i64 v = 0; v < vocab; ++v) scaled[v] = scale ? xr[v] / static_cast<float>(temperature) : xr[v];
+    float top = -std::numeric_limits<float>::infinity();
+    i64 best = 0;
+    for (i64 v = 0; v < vocab; ++v) {
+      if (scaled[v] > top) {
+        top = scaled[v];
+        best = v;
+      }
+    }
+    float total = 0.f;
+    for (i64 v = 0; v < vocab; ++v) total += std::exp(scaled[v] - top);
+    if (!greedy) {  // argmax of probs / noise, probs = softmax(scaled) as ATen forms it (times 1 / sum)
+      const float* qr = q + r * vocab;
+      const float inv_total = 1.0f / total;
+      float top_ratio = -std::numeric_limits<float>::infinity();
+      for (i64 v = 0; v < vocab; ++v) {
+        const float ratio = (std::exp(scaled[v] - top) * inv_total) / qr[v];
+        if (ratio > top_ratio) {
+          top_ratio = ratio;
+          best = v;
+        }
+      }
+    }
+    tok[r] = best;
+    const i64 out = row_of[r];
+    if (out < 0 || out >= num_out) throw std::out_of_range("sample_step: rows holds an index outside the outputs");
+    const i64 at = out * width + step;
+    if (live[r]) {
+      resp[at] = best;
+      msk[at] = 1;
+      lp[at] = scaled[best] - top - std::log(total);
+      for (i64 s = 0; s < num_stops; ++s) {
+        if (stops[s] == best) live[r] = false;
+      }
+    } else {
+      resp[at] = pad;
+      msk[at] = 0;
+      lp[at] = 0.f;
+    }
+    num_alive += live[r] ? 1 : 0;
+  }
+  return num_alive;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_decode, m) {
@@ -417,4 +521,8 @@ PYBIND11_MODULE(_C_decode, m) {
       .def("set_state", &Decoder::set_state, py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
            py::arg("key_mask"))
       .def("step", &Decoder::step, py::arg("tokens"), py::arg("step"), py::arg("slot"), py::arg("logits"));
+  m.def("sample_step", &sample_step, py::arg("logits"), py::arg("noise"), py::arg("temperature"), py::arg("greedy"),
+        py::arg("stop_ids"), py::arg("alive"), py::arg("rows"), py::arg("step"), py::arg("pad"), py::arg("responses"),
+        py::arg("response_mask"), py::arg("old_logp"), py::arg("tokens"),
+        "One sampling step's tokens, outputs and stop checks; returns the rows still alive.");
 }

@@ -8,14 +8,20 @@ import logging
 import numpy as np
 import pytest
 import torch
-from rollout_helpers import left_padded_prompts
+from rollout_helpers import PAD, left_padded_prompts
 from test_fast_decode import CASES, LOGIT_ATOL, VOCAB, build_model, hf_last_logits
 
 import rlflow.engine.rollout.hf_sampler as hf_sampler
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 from rlflow.engine.rollout.fast_decode import FastDecoder
-from rlflow.engine.rollout.native_decode import NATIVE_MAX_HIDDEN, NativeDecoder, native_decode_blocker
+from rlflow.engine.rollout.native_decode import (
+    NATIVE_MAX_HIDDEN,
+    NativeDecoder,
+    native_decode_blocker,
+    native_sampling_blocker,
+    sample_step,
+)
 
 torch.set_num_threads(1)
 
@@ -73,7 +79,13 @@ def test_the_sampler_draws_the_same_tokens_as_with_the_twin(case, caplog):
     ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6, 2, 7], seed=4)
     ids = ids % VOCAB
     stops = (3, 11, 17)
-    for sampling in ({"greedy": True}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.8, "top_k": 9, "seed": 1}):
+    samplings = (
+        {"greedy": True},
+        {"temperature": 1.0, "seed": 3},
+        {"temperature": 0.7, "seed": 5},
+        {"top_k": 9, "seed": 1},
+    )
+    for sampling in samplings:  # the last keeps torch's filters and loop (native_sampling_blocker)
         params = SamplingParams(n=3, max_new_tokens=14, stop_token_ids=stops, **sampling)
         native = HFRolloutEngine(model).generate((ids, mask), params)
         with caplog.at_level(logging.DEBUG, logger="rlflow.engine.rollout.hf_sampler"):
@@ -82,6 +94,17 @@ def test_the_sampler_draws_the_same_tokens_as_with_the_twin(case, caplog):
         for key in ("responses", "response_mask"):
             assert torch.equal(native[key], twin[key]), (sampling, key)
         torch.testing.assert_close(native["old_logp"], twin["old_logp"], atol=TWIN_ATOL, rtol=0)
+
+
+def test_sample_step_refuses_what_it_would_not_write_in_place():
+    logits, outputs = torch.zeros(2, 5), (torch.zeros(2, 3, dtype=torch.long),) * 2 + (torch.zeros(2, 3),)
+    params, rows, stops = SamplingParams(greedy=True), torch.arange(2), np.zeros(0, dtype=np.int64)
+    with pytest.raises(ValueError, match="alive must be a writable \\(N,\\) bool array"):
+        sample_step(logits, params, None, stops, torch.ones(2, dtype=torch.long), rows, 0, PAD, *outputs)
+    with pytest.raises(ValueError, match="responses must be a writable \\(B, R\\) array, step < R"):
+        sample_step(logits, params, None, stops, torch.ones(2, dtype=torch.bool), rows, 3, PAD, *outputs)
+    assert native_sampling_blocker(logits, SamplingParams(top_p=0.9), None) == "top-k / top-p filtering"
+    assert native_sampling_blocker(logits.double(), params, None) == "logits are torch.float64 on cpu"
 
 
 def test_the_sampler_uses_it_for_small_float32_cpu_models(monkeypatch):

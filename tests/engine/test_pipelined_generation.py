@@ -94,8 +94,10 @@ def _reference(model, ids, mask, params: SamplingParams, dp: int, dp_rank: int) 
     """One process at pp = 1 on dp rank ``dp_rank``'s rows, with that rank's generator."""
     rows = slice(dp_rank * len(LENGTHS) // dp, (dp_rank + 1) * len(LENGTHS) // dp)
     generator = torch.Generator().manual_seed((params.seed or 0) + 0x9E3779B1 * dp_rank)
+    # native_decode=False: the one-process loop with the stages' torch decode steps (the C++ step
+    # sums in another order, so its log-probs would differ from the stages' by float rounding)
     responses, response_mask, old_logp = sample_responses(
-        model, ids[rows], mask[rows], params, pad_token_id=0, generator=generator
+        model, ids[rows], mask[rows], params, pad_token_id=0, generator=generator, native_decode=False
     )
     return {"responses": responses, "response_mask": response_mask, "old_logp": old_logp}
 

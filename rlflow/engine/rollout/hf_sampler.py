@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -66,7 +67,12 @@ from rlflow.engine.rollout.base import (
     split_prompts,
 )
 from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker, kv_cache_bytes
-from rlflow.engine.rollout.native_decode import NativeDecoder, native_decode_blocker
+from rlflow.engine.rollout.native_decode import (
+    NativeDecoder,
+    native_decode_blocker,
+    native_sampling_blocker,
+    sample_step,
+)
 from rlflow.protocol import DataProto
 
 __all__ = ["HFRolloutEngine", "apply_top_k", "apply_top_p", "choose_tokens", "sample_responses", "token_logprobs"]
@@ -299,6 +305,9 @@ def _decode(
     temperature = 1.0 if params.greedy else params.temperature
     decoder = _decoder(model, num_rows, input_ids.shape[1] + max_new, max_new, tp_group, fast_decode, native_decode)
     logits = decoder.prefill(input_ids, attention_mask, params.n)
+    if native_decode and native_sampling_blocker(logits, params, tp_group) is None:
+        _native_sampling_loop(decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp)
+        return
     if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
         for step in range(max_new):
             tokens = _choose_synced(logits, params, generator, tp_group)
@@ -321,6 +330,26 @@ def _decode(
         old_logp[rows, step] = token_logprobs(logits, tokens, temperature).masked_fill_(~alive, 0.0)
         alive &= ~torch.isin(tokens, stop_ids)
         num_alive = int(alive.sum())
+        if num_alive == 0 or step == max_new - 1:
+            break
+        if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
+            keep = alive.nonzero().squeeze(1)
+            decoder.select(keep)
+            rows, alive, tokens = rows[keep], alive[keep], tokens[keep]
+        logits = decoder.step(tokens, step)
+
+
+def _native_sampling_loop(decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp) -> None:
+    """The decoding loop above with each step's choice, outputs and stop checks in one C++ call
+    (:func:`~rlflow.engine.rollout.native_decode.sample_step`): the same draws from ``generator``,
+    the same tokens, outputs and pruning."""
+    num_rows, max_new = responses.shape
+    stop_ids = np.asarray(params.stop_token_ids, dtype=np.int64)
+    rows = torch.arange(num_rows)  # output row of each decoding row
+    alive = torch.ones(num_rows, dtype=torch.bool)
+    for step in range(max_new):
+        tokens, num_alive = sample_step(logits, params, generator, stop_ids, alive, rows, step, pad_token_id,
+                                        responses, response_mask, old_logp)  # fmt: skip
         if num_alive == 0 or step == max_new - 1:
             break
         if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():

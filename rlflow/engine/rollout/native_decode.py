@@ -16,6 +16,7 @@ is what a step costs (:data:`NATIVE_MAX_HIDDEN`); bigger models keep torch's mat
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,7 +28,7 @@ try:  # built by `pip install -e .` (setup.py); without it the sampler keeps the
 except ImportError:  # pragma: no cover - a source tree without its build
     _C_decode = None
 
-__all__ = ["NATIVE_MAX_HIDDEN", "NativeDecoder", "native_decode_blocker"]
+__all__ = ["NATIVE_MAX_HIDDEN", "NativeDecoder", "native_decode_blocker", "native_sampling_blocker", "sample_step"]
 
 # Widest hidden size decoded natively. The C++ step wins where torch's per-op overhead dominates
 # and loses where MKL's GEMMs outrun its AVX2 tiles: on the 2-core EPYC sandbox (4 layers, 16-256
@@ -122,3 +123,54 @@ class NativeDecoder(FastDecoder):
             self._step_sin.reshape(rows, steps, -1).contiguous().numpy(),
             self._additive.contiguous().numpy(),
         )  # fmt: skip
+
+
+def native_sampling_blocker(logits: torch.Tensor, params, tp_group) -> str | None:
+    """Why :func:`sample_step` cannot run the sampler's steps for these first logits, or None.
+
+    It takes float32 CPU logits of one process, plain temperature sampling or greedy (top-k and
+    top-p keep torch's filters).
+    """
+    if _C_decode is None:
+        return "rlflow._C_decode is not built"
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return f"logits are {logits.dtype} on {logits.device.type}"
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        return "tensor parallelism (tp rank 0 draws and broadcasts)"
+    if not params.greedy and (params.top_k > 0 or params.top_p < 1.0):
+        return "top-k / top-p filtering"
+    return None
+
+
+def sample_step(
+    logits: torch.Tensor,
+    params,
+    generator: torch.Generator | None,
+    stop_ids: np.ndarray,
+    alive: torch.Tensor,
+    rows: torch.Tensor,
+    step: int,
+    pad_token_id: int,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_logp: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """One step of the sampler's loop in C++: choose each row's token, write the outputs of the
+    rows still ``alive`` at ``(rows, step)`` (pad / 0 / 0 for finished ones), finish rows on a stop
+    token (``alive`` updated in place).
+
+    Tokens are drawn as :func:`~rlflow.engine.rollout.hf_sampler.choose_tokens` draws them (the
+    argmax of the probabilities over Exp(1) noise from ``generator``, one ``(N, V)`` draw a step),
+    so both loops give the same tokens for the same generator.
+
+    Returns:
+        ``(tokens, num_alive)``: ``(N,)`` int64 and the rows alive after this step.
+    """
+    noise = None if params.greedy else torch.empty_like(logits).exponential_(generator=generator)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long)
+    num_alive = _C_decode.sample_step(
+        logits.contiguous().numpy(), None if noise is None else noise.numpy(), float(params.temperature),
+        bool(params.greedy), stop_ids, alive.numpy(), rows.numpy(), step, pad_token_id, responses.numpy(),
+        response_mask.numpy(), old_logp.numpy(), tokens.numpy(),
+    )  # fmt: skip
+    return tokens, int(num_alive)
