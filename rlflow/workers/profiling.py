@@ -625,9 +625,13 @@ def _cpu_model() -> str:
 def host_identity(device: str = "cpu") -> dict[str, Any]:
     """What a profile measured on this host depends on besides the shapes it measured: the host,
     its CPU model and cores (all of them, and those this process may run on), the torch version,
-    and the device (``"cpu"`` or the GPU's name). Profiles run on one thread per worker process
-    whatever the environment sets, so threads are not part of it; the workers that time whole
-    calls at once are (``call_processes`` among the shapes)."""
+    the device (``"cpu"`` or the GPU's name), and which of rlflow's C++ kernels are built (the
+    sampler's decode step runs in ``rlflow._C_decode`` where it is, several times faster on small
+    models, so a profile timed without it misprices generation). Profiles run on one thread per
+    worker process whatever the environment sets, so threads are not part of it; the workers that
+    time whole calls at once are (``call_processes`` among the shapes)."""
+    import importlib.util
+
     import torch
 
     cuda = device.startswith("cuda")
@@ -638,7 +642,12 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "kernels": sorted(k for k in _KERNELS if importlib.util.find_spec(f"rlflow.{k}") is not None),
     }
+
+
+# rlflow's C++ extensions (setup.py builds kernels/<name>.cpp as rlflow._C_<name>)
+_KERNELS = ("_C_decode", "_C_gae", "_C_planner")
 
 
 def _read_cached(path: Path) -> MachineProfile | None:
