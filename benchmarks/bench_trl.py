@@ -28,6 +28,8 @@ Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main``), ``RLFLOW_BENCH_TRL_TINY
 process spin-waits for its second core, 13-20 s per tiny step at load 10, so ``1`` there),
 ``RLFLOW_BENCH_TRL_WARM_START_STEPS`` (0: random initial weights; N: both start from the model
 after N supervised steps on the task's answers, :func:`warm_start`),
+``RLFLOW_BENCH_TRL_LR`` (the task's: both sides' learning rate; a warm-started tiny model
+collapses to reward 0 within three steps at the tiny task's 1e-3, on both sides),
 ``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
 """
 
@@ -146,16 +148,19 @@ def _supervised_steps(model, tokenizer, task, steps: int, seed: int, batch_size:
     return losses
 
 
-def prepare(task: str, steps: int, workdir: Path, warm_start_steps: int = 0) -> dict[str, Any]:
+def prepare(task: str, steps: int, workdir: Path, warm_start_steps: int = 0, lr: float | None = None) -> dict[str, Any]:
     """The task's spec with its initial model, tokenizer and prompts written under ``workdir``.
 
     ``warm_start_steps`` > 0: the model first takes that many :func:`warm_start` steps.
+    ``lr``: both trainers' learning rate instead of the task's.
     """
     from rlflow.data.tasks import ArithmeticTask
     from rlflow.data.tiny_models import build_tiny_model
     from rlflow.data.tokenizer import build_char_tokenizer
 
     spec = {**TASKS[task], "name": task, "steps": steps}
+    if lr is not None:
+        spec["lr"] = lr
     model_dir = workdir / "model"
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(
@@ -384,7 +389,14 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
         n_steps = steps.get(task) or _env_int(f"RLFLOW_BENCH_TRL_{task.upper()}_STEPS", TASKS[task]["steps"], 2)
         workdir = out / task
         workdir.mkdir(exist_ok=True)
-        spec = prepare(task, n_steps, workdir, _env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0))
+        lr = os.environ.get("RLFLOW_BENCH_TRL_LR")
+        spec = prepare(
+            task,
+            n_steps,
+            workdir,
+            _env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0),
+            lr=None if lr is None else float(lr),
+        )
         variants, notes = _variants(spec, trl_threads)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
         for repeat in range(repeats):
