@@ -30,6 +30,8 @@ process spin-waits for its second core, 13-20 s per tiny step at load 10, so ``1
 after N supervised steps on the task's answers, :func:`warm_start`),
 ``RLFLOW_BENCH_TRL_LR`` (the task's: both sides' learning rate; a warm-started tiny model
 collapses to reward 0 within three steps at the tiny task's 1e-3, on both sides),
+``RLFLOW_BENCH_TRL_SEED`` (the task's, 0: the initial model, its warm start, the prompts and both
+trainers' sampling; other seeds give independent replicates of a learning comparison),
 ``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
 """
 
@@ -148,11 +150,18 @@ def _supervised_steps(model, tokenizer, task, steps: int, seed: int, batch_size:
     return losses
 
 
-def prepare(task: str, steps: int, workdir: Path, warm_start_steps: int = 0, lr: float | None = None) -> dict[str, Any]:
+def prepare(
+    task: str,
+    steps: int,
+    workdir: Path,
+    warm_start_steps: int = 0,
+    lr: float | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
     """The task's spec with its initial model, tokenizer and prompts written under ``workdir``.
 
     ``warm_start_steps`` > 0: the model first takes that many :func:`warm_start` steps.
-    ``lr``: both trainers' learning rate instead of the task's.
+    ``lr``, ``seed``: both trainers' learning rate and seed instead of the task's.
     """
     from rlflow.data.tasks import ArithmeticTask
     from rlflow.data.tiny_models import build_tiny_model
@@ -161,6 +170,8 @@ def prepare(task: str, steps: int, workdir: Path, warm_start_steps: int = 0, lr:
     spec = {**TASKS[task], "name": task, "steps": steps}
     if lr is not None:
         spec["lr"] = lr
+    if seed is not None:
+        spec["seed"] = seed
     model_dir = workdir / "model"
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(
@@ -396,6 +407,7 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
             workdir,
             _env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0),
             lr=None if lr is None else float(lr),
+            seed=_env_int("RLFLOW_BENCH_TRL_SEED", TASKS[task]["seed"], minimum=0),
         )
         variants, notes = _variants(spec, trl_threads)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
