@@ -8,12 +8,15 @@ A 4-layer, 128-wide Llama over the char tokenizer's 100-token vocabulary has abo
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlflow.data.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from rlflow.families import get_family
+
+if TYPE_CHECKING:  # HF's modeling code is imported where a model is built (the family's class), not here
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["build_tiny_config", "build_tiny_model", "save_tiny_model_and_tokenizer"]
 

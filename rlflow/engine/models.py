@@ -25,18 +25,16 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    PretrainedConfig,
-    PreTrainedModel,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from rlflow.engine.packing import position_ids_from_mask
+
+if TYPE_CHECKING:  # HF's modeling_utils (and torch._dynamo under it) loads with the first model, not here
+    from transformers import PreTrainedModel
 
 __all__ = [
     "cache_kwarg",

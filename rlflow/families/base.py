@@ -20,8 +20,10 @@ This package sits at the bottom of rlflow's layers: it imports nothing else from
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -37,6 +39,7 @@ __all__ = [
     "decoder_layer_shapes",
     "family_of",
     "get_family",
+    "import_path",
     "list_families",
     "register_family",
 ]
@@ -164,9 +167,13 @@ class ModelFamily:
     Attributes:
         name: the family's name (``models.<role>.family`` in a run's config).
         model_types: HF ``model_type`` values this family reads.
-        causal_lm_class: HF ``*ForCausalLM`` class.
+        causal_lm: HF ``*ForCausalLM`` class, or its import path (``"transformers.LlamaForCausalLM"``)
+            imported on the first read of :attr:`causal_lm_class`: a process that only reads the
+            record (the driver: config, planner) then never imports HF's modeling code, seconds
+            of start-up.
         build_config: ``build_config(**hf_config_kwargs)`` -> HF config, for tiny models; it
-            takes the keyword names of ``LlamaConfig`` and sets whatever else the family needs.
+            takes the keyword names of ``LlamaConfig`` and sets whatever else the family needs
+            (``import_path("transformers.LlamaConfig")`` imports the class on the first call).
         features: ``features(config) -> LayerFeatures`` (biases, q/k norms) of an HF config
             object or ``config.json`` dict.
         layer_shapes: ``layer_shapes(dims, features)`` -> ``{name in layer: shape}``.
@@ -189,7 +196,7 @@ class ModelFamily:
 
     name: str
     model_types: tuple[str, ...]
-    causal_lm_class: type
+    causal_lm: type | str
     build_config: Callable[..., Any]
     features: Callable[[Any], LayerFeatures]
     layer_shapes: Callable[[DecoderDims, LayerFeatures], dict[str, tuple[int, ...]]] = decoder_layer_shapes
@@ -211,6 +218,8 @@ class ModelFamily:
         object.__setattr__(self, "vllm_fused", MappingProxyType(dict(self.vllm_fused)))
         if not self.model_types:
             raise ValueError(f"family {self.name!r} has no model_types")
+        if isinstance(self.causal_lm, str) and "." not in self.causal_lm:
+            raise ValueError(f"family {self.name!r}: causal_lm={self.causal_lm!r} is not a 'module.Class' import path")
         for module in (*self.kv_modules, *(p for parts in self.vllm_fused.values() for p in parts)):
             if module not in self.layer_tp:
                 raise ValueError(
@@ -223,6 +232,13 @@ class ModelFamily:
     def __reduce__(self) -> tuple[Callable[[str], ModelFamily], tuple[str]]:
         # Pickled (Ray, deepcopy) by name: the copy is the registered record itself.
         return get_family, (self.name,)
+
+    @cached_property
+    def causal_lm_class(self) -> type:
+        """The HF ``*ForCausalLM`` class (:attr:`causal_lm`, imported on first read)."""
+        if not isinstance(self.causal_lm, str):
+            return self.causal_lm
+        return _imported(self.causal_lm)
 
     # ---------------------------------------------------------------- names and shapes
 
@@ -348,6 +364,29 @@ class ModelFamily:
             if module in parts:
                 return fused, parts.index(module)
         return None
+
+
+def _imported(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def import_path(path: str) -> Callable[..., Any]:
+    """A callable that imports ``path`` (``"module.Name"``) on its first call and calls it.
+
+    For a family's ``build_config``: HF's config classes import ``torch.distributed.tensor`` and
+    HF's kernel hub (about a second), which a process that only plans never needs.
+
+    >>> half = import_path("fractions.Fraction")
+    >>> half(1, 2)
+    Fraction(1, 2)
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _imported(path)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = path.rpartition(".")[2]
+    return call
 
 
 _REGISTRY: dict[str, ModelFamily] = {}

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from rlflow.families.base import LayerFeatures, ModelFamily, config_value, register_family
+from rlflow.families.base import LayerFeatures, ModelFamily, config_value, import_path, register_family
 
 __all__ = ["LLAMA"]
 
@@ -22,8 +20,8 @@ LLAMA = register_family(
     ModelFamily(
         name="llama",
         model_types=("llama",),
-        causal_lm_class=LlamaForCausalLM,
-        build_config=LlamaConfig,
+        causal_lm="transformers.LlamaForCausalLM",  # imported where a model is built
+        build_config=import_path("transformers.LlamaConfig"),
         features=_features,
     )
 )

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import MistralConfig, MistralForCausalLM
-
-from rlflow.families.base import LayerFeatures, ModelFamily, config_value, register_family
+from rlflow.families.base import LayerFeatures, ModelFamily, config_value, import_path, register_family
 
 __all__ = ["MISTRAL"]
 
@@ -26,8 +24,8 @@ MISTRAL = register_family(
     ModelFamily(
         name="mistral",
         model_types=("mistral",),
-        causal_lm_class=MistralForCausalLM,
-        build_config=MistralConfig,
+        causal_lm="transformers.MistralForCausalLM",  # imported where a model is built
+        build_config=import_path("transformers.MistralConfig"),
         features=_features,
         layer_types=_layer_types,
     )

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-from rlflow.families.base import LayerFeatures, ModelFamily, register_family
+from rlflow.families.base import LayerFeatures, ModelFamily, import_path, register_family
 
 __all__ = ["QWEN2"]
 
@@ -19,8 +17,8 @@ QWEN2 = register_family(
     ModelFamily(
         name="qwen2",
         model_types=("qwen2",),
-        causal_lm_class=Qwen2ForCausalLM,
-        build_config=Qwen2Config,
+        causal_lm="transformers.Qwen2ForCausalLM",  # imported where a model is built
+        build_config=import_path("transformers.Qwen2Config"),
         features=_features,
     )
 )

@@ -31,7 +31,6 @@ from rlflow.planner.simulate import node_table, simulate
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig
 from rlflow.trainer.placement import Placement
 from rlflow.trainer.runner import CallPlacement
-from rlflow.workers.model_worker import ModelWorker
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 VALUE_ROLES = ("critic", "reward")
@@ -518,6 +517,8 @@ def start_workers(
         The worker group and its resource pool; ``pool.release()`` after ``group.shutdown()``
         hands the pool's placement groups back to Ray (a later run in the same cluster needs them).
     """
+    from rlflow.workers.model_worker import ModelWorker  # the engines' imports: only a launch needs them
+
     p = cfg.placement
     everyone = _all_ranks(cfg)
     if ranks is not None and tuple(ranks) != everyone:

@@ -133,7 +133,7 @@ class AlgorithmConfig(_Section, AlgorithmParams):
         import torch
 
         from rlflow.engine.parallelize import mixed_precision_dtype
-        from rlflow.workers.residency import PARAM_DTYPE
+        from rlflow.workers.setup import PARAM_DTYPE
 
         engine = get_rollout_engine(rollout.engine)
         reasons = []

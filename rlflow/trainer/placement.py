@@ -38,7 +38,7 @@ from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
-from rlflow.workers.residency import PARAM_DTYPE
+from rlflow.workers.setup import PARAM_DTYPE
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
 

@@ -49,12 +49,9 @@ from rlflow.engine.train_engine import EngineConfig, TrainEngine
 from rlflow.parallel.groups import CallGroups, build_call_groups
 from rlflow.parallel.layout import Layout, build_layout
 from rlflow.parallel.realloc import ReallocManager
-from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
+from rlflow.workers.setup import PARAM_DTYPE, CallLayout, ModelSetup, WorkerSetup
 
-__all__ = ["HostedModel", "Residency"]
-
-# Master weights, copies and the reshard wire format are fp32 (the engines' compute dtype is separate).
-PARAM_DTYPE = torch.float32
+__all__ = ["PARAM_DTYPE", "HostedModel", "Residency"]
 
 
 @dataclass

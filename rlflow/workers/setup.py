@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from rlflow.algos.params import AlgorithmParams
 from rlflow.dataflow.mfc import PAIR_OBJECTIVES, MFCDef
 from rlflow.engine.optim import OptimConfig
@@ -40,9 +42,13 @@ from rlflow.workers.reward_errors import REWARD_ERROR_POLICIES
 if TYPE_CHECKING:
     from rlflow.workers.reward_funcs import RewardFuncs
 
-__all__ = ["MODEL_ROLES", "CallLayout", "ModelSetup", "WorkerSetup"]
+__all__ = ["MODEL_ROLES", "PARAM_DTYPE", "CallLayout", "ModelSetup", "WorkerSetup"]
 
 MODEL_ROLES = ("actor", "critic", "ref", "reward")
+
+# Master weights, copies and the reshard wire format are fp32 (the engines' compute dtype is separate).
+# Here, not in rlflow.workers.residency, so that the driver reads it without the engines' imports.
+PARAM_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
-from transformers import AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification, LlamaForCausalLM
 
 from rlflow.families import LayerFeatures, ModelFamily, family_of, get_family, list_families, register_family
 from rlflow.families import base as families_base
@@ -75,7 +78,7 @@ def test_register_refuses_a_taken_name_or_model_type(monkeypatch):
         return ModelFamily(
             name=name,
             model_types=model_types,
-            causal_lm_class=llama.causal_lm_class,
+            causal_lm=llama.causal_lm,
             build_config=llama.build_config,
             features=llama.features,
         )
@@ -91,13 +94,48 @@ def test_register_refuses_a_taken_name_or_model_type(monkeypatch):
 
 def test_a_record_whose_tables_disagree_is_refused():
     llama = get_family("llama")
-    common = dict(causal_lm_class=llama.causal_lm_class, build_config=llama.build_config, features=llama.features)
+    common = dict(causal_lm=llama.causal_lm, build_config=llama.build_config, features=llama.features)
     with pytest.raises(ValueError, match="'self_attn.kv_proj' is not a module of layer_tp"):
         ModelFamily(name="x", model_types=("x",), kv_modules=("self_attn.kv_proj",), **common)
     with pytest.raises(ValueError, match="kv module 'self_attn.o_proj' must be 'colwise'"):
         ModelFamily(name="x", model_types=("x",), kv_modules=("self_attn.o_proj",), **common)
     with pytest.raises(ValueError, match="has no model_types"):
         ModelFamily(name="x", model_types=(), **common)
+
+
+def test_a_family_imports_its_hf_classes_on_first_use_only():
+    # In a fresh process: reading the records (what the driver's config and planner do) imports
+    # none of HF's modeling code; building one family's model imports that family's module alone.
+    script = f"""
+import json, sys
+from rlflow.families import get_family
+before = "transformers.modeling_utils" in sys.modules
+llama = get_family("llama")
+llama.dims({{"model_type": "llama", **{TINY!r}}})
+cls, config = llama.causal_lm_class, llama.build_config(**{TINY!r})
+modeling = sorted(m for m in sys.modules if ".modeling_" in m and m.split(".")[:2] == ["transformers", "models"])
+modeling = [m for m in modeling if not m.startswith("transformers.models.auto.")]
+print(json.dumps([before, cls.__name__, type(config).__name__, modeling]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    before, cls, config, modeling = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not before, "importing rlflow.families imported transformers.modeling_utils"
+    assert (cls, config) == ("LlamaForCausalLM", "LlamaConfig")
+    assert modeling == ["transformers.models.llama.modeling_llama"]
+
+
+def test_a_family_takes_its_class_or_an_import_path():
+    llama = get_family("llama")
+    assert llama.causal_lm == "transformers.LlamaForCausalLM"
+    assert llama.causal_lm_class is LlamaForCausalLM
+    given = ModelFamily(
+        name="x", model_types=("x",), causal_lm=LlamaForCausalLM, build_config=dict, features=llama.features
+    )
+    assert given.causal_lm_class is LlamaForCausalLM
+    with pytest.raises(ValueError, match="causal_lm='LlamaForCausalLM' is not a 'module.Class' import path"):
+        ModelFamily(
+            name="x", model_types=("x",), causal_lm="LlamaForCausalLM", build_config=dict, features=llama.features
+        )
 
 
 def test_a_family_pickles_to_the_registered_record():

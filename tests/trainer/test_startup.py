@@ -4,6 +4,8 @@ and the ``startup/*`` breakdown a run logs with its first step."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,16 @@ def test_a_plan_on_one_of_two_devices_starts_one_worker(ray_session, tmp_path):
         assert result.steps == 1 and len(result.eval_history) == 2
     finally:
         trainer.close()
+
+
+def test_the_driver_imports_no_worker_engine_or_hf_modeling_code_before_a_launch():
+    # A fresh process, as a user's script: the families name their HF classes by import path and
+    # the worker class is imported by build.start_workers, so what only builds and plans a run
+    # leaves HF's modeling_utils and the engines to the processes that build models.
+    script = (
+        "import json, sys; import rlflow.trainer; "
+        "print(json.dumps(sorted(m for m in ('transformers.modeling_utils', 'rlflow.workers.model_worker', "
+        "'rlflow.engine.train_engine') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
