@@ -332,11 +332,7 @@ def _decode(
         num_alive = int(alive.sum())
         if num_alive == 0 or step == max_new - 1:
             break
-        if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
-            keep = alive.nonzero().squeeze(1)
-            decoder.select(keep)
-            rows, alive, tokens = rows[keep], alive[keep], tokens[keep]
-        logits = decoder.step(tokens, step)
+        logits, rows, alive = _advance(decoder, tokens, rows, alive, num_alive, step)
 
 
 def _native_sampling_loop(decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp) -> None:
@@ -352,11 +348,17 @@ def _native_sampling_loop(decoder, logits, params, pad_token_id, generator, resp
                                         responses, response_mask, old_logp)  # fmt: skip
         if num_alive == 0 or step == max_new - 1:
             break
-        if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
-            keep = alive.nonzero().squeeze(1)
-            decoder.select(keep)
-            rows, alive, tokens = rows[keep], alive[keep], tokens[keep]
-        logits = decoder.step(tokens, step)
+        logits, rows, alive = _advance(decoder, tokens, rows, alive, num_alive, step)
+
+
+def _advance(decoder, tokens, rows, alive, num_alive: int, step: int):
+    """Prune the finished rows (and their cache) once a quarter of them are done, then decode
+    ``step``'s tokens of the rows left: ``(next logits, rows, alive)`` of the rows still decoding."""
+    if num_alive <= (1 - _PRUNE_FRACTION) * alive.numel():
+        keep = alive.nonzero().squeeze(1)
+        decoder.select(keep)
+        rows, alive, tokens = rows[keep], alive[keep], tokens[keep]
+    return decoder.step(tokens, step), rows, alive
 
 
 def _decoder(
