@@ -21,7 +21,6 @@
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -155,8 +154,6 @@ struct Layer {
   i64 window = 0;  // 0: full attention
 };
 
-const float* data(const FArray& a) { return a.data(); }
-
 // A float32 C-contiguous array used as it is (written in place), never a converted copy.
 py::array_t<float, py::array::c_style> in_place(py::handle h, const std::string& name) {
   if (!py::isinstance<py::array_t<float, py::array::c_style>>(h)) {
@@ -256,6 +253,7 @@ class Decoder {
     gate_up_.assign(rows_ * 2 * inter_, 0.f);
     act_.assign(rows_ * inter_, 0.f);
     scores_.assign(total_, 0.f);
+    rotated_.assign(dim_, 0.f);
   }
 
   // Feed tokens (N,) at response position `step` (KV slot `slot`); logits (N, V) written in place.
@@ -281,9 +279,9 @@ class Decoder {
     float* out = logits.mutable_data();
     {
       py::gil_scoped_release release;
-      for (i64 r = 0; r < rows_; ++r) std::copy_n(data(embed_) + tok[r] * hidden_, hidden_, h_.data() + r * hidden_);
+      for (i64 r = 0; r < rows_; ++r) std::copy_n(embed_.data() + tok[r] * hidden_, hidden_, h_.data() + r * hidden_);
       for (size_t i = 0; i < layers_.size(); ++i) layer(layers_[i], i, step, slot);
-      for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, data(final_norm_), x_.data() + r * hidden_);
+      for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, final_norm_.data(), x_.data() + r * hidden_);
       head_logits(out);
     }
   }
@@ -328,28 +326,27 @@ class Decoder {
 
   void layer(const Layer& l, size_t index, i64 step, i64 slot) {
     const i64 qkv = (heads_ + 2 * kv_heads_) * dim_, half = dim_ / 2, group = heads_ / kv_heads_;
-    for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, data(l.input_norm), x_.data() + r * hidden_);
-    project(x_.data(), hidden_, data(l.qkv_w), qkv, l.has_qkv_b ? data(l.qkv_b) : nullptr, qkv_.data(), false);
+    for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, l.input_norm.data(), x_.data() + r * hidden_);
+    project(x_.data(), hidden_, l.qkv_w.data(), qkv, l.has_qkv_b ? l.qkv_b.data() : nullptr, qkv_.data(), false);
     float* kbuf = k_[index].mutable_data();
     float* vbuf = v_[index].mutable_data();
     const i64 start = l.window > 0 ? std::max<i64>(0, slot + 1 - l.window) : 0;
-    std::vector<float> rotated(dim_);
     for (i64 r = 0; r < rows_; ++r) {
       float* row = qkv_.data() + r * qkv;
-      const float* c = data(cos_) + (r * steps_ + step) * dim_;
-      const float* s = data(sin_) + (r * steps_ + step) * dim_;
+      const float* c = cos_.data() + (r * steps_ + step) * dim_;
+      const float* s = sin_.data() + (r * steps_ + step) * dim_;
       for (i64 hd = 0; hd < heads_ + kv_heads_; ++hd) {  // q/k norm, then RoPE
         float* vec = row + hd * dim_;
-        if (l.has_qk_norm) rms_norm_n(vec, data(l.qk_norm) + hd * dim_, vec, dim_);
-        for (i64 i = 0; i < dim_; ++i) rotated[i] = vec[i] * c[i] + vec[(i + half) % dim_] * s[i];
-        std::copy_n(rotated.data(), dim_, vec);
+        if (l.has_qk_norm) rms_norm_n(vec, l.qk_norm.data() + hd * dim_, vec, dim_);
+        for (i64 i = 0; i < dim_; ++i) rotated_[i] = vec[i] * c[i] + vec[(i + half) % dim_] * s[i];
+        std::copy_n(rotated_.data(), dim_, vec);
       }
       for (i64 g = 0; g < kv_heads_; ++g) {  // this step's k and v into slot
         const i64 at = ((r * kv_heads_ + g) * total_ + slot) * dim_;
         std::copy_n(row + (heads_ + g) * dim_, dim_, kbuf + at);
         std::copy_n(row + (heads_ + kv_heads_ + g) * dim_, dim_, vbuf + at);
       }
-      const float* mask = data(key_mask_) + r * total_;
+      const float* mask = key_mask_.data() + r * total_;
       for (i64 hq = 0; hq < heads_; ++hq) {
         const i64 g = hq / group;
         const float* q = row + hq * dim_;
@@ -373,9 +370,9 @@ class Decoder {
         }
       }
     }
-    project(attn_.data(), heads_ * dim_, data(l.o_w), hidden_, l.has_o_b ? data(l.o_b) : nullptr, h_.data(), true);
-    for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, data(l.post_norm), x_.data() + r * hidden_);
-    project(x_.data(), hidden_, data(l.gate_up_w), 2 * inter_, l.has_gate_up_b ? data(l.gate_up_b) : nullptr,
+    project(attn_.data(), heads_ * dim_, l.o_w.data(), hidden_, l.has_o_b ? l.o_b.data() : nullptr, h_.data(), true);
+    for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, l.post_norm.data(), x_.data() + r * hidden_);
+    project(x_.data(), hidden_, l.gate_up_w.data(), 2 * inter_, l.has_gate_up_b ? l.gate_up_b.data() : nullptr,
             gate_up_.data(), false);
     for (i64 r = 0; r < rows_; ++r) {
       const float* gu = gate_up_.data() + r * 2 * inter_;
@@ -385,13 +382,13 @@ class Decoder {
         a[i] = (g / (1.0f + std::exp(-g))) * gu[inter_ + i];  // SiLU(gate) * up
       }
     }
-    project(act_.data(), inter_, data(l.down_w), hidden_, l.has_down_b ? data(l.down_b) : nullptr, h_.data(), true);
+    project(act_.data(), inter_, l.down_w.data(), hidden_, l.has_down_b ? l.down_b.data() : nullptr, h_.data(), true);
   }
 
   // logits (N, V) = normed h @ head_t, the LM head packed (H, V).
   void head_logits(float* out) const {
     std::fill_n(out, rows_ * vocab_, 0.f);
-    matmul(x_.data(), rows_, hidden_, data(head_t_), vocab_, out);
+    matmul(x_.data(), rows_, hidden_, head_t_.data(), vocab_, out);
   }
 
   i64 hidden_, heads_, kv_heads_, dim_, inter_, vocab_;
@@ -401,7 +398,7 @@ class Decoder {
   std::vector<py::array_t<float, py::array::c_style>> k_, v_;
   FArray cos_, sin_, key_mask_;
   i64 rows_ = 0, total_ = 0, steps_ = 0;
-  std::vector<float> h_, x_, qkv_, attn_, gate_up_, act_, scores_;
+  std::vector<float> h_, x_, qkv_, attn_, gate_up_, act_, scores_, rotated_;  // scratch, sized by set_state
   bool avx2_ = false;
 };
 
@@ -460,7 +457,9 @@ i64 sample_step(py::array_t<float, py::array::c_style> logits, py::object noise,
   i64* msk = static_cast<i64*>(mask.mutable_data());
   float* lp = static_cast<float*>(logp.mutable_data());
   const bool scale = !greedy && temperature != 1.0;
-  std::vector<float> scaled(vocab);
+  thread_local std::vector<float> scaled, exps;  // reused across steps: no allocation per token
+  scaled.resize(vocab);
+  exps.resize(vocab);
   i64 num_alive = 0;
   for (i64 r = 0; r < n; ++r) {
     const float* xr = x + r * vocab;
@@ -475,13 +474,16 @@ i64 sample_step(py::array_t<float, py::array::c_style> logits, py::object noise,
       }
     }
     float total = 0.f;
-    for (i64 v = 0; v < vocab; ++v) total += std::exp(scaled[v] - top);
+    for (i64 v = 0; v < vocab; ++v) {
+      exps[v] = std::exp(scaled[v] - top);  // once: the sum and the sampling ratio share them
+      total += exps[v];
+    }
     if (!greedy) {  // argmax of probs / noise, probs = softmax(scaled) as ATen forms it (times 1 / sum)
       const float* qr = q + r * vocab;
       const float inv_total = 1.0f / total;
       float top_ratio = -std::numeric_limits<float>::infinity();
       for (i64 v = 0; v < vocab; ++v) {
-        const float ratio = (std::exp(scaled[v] - top) * inv_total) / qr[v];
+        const float ratio = (exps[v] * inv_total) / qr[v];
         if (ratio > top_ratio) {
           top_ratio = ratio;
           best = v;

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pkgutil
 import platform
 import socket
 import threading
@@ -630,9 +631,9 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
     models, so a profile timed without it misprices generation). Profiles run on one thread per
     worker process whatever the environment sets, so threads are not part of it; the workers that
     time whole calls at once are (``call_processes`` among the shapes)."""
-    import importlib.util
-
     import torch
+
+    import rlflow
 
     cuda = device.startswith("cuda")
     return {
@@ -642,12 +643,9 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "kernels": sorted(k for k in _KERNELS if importlib.util.find_spec(f"rlflow.{k}") is not None),
+        # setup.py builds kernels/<name>.cpp as rlflow._C_<name>: the ones present in the package
+        "kernels": sorted(m.name for m in pkgutil.iter_modules(rlflow.__path__) if m.name.startswith("_C_")),
     }
-
-
-# rlflow's C++ extensions (setup.py builds kernels/<name>.cpp as rlflow._C_<name>)
-_KERNELS = ("_C_decode", "_C_gae", "_C_planner")
 
 
 def _read_cached(path: Path) -> MachineProfile | None:

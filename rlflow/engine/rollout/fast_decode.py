@@ -321,7 +321,6 @@ class FastDecoder:
         self._step_cos, self._step_sin = self._cos[steps][:, :, None], self._sin[steps][:, :, None]  # (N, R, 1, D)
         keys = torch.cat([valid, valid.new_ones(batch, self._max_new)], dim=1).repeat_interleave(n, dim=0)
         additive = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill_(~keys, float("-inf"))
-        self._additive = additive  # (N, T): 0 where a row attends, -inf where not
         # bmm would round the scores to a 16-bit dtype where sdpa keeps them in float32
         few_batches = keys.shape[0] * self._kv_heads <= _BMM_MAX_BATCHES
         self._bmm_attention = device.type == "cpu" and dtype == torch.float32 and few_batches
@@ -350,7 +349,7 @@ class FastDecoder:
         self._k = [k[keep] for k in self._k]
         self._v = [v[keep] for v in self._v]
         self._step_cos, self._step_sin = self._step_cos[keep], self._step_sin[keep]
-        self._key_mask, self._additive = self._key_mask[keep], self._additive[keep]
+        self._key_mask = self._key_mask[keep]
         self._grouped_views()
 
     # ------------------------------------------------------------------ the decoder
