@@ -1,6 +1,6 @@
-"""The built-in sampler's lean decoder against its HF-module path and ``model.generate``, in one process.
+"""The built-in sampler's C++ and torch decoders against its HF-module path and ``model.generate``, in one process.
 
-Issue 12 asks for generation several times faster than HF's own loop. Three contenders run on
+Issue 12 asks for generation several times faster than HF's own loop. Four contenders run on
 the same model and prompts with the same sampling settings, alternating, with one torch thread:
 
 * **fast**: :meth:`rlflow.engine.rollout.HFRolloutEngine.generate` with its lean decoder
@@ -23,6 +23,9 @@ a shared machine, the best of ``REPEATS`` CPU times of the process; ``speedup_vs
 contender's seconds / fast's seconds. The record also says whether the
 three produced the same tokens (greedy; sampled: fast and hf_modules draw from the same
 generator, so they should too) and the largest log-prob difference between fast and hf_modules.
+
+Then one decode step alone, C++ (:class:`NativeDecoder`) against its torch twin, at the widths of
+:data:`STEP_WIDTHS` around ``NATIVE_MAX_STEP_MACS``: the crossover that constant is set from.
 
     python -m benchmarks.run sampler
 """
@@ -53,6 +56,11 @@ CASES = {  # name -> build_tiny_model arguments, prompts, samples per prompt, ne
     },
 }
 CONTENDERS = ("fast", "torch_twin", "hf_modules", "generate")
+# One decode step, C++ against torch, around rlflow.engine.rollout.native_decode's
+# NATIVE_MAX_STEP_MACS: (hidden size, rows) of a 4-layer model with an MLP 4x as wide (the main
+# job's shape at 128) and the char tokenizer's vocabulary.
+STEP_WIDTHS = ((64, 16), (128, 16), (128, 64), (128, 256), (256, 16), (256, 64), (512, 16), (512, 64))
+STEP_REPEATS = 20
 
 
 def _prompts(num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,14 +161,55 @@ def _measure(case_name: str, case: dict, greedy: bool, repeats: int) -> dict:
     return record
 
 
-def run(repeats: int = REPEATS, cases: dict | None = None) -> list[dict]:
-    """One record per (case, greedy or sampled); ``repeats``/``cases`` shrink it for a check."""
+def _measure_step(hidden: int, rows: int, repeats: int) -> dict:
+    """Seconds of one decode step of :class:`NativeDecoder` (C++) and its torch twin, best of
+    ``repeats`` alternating rounds of 5 steps each, on the same KV buffers; the
+    ``NATIVE_MAX_STEP_MACS`` crossover."""
+    from rlflow.data.tiny_models import build_tiny_model
+    from rlflow.engine.rollout.fast_decode import FastDecoder
+    from rlflow.engine.rollout.native_decode import NativeDecoder, native_decode_blocker, step_macs
+
+    model = build_tiny_model(
+        vocab_size=VOCAB, hidden_size=hidden, num_layers=4, num_heads=max(1, hidden // 32),
+        num_kv_heads=max(1, hidden // 32), intermediate_size=4 * hidden, tie_word_embeddings=True,
+    ).eval()  # fmt: skip
+    ids, mask = _prompts(max(1, rows // 8))
+    tokens = torch.full((ids.shape[0] * 8,), 5)
+    with torch.inference_mode():
+        decoders = {"native": NativeDecoder(model, 16), "torch_twin": FastDecoder(model, 16)}
+        for decoder in decoders.values():
+            decoder.prefill(ids, mask, 8)
+        calls = {name: (lambda d=d: [d.step(tokens, 3) for _ in range(5)]) for name, d in decoders.items()}
+        best, _ = _best_times(calls, repeats)
+    return {
+        "name": f"sampler_step_h{hidden}_rows{tokens.numel()}",
+        "hidden_size": hidden,
+        "rows": tokens.numel(),
+        "seconds_native": round(best["native"] / 5, 6),
+        "seconds_torch_twin": round(best["torch_twin"] / 5, 6),
+        "speedup_vs_torch_twin": round(best["torch_twin"] / best["native"], 2),
+        "step_macs_per_layer": step_macs(model, tokens.numel()),
+        "decoded_natively_by_default": native_decode_blocker(model, tokens.numel()) is None,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "units": {"seconds": f"s per decode step (best of {repeats} rounds of 5 steps, wall, 1 torch thread)"},
+    }
+
+
+def run(
+    repeats: int = REPEATS,
+    cases: dict | None = None,
+    step_widths: tuple[tuple[int, int], ...] = STEP_WIDTHS,
+    step_repeats: int = STEP_REPEATS,
+) -> list[dict]:
+    """One record per (case, greedy or sampled), then one per decode-step width; the arguments
+    shrink it for a check."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return [
+        rollouts = [
             _measure(name, case, greedy, repeats) for name, case in (cases or CASES).items() for greedy in (False, True)
         ]
+        return rollouts + [_measure_step(hidden, rows, step_repeats) for hidden, rows in step_widths]
     finally:
         torch.set_num_threads(threads)
 

@@ -16,11 +16,12 @@ from rlflow.data.tiny_models import build_tiny_model
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 from rlflow.engine.rollout.fast_decode import FastDecoder
 from rlflow.engine.rollout.native_decode import (
-    NATIVE_MAX_HIDDEN,
+    NATIVE_MAX_STEP_MACS,
     NativeDecoder,
     native_decode_blocker,
     native_sampling_blocker,
     sample_step,
+    step_macs,
 )
 
 torch.set_num_threads(1)
@@ -59,7 +60,7 @@ def _decode_both(model, steps: int, keep_at: int | None = None):
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_step_equals_the_torch_twin_and_hf_forward(case):
     model = build_model(case)
-    assert native_decode_blocker(model) is None
+    assert native_decode_blocker(model, 8) is None
     for twin, native, hf in _decode_both(model, steps=12):
         torch.testing.assert_close(native, twin, atol=TWIN_ATOL, rtol=0)
         torch.testing.assert_close(native, hf, atol=LOGIT_ATOL, rtol=0)
@@ -134,17 +135,19 @@ def test_new_weights_are_used_after_update():
 
 def test_blockers_name_what_they_refuse():
     model = build_model("llama")
-    assert "bfloat16" in native_decode_blocker(build_model("llama").to(torch.bfloat16))
+    assert "bfloat16" in native_decode_blocker(build_model("llama").to(torch.bfloat16), 8)
     model.config.hidden_act = "gelu"
-    assert native_decode_blocker(model) == "hidden_act='gelu' (the native step implements SiLU)"
-    wide = build_tiny_model(vocab_size=16, hidden_size=2 * NATIVE_MAX_HIDDEN, num_layers=1, num_heads=8)
-    assert f"hidden_size={2 * NATIVE_MAX_HIDDEN} > {NATIVE_MAX_HIDDEN}" in native_decode_blocker(wide)
+    assert native_decode_blocker(model, 8) == "hidden_act='gelu' (the native step implements SiLU)"
+    wide = build_tiny_model(vocab_size=16, hidden_size=512, num_layers=1, num_heads=8)  # 2.2 M per row
+    macs = step_macs(wide, 16)
+    assert macs > NATIVE_MAX_STEP_MACS and native_decode_blocker(wide, 1) is None  # one row: op-bound
+    assert f"{macs} multiply-adds per layer and step > {NATIVE_MAX_STEP_MACS}" in native_decode_blocker(wide, 16)
 
 
 def test_a_pipeline_stage_keeps_the_twin():
     model = build_model("llama")
     model.items = ["embed", "layer.0", "layer.1"]  # what a DecoderStage exposes (rlflow.engine.pipeline)
-    assert native_decode_blocker(model) == "a pipeline stage (the native step runs whole models)"
+    assert native_decode_blocker(model, 8) == "a pipeline stage (the native step runs whole models)"
 
 
 def test_bad_buffers_and_tokens_are_refused():

@@ -273,8 +273,11 @@ def sample_responses(
             always decodes through HF's modules.
         native_decode: run the lean decoder's steps in C++
             (:class:`~rlflow.engine.rollout.native_decode.NativeDecoder`) where
-            :func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it; False
-            keeps them in torch.
+            :func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it, and each
+            step's token choice and bookkeeping too
+            (:func:`~rlflow.engine.rollout.native_decode.sample_step`, where
+            :func:`~rlflow.engine.rollout.native_decode.native_sampling_blocker` allows it, whatever
+            the decoder); False keeps both in torch.
 
     Returns:
         ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` with rows interleaved by
@@ -374,7 +377,7 @@ def _decoder(
     else:
         reason = fast_decode_blocker(model) or _kv_memory_blocker(model, num_rows, total_len)
     if reason is None:
-        native_reason = native_decode_blocker(model) if native_decode else "native_decode=False"
+        native_reason = native_decode_blocker(model, num_rows) if native_decode else "native_decode=False"
         if native_reason is None:
             return NativeDecoder(model, max_new_tokens)
         _log.debug("sampler decodes with the torch lean decoder: %s", native_reason)
@@ -524,9 +527,9 @@ class HFRolloutEngine:
             ``pad_token_id``, else 0.
         fast_decode: decode with the lean decoder of :mod:`~rlflow.engine.rollout.fast_decode`
             where it applies (else HF's modules, said in a debug log); False forces HF's modules.
-        native_decode: run that decoder's steps in C++ where
-            :func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it (one
-            process; pipeline stages keep torch's); False keeps them in torch.
+        native_decode: run that decoder's steps and each step's sampling in C++ where they apply
+            (one process; pipeline stages keep torch's; see :func:`sample_responses`); False keeps
+            them in torch.
         num_micro_batches: micro-batches of prompts in flight under pp > 1; default ``pp``.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM

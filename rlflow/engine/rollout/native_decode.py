@@ -11,7 +11,7 @@ same pruning of finished rows), logits equal to the twin's to float rounding
 
 It applies where :func:`native_decode_blocker` finds nothing against it: a whole model (not a
 pipeline stage) in float32 on the CPU, SiLU MLP, and a model small enough that per-op overhead
-is what a step costs (:data:`NATIVE_MAX_HIDDEN`); bigger models keep torch's matmuls.
+is what a step costs (:data:`NATIVE_MAX_STEP_MACS`); bigger steps keep torch's matmuls.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.fast_decode import FastDecoder, _text_config
 from rlflow.families import config_value, family_of
 
@@ -28,20 +29,42 @@ try:  # built by `pip install -e .` (setup.py); without it the sampler keeps the
 except ImportError:  # pragma: no cover - a source tree without its build
     _C_decode = None
 
-__all__ = ["NATIVE_MAX_HIDDEN", "NativeDecoder", "native_decode_blocker", "native_sampling_blocker", "sample_step"]
+__all__ = [
+    "NATIVE_MAX_STEP_MACS",
+    "NativeDecoder",
+    "native_decode_blocker",
+    "native_sampling_blocker",
+    "sample_step",
+    "step_macs",
+]
 
-# Widest hidden size decoded natively. The C++ step wins where torch's per-op overhead dominates
-# and loses where MKL's GEMMs outrun its AVX2 tiles: on the 2-core EPYC sandbox (4 layers, 16-256
-# rows, one thread) it was 1.1-1.8x faster per step at hidden 128-256 and 0.7-0.9x at 512.
-NATIVE_MAX_HIDDEN = 256
+# Largest decode step run in C++, in multiply-adds per layer (rows x the layer's matrices). The C++
+# step wins where torch's per-op overhead dominates a step and loses where MKL's GEMMs outrun its
+# AVX2 tiles; `python -m benchmarks.run sampler` times the crossover (its `sampler_step_*` records,
+# docs/benchmarks/sampler.md): 1.7-2.4x faster up to ~14 M, level around 30-60 M, slower above.
+NATIVE_MAX_STEP_MACS = 32_000_000
 
 
-def native_decode_blocker(model: nn.Module) -> str | None:
-    """Why :class:`NativeDecoder` cannot decode ``model`` (which :func:`fast_decode_blocker`
-    already accepted), or None when it can.
+def step_macs(model: nn.Module, num_rows: int) -> int:
+    """Multiply-adds of one decode step of ``num_rows`` rows through one layer of ``model``:
+    q/k/v, o and the three MLP matrices.
 
     >>> from rlflow.data.tiny_models import build_tiny_model
-    >>> native_decode_blocker(build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2))
+    >>> step_macs(build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=64), 4)
+    16384
+    """
+    config = _text_config(model)
+    d = family_of(config).dims(config)
+    attention = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim
+    return num_rows * d.hidden_size * (attention + 3 * d.intermediate_size)
+
+
+def native_decode_blocker(model: nn.Module, num_rows: int) -> str | None:
+    """Why :class:`NativeDecoder` cannot decode ``num_rows`` rows of ``model`` (which
+    :func:`fast_decode_blocker` already accepted), or None when it can.
+
+    >>> from rlflow.data.tiny_models import build_tiny_model
+    >>> native_decode_blocker(build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2), 16)
     """
     if _C_decode is None:
         return "rlflow._C_decode is not built (pip install -e .)"
@@ -54,9 +77,9 @@ def native_decode_blocker(model: nn.Module) -> str | None:
     act = config_value(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         return f"hidden_act={act!r} (the native step implements SiLU)"
-    hidden = family_of(config).dims(config).hidden_size
-    if hidden > NATIVE_MAX_HIDDEN:
-        return f"hidden_size={hidden} > {NATIVE_MAX_HIDDEN}: torch's GEMMs are faster there"
+    macs = step_macs(model, num_rows)
+    if macs > NATIVE_MAX_STEP_MACS:
+        return f"{macs} multiply-adds per layer and step > {NATIVE_MAX_STEP_MACS}: torch's GEMMs are faster there"
     return None
 
 
@@ -121,11 +144,11 @@ class NativeDecoder(FastDecoder):
             [k.numpy() for k in self._k], [v.numpy() for v in self._v],
             self._step_cos.reshape(rows, steps, -1).contiguous().numpy(),
             self._step_sin.reshape(rows, steps, -1).contiguous().numpy(),
-            self._additive.contiguous().numpy(),
+            self._key_mask[:, 0, 0].contiguous().numpy(),  # (N, T) additive: every kv head's is the same
         )  # fmt: skip
 
 
-def native_sampling_blocker(logits: torch.Tensor, params, tp_group) -> str | None:
+def native_sampling_blocker(logits: torch.Tensor, params: SamplingParams, tp_group) -> str | None:
     """Why :func:`sample_step` cannot run the sampler's steps for these first logits, or None.
 
     It takes float32 CPU logits of one process, plain temperature sampling or greedy (top-k and
@@ -144,7 +167,7 @@ def native_sampling_blocker(logits: torch.Tensor, params, tp_group) -> str | Non
 
 def sample_step(
     logits: torch.Tensor,
-    params,
+    params: SamplingParams,
     generator: torch.Generator | None,
     stop_ids: np.ndarray,
     alive: torch.Tensor,
