@@ -623,6 +623,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # rlflow/, where setup.py puts rlflow._C_<name>
+
+
 def host_identity(device: str = "cpu") -> dict[str, Any]:
     """What a profile measured on this host depends on besides the shapes it measured: the host,
     its CPU model and cores (all of them, and those this process may run on), the torch version,
@@ -633,8 +636,6 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
     time whole calls at once are (``call_processes`` among the shapes)."""
     import torch
 
-    import rlflow
-
     cuda = device.startswith("cuda")
     return {
         "hostname": socket.gethostname(),
@@ -644,7 +645,7 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         # setup.py builds kernels/<name>.cpp as rlflow._C_<name>: the ones present in the package
-        "kernels": sorted(m.name for m in pkgutil.iter_modules(rlflow.__path__) if m.name.startswith("_C_")),
+        "kernels": sorted(m.name for m in pkgutil.iter_modules([str(_PACKAGE_DIR)]) if m.name.startswith("_C_")),
     }
 
 
