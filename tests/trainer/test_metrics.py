@@ -7,6 +7,7 @@ import json
 import math
 import struct
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,17 +85,29 @@ def wandb_history(run_dir: Path) -> tuple[dict, list[dict]]:
     chunks, each ``crc32 (4) | length (2) | type (1) | data``; FULL (1) or FIRST..LAST (2..4)
     chunks make up one protobuf ``Record``.
     """
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # wandb-core writes the file from its own process: ``finish()`` can return before the records
+    # reach it (1 run in 3 on this machine), so wait for the run's closing ``exit`` record.
+    deadline = time.monotonic() + 60
+    while True:
+        config, history, kinds = _read_wandb_records(path.read_bytes())
+        if "exit" in kinds or time.monotonic() > deadline:
+            return config, history
+        time.sleep(0.2)
+
+
+def _read_wandb_records(data: bytes) -> tuple[dict, list[dict], list[str]]:
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data = path.read_bytes()
     assert data[:4] == b":W&B"
-    config, history, chunks, pos = {}, [], [], 7
+    config, history, kinds, chunks, pos = {}, [], [], [], 7
     while pos + 7 <= len(data):
         if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block's tail too short for a header is padding
             pos += WANDB_BLOCK - pos % WANDB_BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # a chunk wandb-core is still writing
+            break
         chunks.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind not in (1, 4):
@@ -103,6 +116,7 @@ def wandb_history(run_dir: Path) -> tuple[dict, list[dict]]:
         record.ParseFromString(b"".join(chunks))
         chunks = []
         kind = record.WhichOneof("record_type")
+        kinds.append(kind)
         if kind in ("run", "config"):  # the run's first record, then any config updates
             updates = record.run.config.update if kind == "run" else record.config.update
             config.update({item.key: json.loads(item.value_json) for item in updates})
@@ -110,7 +124,7 @@ def wandb_history(run_dir: Path) -> tuple[dict, list[dict]]:
             # A history item names its metric by ``key`` or by ``nested_key`` (wandb writes either).
             items = record.history.item
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
-    return config, history
+    return config, history, kinds
 
 
 WANDB_BLOCK = 32768
