@@ -46,7 +46,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlflow.trainer import ConfigError, run_recipe
+    from rlflow.trainer import run_recipe  # both light: the config's imports wait until Ray is begun
+    from rlflow.trainer.config_fields import ConfigError
 
     if not args.recipe.endswith((".yaml", ".yml")) or not Path(args.recipe).is_file():
         raise UsageError(f"recipe {args.recipe!r}: expected an existing YAML file such as recipes/grpo_arithmetic.yaml")

@@ -45,7 +45,7 @@ def ray_session():
     """A local Ray cluster shared by every test of the session."""
     import ray
 
-    from rlflow.trainer.build import WORKER_ENV, scoped_environ
+    from rlflow.trainer.local_ray import WORKER_ENV, scoped_environ
 
     if not ray.is_initialized():
         # The worker env inherited rather than a job runtime_env, as a run's own Ray does: actors

@@ -27,6 +27,7 @@ import rlflow
 
 LAYERS = (
     "files",
+    "lazy",
     "protocol",
     "fields",
     "strategy",
@@ -72,7 +73,7 @@ def module_name(path: Path, root: Path) -> str:
 
 def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
     """``(line, dotted module)``, by line, of every rlflow import anywhere in ``tree`` (``ast.walk`` enters
-    functions, classes and ``if TYPE_CHECKING:`` blocks). ``from rlflow.x import y`` counts as
+    functions, classes and ``if TYPE_CHECKING:`` blocks; a ``LazyModule("rlflow.x")`` counts too). ``from rlflow.x import y`` counts as
     ``rlflow.x.y`` (a submodule or a name of ``rlflow.x``: same layer either way); relative
     imports are resolved against ``module``."""
     package = module if is_package else module.rpartition(".")[0]
@@ -86,6 +87,10 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LazyModule" and node.args:
+            name = node.args[0]  # rlflow.lazy.LazyModule("rlflow.x"): an import on first use
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found.append((node.lineno, name.value))
     return sorted((line, name) for line, name in found if name == "rlflow" or name.startswith("rlflow."))
 
 

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
 from rlflow.planner.simulate import node_table, simulate
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig
+from rlflow.trainer.local_ray import RAY_INIT_LOCK, WORKER_ENV, LocalRayStart, init_local_ray
 from rlflow.trainer.placement import Placement
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
@@ -371,58 +371,45 @@ def with_hook_ranks(calls: Mapping[str, CallPlacement], setup: WorkerSetup) -> d
     return {name: replace(c, hook_ranks=setup.hook_ranks(name)) for name, c in calls.items()}
 
 
-# The environment of every Ray process a run starts: one torch thread per worker (few cores are
-# shared; oversubscription makes gloo collectives crawl), no tokenizer thread pools.
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@contextlib.contextmanager
-def scoped_environ(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` set in ``os.environ`` for the block (for the processes it starts), then restored."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def ensure_ray(cfg: RLFlowConfig) -> bool:
+def ensure_ray(cfg: RLFlowConfig, pending: LocalRayStart | None = None) -> bool:
     """Joins the configured Ray cluster, or starts a local one with this machine's cores (with
     Ray's dashboard only when ``placement.ray_dashboard`` asks for it); then refuses a config the
     cluster cannot hold (:func:`check_cluster`), before anything is planned or started.
 
+    Args:
+        cfg: the run's config.
+        pending: the local Ray ``Trainer(...)`` began on a thread (:mod:`rlflow.trainer.local_ray`):
+            waited for and taken over when it is the Ray ``cfg`` asks for, else shut down first.
+
     Returns:
-        Whether this call started a local Ray instance (its caller then shuts it down). False
-        when Ray was already initialised (a notebook's or a test session's own ``ray.init``) and
-        when it joined a cluster: the driver stays connected, as a notebook on a cluster expects.
+        Whether this call (or ``pending``) started a local Ray instance (its caller then shuts it
+        down). False when Ray was already initialised (a notebook's or a test session's own
+        ``ray.init``) and when it joined a cluster: the driver stays connected, as a notebook on a
+        cluster expects.
 
     Raises:
         ResourceError: the workers need more CPUs than this machine has cores (a local Ray,
             without ``placement.oversubscribe``), or more nodes or devices than the cluster has;
             a local Ray this call started is shut down first.
     """
-    started = False
-    if not ray.is_initialized():
-        p = cfg.placement
-        if p.ray_address is not None:
-            ray.init(address=p.ray_address, runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=True)
-        else:
-            # Not as a job runtime_env: Ray prestarts a Python worker per CPU for the first driver,
-            # without runtime env, and an actor starts in one of them only when its runtime env
-            # matches; with env_vars every worker would be a new process and the prestarted ones
-            # idle. The raylet, and every worker it starts, inherit the driver's environment.
-            with scoped_environ(WORKER_ENV):
-                ray.init(
-                    num_cpus=local_ray_cpus(cfg),
-                    include_dashboard=p.ray_dashboard,  # its web server and agents delay a local start: off unless asked
-                )
-            started = True
+    p = cfg.placement
+    started = pending is not None and pending.wait()
     try:
+        if started and (
+            p.ray_address is not None
+            or p.ray_dashboard != pending.include_dashboard
+            or local_ray_cpus(cfg) != pending.num_cpus
+        ):
+            ray.shutdown()  # not the Ray this config asks for
+            started = False
+        with RAY_INIT_LOCK:
+            if not ray.is_initialized():
+                if p.ray_address is not None:
+                    ray.init(address=p.ray_address, runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=True)
+                else:
+                    # its web server and agents delay a local start: the dashboard is off unless asked
+                    init_local_ray(local_ray_cpus(cfg), p.ray_dashboard)
+                    started = True
         check_cluster(cfg, uses_gpu(cfg))
     except ResourceError:
         if started:

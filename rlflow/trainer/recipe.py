@@ -6,7 +6,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlflow.trainer.config import load_config
 from rlflow.trainer.trainer import FitResult, Trainer
 
 
@@ -35,8 +34,8 @@ def run_recipe(default_yaml: str | Path, argv: Sequence[str] | None = None) -> F
     >>> run_recipe("recipes/grpo_arithmetic.yaml", ["trainer.total_steps=5"])  # doctest: +SKIP
     """
     source, overrides = recipe_args(default_yaml, sys.argv[1:] if argv is None else argv)
-    cfg = load_config(source, overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(source, overrides=overrides)  # a path: Ray starts while the config is checked
+    cfg = trainer.cfg
     try:
         result = trainer.fit()
     finally:

@@ -1,8 +1,11 @@
 """The driver: ``Trainer(cfg).fit()`` runs the planned dataflow graph and reports what it learned.
 
 Building and launching are apart: the constructor checks and prepares (config, data, reward
-functions, the model and tokenizer in the run directory; :mod:`rlflow.trainer.inputs`), and
-:meth:`Trainer.launch` — called by ``fit()`` — starts Ray, profiles, plans and spawns the workers.
+functions, the model and tokenizer in the run directory; :mod:`rlflow.trainer.inputs`) while a
+local Ray starts on a thread (:mod:`rlflow.trainer.local_ray`: this module imports its heavy
+dependencies on first use, so that Ray's start and those imports overlap), and
+:meth:`Trainer.launch` — called by ``fit()`` — takes that Ray over, profiles, plans and spawns
+the workers.
 
 ``fit()`` reads as a list of named stages — resume, evaluate, warm up, copy the ``init: copy``
 models from their sources, train (steps of the graph, overlapping iterations where the graph
@@ -25,33 +28,39 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import ray
-from transformers import AutoConfig
+from rlflow.lazy import LazyModule
+from rlflow.trainer import local_ray
 
-from rlflow.controller import WorkerDiedError, WorkerError
-from rlflow.data.tokenizer import load_tokenizer
-from rlflow.dataflow.algorithms import Algorithm
-from rlflow.planner.timeline import Interval, draw_timeline
-from rlflow.trainer import build, inputs
-from rlflow.trainer.callbacks import Callbacks, NotifyingLogger
-from rlflow.trainer.checkpoint import (
-    CheckpointManager,
-    capture_rng_state,
-    read_trainer_state,
-    restore_rng_state,
-    write_trainer_state,
-)
-from rlflow.trainer.checkpoint_layouts import checkpoint_for_layouts, home_layouts, remove_scratch, write_layouts
-from rlflow.trainer.config import RLFlowConfig, to_yaml
-from rlflow.trainer.data import build_trainer_data
-from rlflow.trainer.metrics import MetricsLogger, call_metrics, progress, timing_table
-from rlflow.trainer.placement import Placement, load_profile_for, model_specs, plan_placement
-from rlflow.trainer.runner import DataflowRunner, LaggedIssuer, Submitted
-from rlflow.workers.records import CallRecord
-from rlflow.workers.reward_funcs import RewardFunc, check_reward_signature, pack_reward_funcs
+if TYPE_CHECKING:
+    from rlflow.dataflow.algorithms import Algorithm
+    from rlflow.planner.timeline import Interval
+    from rlflow.trainer.config import RLFlowConfig
+    from rlflow.trainer.placement import Placement
+    from rlflow.trainer.runner import DataflowRunner, Submitted
+    from rlflow.workers.records import CallRecord
+    from rlflow.workers.reward_funcs import RewardFunc
+
+# Loaded on first use: ``Trainer(...)`` begins a local Ray (:mod:`rlflow.trainer.local_ray`)
+# before the driver imports tensordict, torch's distributed stack and the engines through these.
+np = LazyModule("numpy")
+ray = LazyModule("ray")
+transformers = LazyModule("transformers")
+controller = LazyModule("rlflow.controller")
+tokenizer_io = LazyModule("rlflow.data.tokenizer")
+timeline = LazyModule("rlflow.planner.timeline")
+build = LazyModule("rlflow.trainer.build")
+checkpoint_layouts = LazyModule("rlflow.trainer.checkpoint_layouts")
+inputs = LazyModule("rlflow.trainer.inputs")
+trainer_callbacks = LazyModule("rlflow.trainer.callbacks")
+trainer_checkpoint = LazyModule("rlflow.trainer.checkpoint")
+trainer_config = LazyModule("rlflow.trainer.config")
+trainer_data = LazyModule("rlflow.trainer.data")
+trainer_metrics = LazyModule("rlflow.trainer.metrics")
+trainer_placement = LazyModule("rlflow.trainer.placement")
+trainer_runner = LazyModule("rlflow.trainer.runner")
+reward_functions = LazyModule("rlflow.workers.reward_funcs")
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +105,12 @@ class Trainer:
         with trainer:
             result = trainer.fit()
 
-    Construction only checks and prepares (config, datasets, reward signatures, the model and
-    tokenizer saved into the run directory); Ray, the profile, the plan and the workers start on
-    :meth:`launch` (which :meth:`fit` calls). ``with Trainer(...) as t:`` releases the workers,
-    their placement groups, and a Ray instance the trainer started itself.
+    Construction checks and prepares (config, datasets, reward signatures, the model and
+    tokenizer saved into the run directory) while a local Ray starts on a thread (when this
+    process has none and no cluster is named: :mod:`rlflow.trainer.local_ray`; shut down again
+    if the construction fails); the profile, the plan and the workers start on :meth:`launch`
+    (which :meth:`fit` calls). ``with Trainer(...) as t:`` (or :meth:`close`) releases the
+    workers, their placement groups, and a Ray instance the trainer started itself.
 
     Args:
         config: an ``RLFlowConfig``, a YAML path, a dict of settings, or None for the defaults.
@@ -136,26 +147,35 @@ class Trainer:
         progress_bars: bool = True,
     ) -> None:
         self._created = time.perf_counter()
-        self.progress_bars = progress_bars
-        self.cfg = self._build_config(config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset)
-        self.run_dir = build.run_dir_of(self.cfg)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        funcs = [reward_funcs] if callable(reward_funcs) else reward_funcs
-        self.reward_funcs = pack_reward_funcs(funcs, reward_weights) if funcs is not None else None
-        inputs.check_reward_source(self.cfg, self.reward_funcs)
-        self.tokenizer_path = build.materialize_tokenizer(self.cfg, self.run_dir)
-        self.model_paths = build.materialize_models(self.cfg, self.run_dir, self.tokenizer_path)
-        self.data = build_trainer_data(self.cfg, load_tokenizer(self.tokenizer_path), self.reward_funcs)
-        for fn in funcs or ():
-            check_reward_signature(fn, set(self.data.columns) - {"prompt"})
-        rule_reward = "reward" not in self.cfg.models and self.data.reward_fn is not None
-        self.graph = build.build_dataflow(self.cfg, rule_reward)
-        self.callbacks = Callbacks(callbacks)
-        self.launched, self._started_ray = False, False
-        self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
-        self._signal: int | None = None  # SIGINT/SIGTERM received during training (checkpoint.save_on_signal)
-        # Seconds of each start-up stage, logged once with the first step (``startup/*``).
-        self.startup: dict[str, float] | None = {"startup/construct_s": time.perf_counter() - self._created}
+        # A local Ray starts on a thread while the rest is imported and prepared; launch() takes it over.
+        self._ray_start = local_ray.begin_local_ray(config, overrides)
+        try:
+            self.progress_bars = progress_bars
+            self.cfg = self._build_config(config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset)
+            self.run_dir = build.run_dir_of(self.cfg)
+            (self.run_dir / "config.yaml").write_text(trainer_config.to_yaml(self.cfg))
+            funcs = [reward_funcs] if callable(reward_funcs) else reward_funcs
+            self.reward_funcs = reward_functions.pack_reward_funcs(funcs, reward_weights) if funcs is not None else None
+            inputs.check_reward_source(self.cfg, self.reward_funcs)
+            self.tokenizer_path = build.materialize_tokenizer(self.cfg, self.run_dir)
+            self.model_paths = build.materialize_models(self.cfg, self.run_dir, self.tokenizer_path)
+            self.data = trainer_data.build_trainer_data(
+                self.cfg, tokenizer_io.load_tokenizer(self.tokenizer_path), self.reward_funcs
+            )
+            for fn in funcs or ():
+                reward_functions.check_reward_signature(fn, set(self.data.columns) - {"prompt"})
+            rule_reward = "reward" not in self.cfg.models and self.data.reward_fn is not None
+            self.graph = build.build_dataflow(self.cfg, rule_reward)
+            self.callbacks = trainer_callbacks.Callbacks(callbacks)
+            self.launched, self._started_ray = False, False
+            self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
+            self._signal: int | None = None  # SIGINT/SIGTERM received during training (checkpoint.save_on_signal)
+            # Seconds of each start-up stage, logged once with the first step (``startup/*``).
+            self.startup: dict[str, float] | None = {"startup/construct_s": time.perf_counter() - self._created}
+        except BaseException:
+            if self._ray_start is not None:
+                self._ray_start.stop()  # bad input leaves no Ray behind
+            raise
 
     def _build_config(
         self, config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset
@@ -170,12 +190,18 @@ class Trainer:
         return build.resolve_paths(cfg)
 
     def launch(self) -> Trainer:
-        """Starts (or joins) Ray, profiles, plans and starts the workers; a second call does nothing."""
+        """Takes over (or starts, or joins) Ray, profiles, plans and starts the workers; a second call does nothing."""
         if self.launched:
             return self
         cfg = self.cfg
         started = time.perf_counter()
-        self._started_ray = build.ensure_ray(cfg) or self._started_ray  # a relaunch joins the Ray it started
+        # The worker class's imports (the engines, HF's modeling code) while Ray may still be starting.
+        from rlflow.workers.model_worker import ModelWorker  # noqa: F401
+
+        self._record_startup("worker_imports_s", started)
+        started = time.perf_counter()
+        pending, self._ray_start = self._ray_start, None
+        self._started_ray = build.ensure_ray(cfg, pending) or self._started_ray  # a relaunch joins the Ray it started
         self.use_gpu = build.uses_gpu(cfg)
         self._record_startup("ray_s", started)
         self.placement = self._plan()
@@ -192,12 +218,16 @@ class Trainer:
         self._record_startup("workers_s", started)
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
-        self.runner = DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
-        self.issuer = LaggedIssuer(self.runner, self.cfg.algorithm.policy_lag, self.cfg.trainer.total_steps)
+        self.runner = trainer_runner.DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
+        self.issuer = trainer_runner.LaggedIssuer(
+            self.runner, self.cfg.algorithm.policy_lag, self.cfg.trainer.total_steps
+        )
         extra = {n: c for n, c in calls.items() if n not in self.placement.calls}
         self.side_runner = _side_runner(self.workers, extra) if extra else None
-        self.logger = NotifyingLogger(MetricsLogger(cfg.logging, self.run_dir, run_config=_plain(cfg)), self.callbacks)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir)
+        self.logger = trainer_callbacks.NotifyingLogger(
+            trainer_metrics.MetricsLogger(cfg.logging, self.run_dir, run_config=_plain(cfg)), self.callbacks
+        )
+        self.checkpoints = trainer_checkpoint.CheckpointManager(cfg.checkpoint, self.run_dir)
         self.step = 0
         self.result = FitResult(
             steps=0, run_dir=str(self.run_dir), estimated_seconds=self.placement.estimated_call_seconds()
@@ -217,15 +247,15 @@ class Trainer:
     # ------------------------------------------------------------------ building
     def _plan(self) -> Placement:
         values = {n for n in self.cfg.models if n in build.VALUE_ROLES}
-        specs = model_specs(self.model_paths, values)
+        specs = trainer_placement.model_specs(self.model_paths, values)
         actor = specs.get("actor", next(iter(specs.values()), None))
         started = time.perf_counter()
-        found = load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
+        found = trainer_placement.load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
         if found is not None and self.startup is not None:  # None once logged (a relaunch after a restart)
             self._record_startup("profile_s", started)
             self.startup["startup/profile_cached"] = float(found.cached)
         started = time.perf_counter()
-        placement = plan_placement(
+        placement = trainer_placement.plan_placement(
             self.cfg,
             self.graph,
             specs,
@@ -269,7 +299,7 @@ class Trainer:
                     self.logger.log(self.step, {"trainer/restarts": restarts})
                 self._run()
                 break
-            except (WorkerDiedError, WorkerError) as err:
+            except (controller.WorkerDiedError, controller.WorkerError) as err:
                 if restarts >= self.cfg.trainer.max_restarts or not is_recoverable(err):
                     raise
                 restarts += 1
@@ -314,10 +344,10 @@ class Trainer:
 
     def _driver_state(self) -> dict[str, Any]:
         """The driver's RNG states and data-loader position (a restart with no checkpoint starts from them)."""
-        return {"rng": capture_rng_state(), "data": self.data.train.state_dict()}
+        return {"rng": trainer_checkpoint.capture_rng_state(), "data": self.data.train.state_dict()}
 
     def _restore_driver_state(self, state: Mapping[str, Any]) -> None:
-        restore_rng_state(state["rng"])
+        trainer_checkpoint.restore_rng_state(state["rng"])
         self.data.train.load_state_dict(state["data"])
 
     @contextmanager
@@ -358,7 +388,7 @@ class Trainer:
         total, loop = self.cfg.trainer.total_steps, self.cfg.trainer
         started = time.time()
         batches = self._batches()
-        bar = progress(total - self.step, "train", disable=not self.progress_bars)
+        bar = trainer_metrics.progress(total - self.step, "train", disable=not self.progress_bars)
         pending: tuple[int, Submitted] | None = None
         while self.step < total or pending is not None:
             if pending is None:
@@ -421,7 +451,7 @@ class Trainer:
             The held-out score after the last step taken when the warm-up evaluated there, else None.
         """
         w = self.cfg.warmup
-        bar = progress(w.steps, "sft warm-up", disable=not self.progress_bars)
+        bar = trainer_metrics.progress(w.steps, "sft warm-up", disable=not self.progress_bars)
         batches = iter(self._cycle(self.data.warmup))
 
         def submit() -> Submitted:
@@ -533,7 +563,7 @@ class Trainer:
         self._records.extend(self._pop_metrics(queued))
         mine = [r for r in self._records if r.step == step]
         self._records = [r for r in self._records if r.step > step]
-        metrics = call_metrics(mine)
+        metrics = trainer_metrics.call_metrics(mine)
         for name in dict.fromkeys(r.mfc for r in mine if r.kind == "call"):
             self.result.mfc_seconds.setdefault(name, []).append(metrics[f"time/{name}"])
         if self.startup is not None:  # once: how long this run took to reach its first step
@@ -548,7 +578,7 @@ class Trainer:
         :meth:`_issue`); also feeds the measured timeline."""
         popped = self.workers.get(queued) if queued is not None else self.workers.pop_metrics()
         records = [r for per_rank in popped for r in per_rank]
-        self._intervals += [Interval(r.rank, r.start, r.end, r.mfc, r.interval_kind, r.step) for r in records]
+        self._intervals += [timeline.Interval(r.rank, r.start, r.end, r.mfc, r.interval_kind, r.step) for r in records]
         return records
 
     def _save(self, final: bool = False) -> Path | None:
@@ -559,8 +589,10 @@ class Trainer:
             self.workers.save_checkpoint(str(directory))
             ahead = self.issuer.save(directory / AHEAD_DIR)
             plan = self.placement.plan.to_json() if self.placement.plan is not None else None
-            write_layouts(directory, home_layouts(self.setup, range(self.workers.world_size)), plan)
-            write_trainer_state(
+            checkpoint_layouts.write_layouts(
+                directory, checkpoint_layouts.home_layouts(self.setup, range(self.workers.world_size)), plan
+            )
+            trainer_checkpoint.write_trainer_state(
                 directory,
                 step=self.step,
                 data_state=self.data.train.state_dict(),
@@ -581,10 +613,10 @@ class Trainer:
         path = checkpoint or self.checkpoints.resolve_resume(self.cfg.checkpoint.resume)
         if path is None:
             return
-        state = read_trainer_state(path)
+        state = trainer_checkpoint.read_trainer_state(path)
         self._load_workers(path)
         self.data.train.load_state_dict(state["data"])
-        restore_rng_state(state["rng"])
+        trainer_checkpoint.restore_rng_state(state["rng"])
         self.step = int(state["step"])
         self.logger.rewind(self.step)  # the interrupted run's records after this step are re-run
         self.result.eval_history = [tuple(e) for e in state["extra"].get("eval_history", [])]
@@ -599,20 +631,22 @@ class Trainer:
         configs = {}
         for name, model in self.setup.models.items():
             if model.trainable:
-                configs[name] = AutoConfig.from_pretrained(model.path, local_files_only=True)
+                configs[name] = transformers.AutoConfig.from_pretrained(model.path, local_files_only=True)
                 if model.value_head:  # as the workers build a value model: one label
                     configs[name].num_labels = 1
-        layouts = home_layouts(self.setup, range(self.workers.world_size))
-        source = checkpoint_for_layouts(path, layouts, configs, self.checkpoints.scratch_dir(path.name))
+        layouts = checkpoint_layouts.home_layouts(self.setup, range(self.workers.world_size))
+        source = checkpoint_layouts.checkpoint_for_layouts(
+            path, layouts, configs, self.checkpoints.scratch_dir(path.name)
+        )
         try:
             self.workers.load_checkpoint(str(source))
         finally:
             if source != path:
-                remove_scratch(source)
+                checkpoint_layouts.remove_scratch(source)
 
     def _report(self) -> None:
         """Measured vs estimated time per MFC, and the measured timeline as a picture."""
-        table = timing_table(self.result.mfc_seconds, self.result.estimated_seconds)
+        table = trainer_metrics.timing_table(self.result.mfc_seconds, self.result.estimated_seconds)
         print(table)
         (self.run_dir / "timings.txt").write_text(table + "\n")
         if self._intervals:
@@ -622,7 +656,7 @@ class Trainer:
             for i in shifted:
                 if i.iteration:
                     ends[i.iteration] = max(ends[i.iteration], i.end)
-            draw_timeline(
+            timeline.draw_timeline(
                 shifted,
                 self.run_dir / "timeline.png",
                 title=f"{self.cfg.experiment_name}: measured",
@@ -633,6 +667,9 @@ class Trainer:
         """Stops the workers, hands their placement groups back to Ray, closes the metric sinks,
         and shuts down a Ray instance this trainer started (idempotent; nothing to do before launch)."""
         self._stop_workers()
+        if self._ray_start is not None:  # constructed, never launched
+            self._ray_start.stop()
+            self._ray_start = None
         if self._started_ray:
             self._started_ray = False
             ray.shutdown()
@@ -653,9 +690,9 @@ COLLECTIVE_FAILURES = ("Connection closed by peer", "Connection reset by peer", 
 def is_recoverable(err: Exception) -> bool:
     """Whether a restart from the last checkpoint may get past ``err``: a dead worker, or a
     collective that failed because a peer died or hung (:data:`COLLECTIVE_FAILURES`)."""
-    if isinstance(err, WorkerDiedError):
+    if isinstance(err, controller.WorkerDiedError):
         return True
-    return isinstance(err, WorkerError) and any(marker in str(err) for marker in COLLECTIVE_FAILURES)
+    return isinstance(err, controller.WorkerError) and any(marker in str(err) for marker in COLLECTIVE_FAILURES)
 
 
 # Where a checkpoint keeps the rollouts issued ahead of its step (algorithm.policy_lag > 0).
@@ -666,7 +703,7 @@ def _side_runner(workers, calls) -> DataflowRunner:
     """A runner for the evaluation and warm-up calls, which are not part of the algorithm's graph."""
     from rlflow.dataflow import build_graph
 
-    return DataflowRunner(workers, build_graph([c.mfc for c in calls.values()]), calls)
+    return trainer_runner.DataflowRunner(workers, build_graph([c.mfc for c in calls.values()]), calls)
 
 
 def _plain(cfg: RLFlowConfig) -> dict:

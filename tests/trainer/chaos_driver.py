@@ -63,16 +63,16 @@ def _kill_worker_at(step_to_kill: int, trainer_ref: dict[str, Trainer]):
 def _die_while_saving(step_to_die: int) -> None:
     """SIGKILL this process inside the save of ``step_to_die``: the workers' shards are written,
     the trainer state is not, and the temporary directory is not renamed yet."""
-    import rlflow.trainer.trainer as trainer_module
+    import rlflow.trainer.checkpoint as checkpoint_module  # the trainer calls it through this module
 
-    write = trainer_module.write_trainer_state
+    write = checkpoint_module.write_trainer_state
 
     def dying(directory, *, step, **kwargs):
         if step == step_to_die:
             os.kill(os.getpid(), signal.SIGKILL)
         return write(directory, step=step, **kwargs)
 
-    trainer_module.write_trainer_state = dying
+    checkpoint_module.write_trainer_state = dying
 
 
 def main() -> None:

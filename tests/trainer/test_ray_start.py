@@ -64,3 +64,63 @@ def test_a_local_ray_passes_the_worker_env_and_its_first_actor_takes_a_prestarte
     }  # fmt: skip
     assert found["idle"], "Ray prestarted no worker"
     assert found["actor_pid"] in found["idle"], "the actor did not start in a prestarted worker"
+
+
+EARLY = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, "tests/trainer")
+    from recipe_helpers import TINY
+    from rlflow.trainer import Trainer
+
+    light = sorted(m for m in ("torch", "tensordict", "ray", "rlflow.trainer.build") if m in sys.modules)
+    from rlflow.trainer import ConfigError
+    import ray, torch
+    threads = torch.get_num_threads()
+    out, recipe = sys.argv[1], "recipes/grpo_arithmetic.yaml"
+    found = {"light": light}
+    try:
+        Trainer(recipe, overrides=[*TINY, "trainer.total_steps=-1", f"logging.dir={out}/bad"])
+    except ConfigError as err:
+        found["bad"] = ("trainer.total_steps" in str(err), ray.is_initialized())
+    too_big = Trainer(recipe, overrides=[*TINY, "placement.devices_per_node=64", f"logging.dir={out}/big"])
+    try:
+        too_big.launch()
+    except Exception as err:
+        found["too_big"] = (type(err).__name__, ray.is_initialized())
+    idle = Trainer(recipe, overrides=[*TINY, f"logging.dir={out}/idle"], progress_bars=False)
+    found["idle"] = (idle._ray_start.wait(), ray.is_initialized())  # begun on construction
+    idle.close()
+    found["idle_closed"] = ray.is_initialized()
+    with Trainer(recipe, overrides=[*TINY, "placement.devices_per_node=1", f"logging.dir={out}/run"],
+                 progress_bars=False) as trainer:
+        began = trainer._ray_start is not None
+        result = trainer.fit()
+        found["run"] = (began, trainer._started_ray, result.steps, sorted(trainer.startup or ()))
+    found["closed"] = ray.is_initialized()
+    found["threads"] = (threads, torch.get_num_threads())
+    print(json.dumps(found))
+    """
+)  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_trainer_begins_its_local_ray_as_it_is_built_and_leaves_none_behind(tmp_path):
+    # ``from rlflow.trainer import Trainer`` imports nothing heavy; ``Trainer(...)`` begins a local
+    # Ray on a thread (torch loaded first: the driver keeps its thread count), which the launch
+    # takes over; bad input, a cluster too small, or a trainer closed unlaunched shut it down.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_ADDRESS")}
+    out = subprocess.run(
+        [sys.executable, "-c", EARLY, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=290
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["light"] == []
+    assert found["bad"] == [True, False]
+    assert found["too_big"] == ["ResourceError", False]
+    assert found["idle"] == [True, True] and found["idle_closed"] is False
+    began, started, steps, _ = found["run"]
+    assert began and started and steps == 1 and found["closed"] is False
+    assert found["threads"][0] == found["threads"][1] == len(os.sched_getaffinity(0))

@@ -27,7 +27,7 @@ from rlflow.trainer.placement import load_profile_for, plan_placement, planning_
 from rlflow.workers import profiling
 
 GRPO = Path(__file__).parents[2] / "recipes" / "grpo_arithmetic.yaml"
-STAGES = ("construct_s", "ray_s", "profile_s", "plan_s", "workers_s", "first_step_s")
+STAGES = ("construct_s", "worker_imports_s", "ray_s", "profile_s", "plan_s", "workers_s", "first_step_s")
 
 # A synthetic CPU profile: planning with it needs no measurement.
 _TIMINGS = (LayerTiming(1, 16, 1e-3), LayerTiming(4, 64, 5e-3))
@@ -190,11 +190,11 @@ def test_a_plan_on_one_of_two_devices_starts_one_worker(ray_session, tmp_path):
 
 
 def test_the_driver_imports_no_worker_engine_or_hf_modeling_code_before_a_launch():
-    # A fresh process, as a user's script: the families name their HF classes by import path and
-    # the worker class is imported by build.start_workers, so what only builds and plans a run
+    # A fresh process with the modules a construction loads: the families name their HF classes by
+    # import path and the worker class is imported by the launch, so what only builds and plans a run
     # leaves HF's modeling_utils and the engines to the processes that build models.
     script = (
-        "import json, sys; import rlflow.trainer; "
+        "import json, sys; from rlflow.trainer import build, config, data, inputs, metrics, placement, runner; "
         "print(json.dumps(sorted(m for m in ('transformers.modeling_utils', 'rlflow.workers.model_worker', "
         "'rlflow.engine.train_engine') if m in sys.modules)))"
     )
