@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,7 +25,8 @@ from typing import Any
 
 from rlflow.planner.cluster import local_devices_per_node
 
-# The environment of every process a local Ray starts (one thread per worker, quiet tokenizers).
+# The environment of every Ray process a run starts: one torch thread per worker (few cores are
+# shared; oversubscription makes gloo collectives crawl), no tokenizer thread pools.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # How often the thread that started a local Ray looks whether it has been shut down.
@@ -126,7 +128,7 @@ def begin_local_ray(config: Any, overrides: Sequence[str] = ()) -> LocalRayStart
     ``placement.ray_dashboard`` asks. Settings that cannot be read here start nothing: the
     config's own validation reports them.
     """
-    ray = __import__("sys").modules.get("ray")
+    ray = sys.modules.get("ray")  # not imported here when the process has not imported it
     if (ray is not None and ray.is_initialized()) or os.environ.get("RAY_ADDRESS"):
         return None
     placement = _given_placement(config, overrides)
