@@ -24,6 +24,7 @@ import numpy as np
 import ray
 import torch
 
+from rlflow.controller.driver_host import DriverRef
 from rlflow.protocol import DataProto, balanced_row_groups, restore_order
 
 
@@ -80,7 +81,8 @@ class RemoteRows:
     def materialize(self) -> DataProto:
         """The rows; pieces this process returned itself come from :data:`local_outputs`, the
         rest from the object store."""
-        values = [local_outputs.get(ref) for ref, _ in self.pieces]
+        # A driver-hosted worker's refs hold the very objects its calls returned.
+        values = [ref.result() if isinstance(ref, DriverRef) else local_outputs.get(ref) for ref, _ in self.pieces]
         remote = [i for i, value in enumerate(values) if value is None]
         if remote:
             for i, value in zip(remote, ray.get([self.pieces[i][0] for i in remote])):
@@ -387,7 +389,8 @@ class PayloadCache:
     rank that receives them and counted that way in :data:`transfer_stats`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, put: bool = True) -> None:
+        self.put = put  # False: every payload inline (a driver-hosted worker reads the object itself)
         # id -> (the object, kept alive so that ids stay unique; what is sent; bytes per inline send)
         self._sent: dict[int, tuple[Any, Any, int]] = {}
         self._whole: dict[int, tuple[DataFuture, Any]] = {}
@@ -401,7 +404,7 @@ class PayloadCache:
         if not _is_payload(value):
             return value
         if id(value) not in self._sent:
-            self._sent[id(value)] = (value, *_put_if_large(value))
+            self._sent[id(value)] = (value, *_put_if_large(value)) if self.put else (value, value, 0)
         _, sent, inline_bytes = self._sent[id(value)]
         transfer_stats.sent_bytes += inline_bytes
         return sent

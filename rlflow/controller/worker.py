@@ -22,6 +22,7 @@ import torch
 
 from rlflow.controller.data_plane import local_outputs, materialize_args
 from rlflow.controller.decorator import Dispatch, method_spec, register
+from rlflow.controller.driver_host import DRIVER_NODE_ID
 from rlflow.controller.errors import TaskError, WorkerError
 from rlflow.protocol import DataProto
 from rlflow.rendezvous import free_port
@@ -167,19 +168,27 @@ class WorkerHost:
 
     Args:
         info: placement of this worker, without the rendezvous address (set by :meth:`build`).
+        in_driver: the host runs in the driver process (``rlflow.controller.driver_host``), not
+            in a Ray actor: no Ray node, and :meth:`close` undoes what it set up in the process.
     """
 
-    def __init__(self, info: WorkerInfo) -> None:
+    def __init__(self, info: WorkerInfo, in_driver: bool = False) -> None:
+        # What close() gives back to a driver that hosted the worker.
+        self._driver_threads = (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")) if in_driver else None
         if not info.use_gpu:
-            # CPU workers share few cores; one thread each keeps gloo collectives from crawling.
+            # CPU workers share few cores; one thread each keeps gloo collectives from crawling
+            # (and runs as the machine profile measured a worker).
             torch.set_num_threads(1)
             os.environ["OMP_NUM_THREADS"] = "1"
-        self._info = replace(info, node_id=ray.get_runtime_context().get_node_id())
+        self._in_driver = in_driver
+        node_id = DRIVER_NODE_ID if in_driver else ray.get_runtime_context().get_node_id()
+        self._info = replace(info, node_id=node_id)
         self._workers: dict[str, Worker] = {}
 
     def rendezvous(self) -> tuple[str, int, str]:
         """``(address, free port, node id)``; rank 0's answer becomes every worker's master address."""
-        return ray.util.get_node_ip_address(), free_port(""), self._info.node_id
+        address = "127.0.0.1" if self._in_driver else ray.util.get_node_ip_address()
+        return address, free_port(address if self._in_driver else ""), self._info.node_id
 
     def build(self, master_addr: str, master_port: int, roles: dict[str, Any]) -> str:
         """Constructs one object per role (``role -> RayClassWithInitArgs``); returns this node's id."""
@@ -224,6 +233,31 @@ class WorkerHost:
         except Exception as exc:
             task = str(exc) if isinstance(exc, TaskError) else None
             raise WorkerError(role, self._info.rank, self._info.node_id, method, traceback.format_exc(), task) from None
-        if isinstance(output, DataProto) and ray.is_initialized():  # a later call here reads it locally
-            local_outputs.put(ray.get_runtime_context().get_task_id(), output)
+        if isinstance(output, DataProto) and not self._in_driver and ray.is_initialized():
+            local_outputs.put(ray.get_runtime_context().get_task_id(), output)  # a later call here reads it locally
         return (output, _rows_of(output)) if with_num_rows else output
+
+    def close(self) -> None:
+        """Ends a driver-hosted worker: each role's ``close()`` (when it has one), then the
+        ``torch.distributed`` default group, and gives the driver its torch thread count back,
+        so that the driver can go on or host another run (a Ray actor's process takes all of it
+        with it instead)."""
+        import torch.distributed as dist
+
+        for worker in reversed(list(self._workers.values())):
+            closer = getattr(worker, "close", None)
+            if callable(closer):
+                closer()
+        self._workers.clear()
+        if not self._in_driver:
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        if self._driver_threads is not None:
+            threads, omp = self._driver_threads
+            torch.set_num_threads(threads)
+            if omp is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = omp
+            self._driver_threads = None

@@ -13,6 +13,7 @@ can share one actor per device (colocation): the fused group exposes ``<role>_<m
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +26,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from rlflow.controller.data_plane import DataFuture, PayloadCache, payload_nbytes, transfer_stats
 from rlflow.controller.decorator import Execute, MethodSpec, registered_methods
 from rlflow.controller.dispatch import Dispatched, collect, dispatch, returns_rows
+from rlflow.controller.driver_host import DRIVER_NODE_ID, DriverHost
 from rlflow.controller.errors import WorkerDiedError, WorkerError
 from rlflow.controller.resource_pool import ResourcePool
 from rlflow.controller.worker import WorkerHost, WorkerInfo
@@ -47,9 +49,10 @@ class RayClassWithInitArgs:
 class _Actors:
     """What a group, its views and its spawned groups share: the actors and the role classes."""
 
-    hosts: list[Any]  # one WorkerHost actor handle per global rank
+    hosts: list[Any]  # one WorkerHost actor handle per global rank (a DriverHost for a driver-hosted one)
     node_ids: list[str]
     roles: dict[str, type]
+    in_driver: bool = False
 
 
 class RayWorkerGroup:
@@ -71,16 +74,26 @@ class RayWorkerGroup:
         workers: RayClassWithInitArgs | Mapping[str, RayClassWithInitArgs],
         role: str | None = None,
     ) -> None:
-        if isinstance(workers, RayClassWithInitArgs):
-            specs, bound = {role or workers.cls.__name__: workers}, role or workers.cls.__name__
-        elif role is not None:
-            raise ValueError(f"role={role!r} names a single class; a colocated group takes {{role: class}}")
-        else:
-            specs, bound = dict(workers), None
-        if not specs or not all(isinstance(s, RayClassWithInitArgs) for s in specs.values()):
-            raise TypeError(f"workers must be RayClassWithInitArgs or a non-empty dict of them, got {workers!r}")
+        specs, bound = _specs(workers, role)
         actors = _spawn(resource_pool, specs)
         self._setup(actors, list(range(resource_pool.world_size)), None, bound)
+
+    @classmethod
+    def in_driver(
+        cls,
+        workers: RayClassWithInitArgs | Mapping[str, RayClassWithInitArgs],
+        role: str | None = None,
+        use_gpu: bool = False,
+    ) -> RayWorkerGroup:
+        """A group of one worker hosted by this process (:mod:`rlflow.controller.driver_host`), no Ray.
+
+        Its methods, views, futures and errors are those of a Ray group of one rank; rows pass
+        between calls as objects, never serialised.
+        """
+        specs, bound = _specs(workers, role)
+        group = cls.__new__(cls)
+        group._setup(_spawn_in_driver(specs, use_gpu), [0], None, bound)
+        return group
 
     @classmethod
     def _over(
@@ -138,6 +151,11 @@ class RayWorkerGroup:
     @property
     def roles(self) -> list[str]:
         return [self._role] if self._role else list(self._actors.roles)
+
+    @property
+    def driver_hosted(self) -> bool:
+        """The worker runs in this process (:meth:`in_driver`), not in a Ray actor."""
+        return self._actors.in_driver
 
     @property
     def node_ids(self) -> list[str]:
@@ -212,7 +230,7 @@ class RayWorkerGroup:
         self, role: str, method: str, ranks: list[int], args: list, kwargs: list, with_rows: bool
     ) -> tuple[list, dict]:
         """Calls ``role.method`` on ``ranks``; returns the refs and, for each ref, ``(global rank, what)``."""
-        cache, refs, origin = PayloadCache(), [], {}
+        cache, refs, origin = PayloadCache(put=not self._actors.in_driver), [], {}
         for r in ranks:
             a = [cache.convert(v) for v in args[r]]
             kw = {k: cache.convert(v) for k, v in kwargs[r].items()}
@@ -265,7 +283,10 @@ class RayWorkerGroup:
     def shutdown(self) -> None:
         """Kills the actors of this group (shared with its views and spawned groups)."""
         for r in self._ranks:
-            ray.kill(self._actors.hosts[r], no_restart=True)
+            if self._actors.in_driver:
+                self._actors.hosts[r].kill()
+            else:
+                ray.kill(self._actors.hosts[r], no_restart=True)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: an unknown or unregistered method.
@@ -287,6 +308,8 @@ def _fetch(actors: _Actors, origin: dict, refs: list) -> list:
     Args:
         origin: for each ref, ``(global rank, "role.method")`` of the call that produces it.
     """
+    if actors.in_driver:
+        return _fetch_in_driver(actors, origin, refs)
     try:
         return ray.get(refs)
     except RayTaskError as err:
@@ -303,6 +326,37 @@ def _fetch(actors: _Actors, origin: dict, refs: list) -> list:
             rank = next((r for r, h in enumerate(actors.hosts) if h._actor_id.hex() == actor_id), -1)
         node = actors.node_ids[rank] if rank >= 0 else None
         raise WorkerDiedError(tuple(actors.roles), rank, node, str(err)) from None
+
+
+def _fetch_in_driver(actors: _Actors, origin: dict, refs: list) -> list:
+    """:func:`_fetch` of a driver-hosted worker's refs: its errors already name role and rank,
+    anything else raised by the host (its construction, a rendezvous) is named here."""
+    values = []
+    for ref in refs:
+        try:
+            values.append(ref.result())
+        except WorkerError:
+            raise
+        except Exception:
+            rank, what = origin.get(ref, (0, "host.?"))
+            role, _, method = what.partition(".")
+            raise WorkerError(role, rank, actors.node_ids[rank], method, traceback.format_exc()) from None
+    return values
+
+
+def _specs(
+    workers: RayClassWithInitArgs | Mapping[str, RayClassWithInitArgs], role: str | None
+) -> tuple[dict[str, RayClassWithInitArgs], str | None]:
+    """``({role: spec}, the bound role or None for a colocated group)``."""
+    if isinstance(workers, RayClassWithInitArgs):
+        specs, bound = {role or workers.cls.__name__: workers}, role or workers.cls.__name__
+    elif role is not None:
+        raise ValueError(f"role={role!r} names a single class; a colocated group takes {{role: class}}")
+    else:
+        specs, bound = dict(workers), None
+    if not specs or not all(isinstance(s, RayClassWithInitArgs) for s in specs.values()):
+        raise TypeError(f"workers must be RayClassWithInitArgs or a non-empty dict of them, got {workers!r}")
+    return specs, bound
 
 
 def _first_failed(origin: dict, refs: list, error: type[Exception]) -> tuple[int, str]:
@@ -331,4 +385,19 @@ def _spawn(pool: ResourcePool, specs: dict[str, RayClassWithInitArgs]) -> _Actor
     addr, port, _ = _fetch(actors, {first: (0, "host.rendezvous")}, [first])[0]
     refs = [h.build.remote(addr, port, specs) for h in hosts]
     actors.node_ids = _fetch(actors, {ref: (r, "host.build") for r, ref in enumerate(refs)}, refs)
+    return actors
+
+
+def _spawn_in_driver(specs: dict[str, RayClassWithInitArgs], use_gpu: bool) -> _Actors:
+    """One WorkerHost in this process, rank 0 of 1, its roles built (:func:`_spawn`'s counterpart)."""
+    host = DriverHost(partial(WorkerHost, WorkerInfo(0, 1, 0, 1, 0, use_gpu=use_gpu), in_driver=True))
+    actors = _Actors([host], [DRIVER_NODE_ID], {r: s.cls for r, s in specs.items()}, in_driver=True)
+    try:
+        first = host.rendezvous.remote()
+        addr, port, _ = _fetch(actors, {first: (0, "host.rendezvous")}, [first])[0]
+        built = host.build.remote(addr, port, specs)
+        _fetch(actors, {built: (0, "host.build")}, [built])
+    except BaseException:
+        host.kill()
+        raise
     return actors

@@ -22,7 +22,8 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
-from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout import get_rollout_engine
+from rlflow.engine.rollout.base import PER_CALL, SamplingParams
 from rlflow.planner.cluster import local_devices_per_node
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
@@ -479,6 +480,33 @@ def uses_gpu(cfg: RLFlowConfig) -> bool:
     return bool(ray.cluster_resources().get("GPU", 0))
 
 
+def local_uses_gpu(cfg: RLFlowConfig) -> bool:
+    """:func:`uses_gpu` without Ray: ``placement.use_gpu``, else whether torch sees a GPU here."""
+    if cfg.placement.use_gpu is not None:
+        return cfg.placement.use_gpu
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def driver_may_host(cfg: RLFlowConfig) -> bool:
+    """Whether a plan of one worker runs it in the driver (``placement.worker_host``; decided
+    before Ray is touched: with ``auto`` only a CPU run with no Ray in this process and no
+    cluster named, in the config or by ``RAY_ADDRESS``, whose rollout engine is built per call
+    — one kept per process, as vLLM's, keeps its worker process)."""
+    p = cfg.placement
+    if p.worker_host != "auto":
+        return p.worker_host == "driver"
+    return (
+        get_rollout_engine(cfg.rollout.engine).persistence == PER_CALL
+        and p.ray_address is None
+        and p.num_nodes == 1
+        and not os.environ.get("RAY_ADDRESS")
+        and not ray.is_initialized()
+        and not local_uses_gpu(cfg)
+    )
+
+
 def worker_ranks(cfg: RLFlowConfig, used: Sequence[int]) -> tuple[int, ...]:
     """The ranks to start workers for: on one node, ranks ``0..k-1`` when the plan uses only
     those (a plan may leave devices idle: :attr:`Placement.used_ranks`); else every rank of the pool.
@@ -495,17 +523,37 @@ def worker_ranks(cfg: RLFlowConfig, used: Sequence[int]) -> tuple[int, ...]:
 
 
 def start_workers(
-    cfg: RLFlowConfig, setup: WorkerSetup, use_gpu: bool, ranks: Sequence[int] | None = None
-) -> tuple[RayWorkerGroup, ResourcePool]:
+    cfg: RLFlowConfig,
+    setup: WorkerSetup,
+    use_gpu: bool,
+    ranks: Sequence[int] | None = None,
+    in_driver: bool = False,
+) -> tuple[RayWorkerGroup, ResourcePool | None]:
     """One :class:`ModelWorker` per rank (default every device of the pool; see :func:`worker_ranks`);
     process groups and models built.
 
+    Args:
+        in_driver: run the one worker (``ranks`` must be ``(0,)``) in this process, without Ray
+            (:meth:`RayWorkerGroup.in_driver`).
+
     Returns:
-        The worker group and its resource pool; ``pool.release()`` after ``group.shutdown()``
-        hands the pool's placement groups back to Ray (a later run in the same cluster needs them).
+        The worker group and its resource pool (None for a driver-hosted worker);
+        ``pool.release()`` after ``group.shutdown()`` hands the pool's placement groups back to
+        Ray (a later run in the same cluster needs them).
     """
     from rlflow.workers.model_worker import ModelWorker  # the engines' imports: only a launch needs them
 
+    if in_driver:
+        if ranks is None or tuple(ranks) != (0,):
+            raise ValueError(f"a driver-hosted worker is rank 0 of 1, got ranks {ranks}")
+        group = RayWorkerGroup.in_driver(RayClassWithInitArgs(ModelWorker, setup), role="model", use_gpu=use_gpu)
+        try:
+            group.init_process_group()
+            group.build()
+        except BaseException:
+            group.shutdown()
+            raise
+        return group, None
     p = cfg.placement
     everyone = _all_ranks(cfg)
     if ranks is not None and tuple(ranks) != everyone:

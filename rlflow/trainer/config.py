@@ -44,6 +44,7 @@ from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
 from rlflow.dataflow.algorithms import Algorithm, get_algorithm
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
+from rlflow.engine.rollout.base import PER_PROCESS
 from rlflow.families import list_families
 from rlflow.planner.cluster import local_devices_per_node
 from rlflow.planner.mesh import DeviceMesh
@@ -382,6 +383,15 @@ class PlacementConfig(_Section):
         "null: for the models whose copies fit device memory by the planner's memory model",
     )
     ray_address: str | None = _f(None, "null: start Ray in this process; 'auto' or 'ray://host:port': join a cluster")
+    worker_host: str = _f(
+        "auto",
+        "where the workers run. ray: one Ray actor per device; driver: one worker (devices_per_node becomes 1), on "
+        "a thread of this process, without Ray (a single-process trainer's start-up; a crash of the worker is "
+        "the driver's); auto: driver "
+        "when the plan uses one CPU worker, Ray is not running in this process, no cluster is named "
+        "(ray_address, RAY_ADDRESS) and the rollout engine is built per call (not vLLM), else ray",
+        choices=("auto", "ray", "driver"),
+    )
     search_seconds: float = _f(
         10.0, "most seconds of the auto search; it stops sooner once it has every plan or stops improving", ge=0.0
     )
@@ -397,6 +407,17 @@ class PlacementConfig(_Section):
     manual: dict[str, ManualPlacementConfig] = _f({}, "mode manual: MFC name → mesh and strategy")
 
     def _check(self) -> None:
+        if self.worker_host == "driver":  # one device, whatever devices_per_node says; no cluster
+            if self.ray_address is not None or self.num_nodes > 1:
+                given = (
+                    f"ray_address={self.ray_address!r}"
+                    if self.ray_address is not None
+                    else f"num_nodes={self.num_nodes}"
+                )
+                raise ConfigError(
+                    "worker_host", f"'driver' runs one worker in this process, but {given} asks for a cluster"
+                )
+            self.devices_per_node = 1
         if self.devices_per_node is None:  # auto: resolved once, so every reader sees the count
             self.devices_per_node = local_devices_per_node(self.use_gpu)
         if self.mode == "manual" and not self.manual:
@@ -627,6 +648,13 @@ class RLFlowConfig(_Section):
             raise ConfigError(
                 "rollout.engine",
                 f"{self.rollout.engine!r} needs GPUs but placement.use_gpu is false; use one of {on_cpu}",
+            )
+        if self.placement.worker_host == "driver" and engine.persistence == PER_PROCESS:
+            raise ConfigError(
+                "placement.worker_host",
+                f"'driver' with rollout.engine={self.rollout.engine!r}: that engine is built once per worker "
+                "process and kept (its own processes and process-wide settings); run it in a Ray worker "
+                "(placement.worker_host: ray or auto)",
             )
 
 

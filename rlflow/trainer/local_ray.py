@@ -123,7 +123,11 @@ def begin_local_ray(config: Any, overrides: Sequence[str] = ()) -> LocalRayStart
     It will when this process has no Ray yet (no notebook's or test session's ``ray.init``), no
     ``RAY_ADDRESS`` names a cluster, and the settings as given (``config`` in any form
     ``Trainer`` takes, then ``overrides``) name no ``placement.ray_address`` and no
-    ``placement.oversubscribe`` (a Ray of more CPUs than cores). What it starts is what
+    ``placement.oversubscribe`` (a Ray of more CPUs than cores) and ask for Ray workers
+    (``placement.worker_host: ray``: with ``auto`` a one-worker plan runs its worker in the
+    driver, known only once planned, and a Ray begun for nothing would take the cores the
+    driver's imports need; :meth:`rlflow.trainer.Trainer.launch` starts Ray after the plan
+    then). What it starts is what
     :func:`rlflow.trainer.build.ensure_ray` would: this machine's cores, the dashboard only when
     ``placement.ray_dashboard`` asks. Settings that cannot be read here start nothing: the
     config's own validation reports them.
@@ -132,7 +136,12 @@ def begin_local_ray(config: Any, overrides: Sequence[str] = ()) -> LocalRayStart
     if (ray is not None and ray.is_initialized()) or os.environ.get("RAY_ADDRESS"):
         return None
     placement = _given_placement(config, overrides)
-    if placement is None or placement.get("ray_address") is not None or placement.get("oversubscribe"):
+    if (
+        placement is None
+        or placement.get("ray_address") is not None
+        or placement.get("oversubscribe")
+        or placement.get("worker_host", "auto") != "ray"
+    ):
         return None
     # torch fixes its thread count from OMP_NUM_THREADS as it loads: load it before the thread
     # sets WORKER_ENV in this process's environment for Ray's processes to inherit.
@@ -155,7 +164,12 @@ def _given_placement(config: Any, overrides: Sequence[str]) -> dict[str, Any] | 
             section = config.get("placement") or {}
         else:  # an RLFlowConfig
             p = config.placement
-            section = {"ray_address": p.ray_address, "oversubscribe": p.oversubscribe, "ray_dashboard": p.ray_dashboard}
+            section = {
+                "ray_address": p.ray_address,
+                "oversubscribe": p.oversubscribe,
+                "ray_dashboard": p.ray_dashboard,
+                "worker_host": p.worker_host,
+            }
         given = [o for o in overrides if o.startswith("placement.")]
         if given:
             section = {**section, **OmegaConf.to_container(OmegaConf.from_dotlist(given))["placement"]}

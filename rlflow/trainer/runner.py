@@ -28,7 +28,7 @@ from typing import Any
 import networkx as nx
 import ray
 
-from rlflow.controller import DataFuture, RayWorkerGroup
+from rlflow.controller import DataFuture, RayWorkerGroup, driver_host
 from rlflow.dataflow import MFCDef, mfcs_of
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
@@ -303,4 +303,4 @@ def _wait_without_payload(future: DataFuture) -> None:
     if future.num_rows_refs is not None:
         future.part_sizes()
     else:
-        ray.wait(future.parts or [], num_returns=len(future.parts or []))
+        driver_host.wait(future.parts or [])  # Ray's refs or a driver-hosted worker's

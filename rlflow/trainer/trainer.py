@@ -2,10 +2,11 @@
 
 Building and launching are apart: the constructor checks and prepares (config, data, reward
 functions, the model and tokenizer in the run directory; :mod:`rlflow.trainer.inputs`) while a
-local Ray starts on a thread (:mod:`rlflow.trainer.local_ray`: this module imports its heavy
-dependencies on first use, so that Ray's start and those imports overlap), and
-:meth:`Trainer.launch` — called by ``fit()`` — takes that Ray over, profiles, plans and spawns
-the workers.
+local Ray starts on a thread when the run asks for Ray workers (:mod:`rlflow.trainer.local_ray`:
+this module imports its heavy dependencies on first use, so that Ray's start and those imports
+overlap), and :meth:`Trainer.launch` — called by ``fit()`` — takes that Ray over, profiles, plans
+and spawns the workers; a plan of one CPU worker runs it in this process instead, without Ray
+(``placement.worker_host``, :mod:`rlflow.controller.driver_host`).
 
 ``fit()`` reads as a list of named stages — resume, evaluate, warm up, copy the ``init: copy``
 models from their sources, train (steps of the graph, overlapping iterations where the graph
@@ -106,10 +107,11 @@ class Trainer:
             result = trainer.fit()
 
     Construction checks and prepares (config, datasets, reward signatures, the model and
-    tokenizer saved into the run directory) while a local Ray starts on a thread (when this
-    process has none and no cluster is named: :mod:`rlflow.trainer.local_ray`; shut down again
-    if the construction fails); the profile, the plan and the workers start on :meth:`launch`
-    (which :meth:`fit` calls). ``with Trainer(...) as t:`` (or :meth:`close`) releases the
+    tokenizer saved into the run directory) while a local Ray starts on a thread (when the
+    settings ask for Ray workers, this process has none and no cluster is named:
+    :mod:`rlflow.trainer.local_ray`; shut down again if the construction fails); the profile,
+    the plan and the workers start on :meth:`launch` (which :meth:`fit` calls), the one worker
+    of a one-worker CPU plan in this process unless ``placement.worker_host: ray``. ``with Trainer(...) as t:`` (or :meth:`close`) releases the
     workers, their placement groups, and a Ray instance the trainer started itself.
 
     Args:
@@ -190,7 +192,11 @@ class Trainer:
         return build.resolve_paths(cfg)
 
     def launch(self) -> Trainer:
-        """Takes over (or starts, or joins) Ray, profiles, plans and starts the workers; a second call does nothing."""
+        """Takes over (or starts, or joins) Ray, profiles, plans and starts the workers; a second call does nothing.
+
+        With ``placement.worker_host`` ``auto`` or ``driver`` and no Ray yet, it plans first and
+        runs a plan of one worker in this process (no Ray); a larger plan starts Ray then.
+        """
         if self.launched:
             return self
         cfg = self.cfg
@@ -201,12 +207,24 @@ class Trainer:
         self._record_startup("worker_imports_s", started)
         started = time.perf_counter()
         pending, self._ray_start = self._ray_start, None
-        self._started_ray = build.ensure_ray(cfg, pending) or self._started_ray  # a relaunch joins the Ray it started
-        self.use_gpu = build.uses_gpu(cfg)
+        # A plan of one worker may run it here (placement.worker_host): Ray waits for the plan then.
+        in_driver = pending is None and not self._started_ray and build.driver_may_host(cfg)
+        if in_driver:
+            build.local_ray_cpus(cfg)  # refuses more workers than cores, as a local Ray's start would
+            self.use_gpu = build.local_uses_gpu(cfg)
+        else:
+            self._started_ray = build.ensure_ray(cfg, pending) or self._started_ray  # a relaunch joins its Ray
+            self.use_gpu = build.uses_gpu(cfg)
         self._record_startup("ray_s", started)
         self.placement = self._plan()
         # Workers only for the ranks the plan uses (one worker may be the faster plan).
         ranks = build.worker_ranks(cfg, self.placement.used_ranks)
+        if in_driver and len(ranks) > 1:  # worker_host 'auto' (config: 'driver' plans one device)
+            in_driver, started = False, time.perf_counter()
+            self._started_ray = build.ensure_ray(cfg)
+            self._record_startup("ray_s", started)
+        if self.startup is not None:
+            self.startup["startup/worker_in_driver"] = float(in_driver)
         calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn, ranks)}
         setup = build.worker_setup(
             cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn, self.placement, self.use_gpu
@@ -214,7 +232,7 @@ class Trainer:
         calls = build.with_hook_ranks(calls, setup)
         self.setup = setup
         started = time.perf_counter()
-        self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu, ranks)
+        self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu, ranks, in_driver=in_driver)
         self._record_startup("workers_s", started)
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
@@ -679,7 +697,8 @@ class Trainer:
             self.launched = False
             self.logger.close()
             self.workers.shutdown()
-            self.pool.release()
+            if self.pool is not None:  # None: the worker ran in this process
+                self.pool.release()
 
 
 # Error text of a collective that failed or hung: a peer died (gloo sees its socket close) or

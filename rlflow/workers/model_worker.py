@@ -105,6 +105,17 @@ class ModelWorker(Worker):
             "memory_bytes": self.residency.memory_bytes(),
         }
 
+    def close(self) -> None:
+        """Drops this worker's engines and the process groups cached for its calls (a driver-hosted
+        worker's host calls it before destroying the default group; a Ray actor's process just ends)."""
+        from rlflow.engine.rollout.pipelined import clear_back_groups
+        from rlflow.parallel.groups import clear_group_cache
+
+        self.residency = None
+        self._records.clear()
+        clear_group_cache()
+        clear_back_groups()
+
     def _residency(self) -> Residency:
         if self.residency is None:
             raise RuntimeError("ModelWorker.build() has not run on this worker")

@@ -89,11 +89,15 @@ EARLY = textwrap.dedent(
         too_big.launch()
     except Exception as err:
         found["too_big"] = (type(err).__name__, ray.is_initialized())
-    idle = Trainer(recipe, overrides=[*TINY, f"logging.dir={out}/idle"], progress_bars=False)
+    auto = Trainer(recipe, overrides=[*TINY, f"logging.dir={out}/auto"], progress_bars=False)
+    found["auto"] = (auto._ray_start is None, ray.is_initialized())  # a one-worker plan may run in the driver
+    auto.close()
+    ray_workers = [*TINY, "placement.worker_host=ray"]
+    idle = Trainer(recipe, overrides=[*ray_workers, f"logging.dir={out}/idle"], progress_bars=False)
     found["idle"] = (idle._ray_start.wait(), ray.is_initialized())  # begun on construction
     idle.close()
     found["idle_closed"] = ray.is_initialized()
-    with Trainer(recipe, overrides=[*TINY, "placement.devices_per_node=1", f"logging.dir={out}/run"],
+    with Trainer(recipe, overrides=[*ray_workers, "placement.devices_per_node=1", f"logging.dir={out}/run"],
                  progress_bars=False) as trainer:
         began = trainer._ray_start is not None
         result = trainer.fit()
@@ -108,9 +112,11 @@ EARLY = textwrap.dedent(
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_trainer_begins_its_local_ray_as_it_is_built_and_leaves_none_behind(tmp_path):
-    # ``from rlflow.trainer import Trainer`` imports nothing heavy; ``Trainer(...)`` begins a local
-    # Ray on a thread (torch loaded first: the driver keeps its thread count), which the launch
-    # takes over; bad input, a cluster too small, or a trainer closed unlaunched shut it down.
+    # ``from rlflow.trainer import Trainer`` imports nothing heavy; ``Trainer(...)`` asking for Ray
+    # workers begins a local Ray on a thread (torch loaded first: the driver keeps its thread
+    # count), which the launch takes over; bad input, a cluster too small, or a trainer closed
+    # unlaunched shut it down. With ``placement.worker_host: auto`` it begins none (the plan may
+    # run its one worker in the driver: tests/trainer/test_driver_worker.py).
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_ADDRESS")}
     out = subprocess.run(
         [sys.executable, "-c", EARLY, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=290
@@ -120,6 +126,7 @@ def test_a_trainer_begins_its_local_ray_as_it_is_built_and_leaves_none_behind(tm
     assert found["light"] == []
     assert found["bad"] == [True, False]
     assert found["too_big"] == ["ResourceError", False]
+    assert found["auto"] == [True, False]
     assert found["idle"] == [True, True] and found["idle_closed"] is False
     began, started, steps, _ = found["run"]
     assert began and started and steps == 1 and found["closed"] is False

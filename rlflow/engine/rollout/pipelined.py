@@ -169,6 +169,11 @@ class StageDecoder:
 _BACK_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
+def clear_back_groups() -> None:
+    """Forget the cached return groups (after ``destroy_process_group``)."""
+    _BACK_GROUPS.clear()
+
+
 def back_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A second group of the ranks of ``pp_group``, for the tokens the last stage sends back.
 
