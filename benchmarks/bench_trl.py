@@ -32,6 +32,9 @@ after N supervised steps on the task's answers, :func:`warm_start`),
 collapses to reward 0 within three steps at the tiny task's 1e-3, on both sides),
 ``RLFLOW_BENCH_TRL_SEED`` (the task's, 0: the initial model, its warm start, the prompts and both
 trainers' sampling; other seeds give independent replicates of a learning comparison),
+``RLFLOW_BENCH_TRL_MODEL_SEED`` (the run's seed: the initial model and its warm start alone; set,
+the runs of several ``RLFLOW_BENCH_TRL_SEED`` s start from one warm start and differ only in
+prompts and sampling — most warm starts of the tiny task answer too rarely for a signal),
 ``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
 """
 
@@ -157,11 +160,13 @@ def prepare(
     warm_start_steps: int = 0,
     lr: float | None = None,
     seed: int | None = None,
+    model_seed: int | None = None,
 ) -> dict[str, Any]:
     """The task's spec with its initial model, tokenizer and prompts written under ``workdir``.
 
     ``warm_start_steps`` > 0: the model first takes that many :func:`warm_start` steps.
     ``lr``, ``seed``: both trainers' learning rate and seed instead of the task's.
+    ``model_seed``: the initial model's and its warm start's seed instead of ``seed``.
     """
     from rlflow.data.tasks import ArithmeticTask
     from rlflow.data.tiny_models import build_tiny_model
@@ -172,6 +177,7 @@ def prepare(
         spec["lr"] = lr
     if seed is not None:
         spec["seed"] = seed
+    spec["model_seed"] = spec["seed"] if model_seed is None else model_seed
     model_dir = workdir / "model"
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(
@@ -183,12 +189,20 @@ def prepare(
         num_kv_heads=spec["num_kv_heads"],
         intermediate_size=spec["intermediate_size"],
         tie_word_embeddings=spec["tie_word_embeddings"],
-        seed=spec["seed"],
+        seed=spec["model_seed"],
     )
     arithmetic = ArithmeticTask(spec["num_digits"], tuple(spec["ops"]), spec["reverse_answer"], seed=spec["seed"])
-    if warm_start_steps:
-        losses = warm_start(model, tokenizer, arithmetic, warm_start_steps, seed=spec["seed"])
-        spec["warm_start"] = {"sft_steps": warm_start_steps, "loss_first": losses[0], "loss_last": losses[-1]}
+    if warm_start_steps:  # on the model seed's task: one warm start for every run seed
+        warm_task = ArithmeticTask(
+            spec["num_digits"], tuple(spec["ops"]), spec["reverse_answer"], seed=spec["model_seed"]
+        )
+        losses = warm_start(model, tokenizer, warm_task, warm_start_steps, seed=spec["model_seed"])
+        spec["warm_start"] = {
+            "sft_steps": warm_start_steps,
+            "model_seed": spec["model_seed"],
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+        }
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     prompts = workdir / "prompts.jsonl"
@@ -408,6 +422,7 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
             _env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0),
             lr=None if lr is None else float(lr),
             seed=_env_int("RLFLOW_BENCH_TRL_SEED", TASKS[task]["seed"], minimum=0),
+            model_seed=_env_int("RLFLOW_BENCH_TRL_MODEL_SEED", None, minimum=0),  # type: ignore[arg-type]
         )
         variants, notes = _variants(spec, trl_threads)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}

@@ -126,8 +126,9 @@ def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_
     startup = [r for r in records if any(k.startswith("startup/") for k in r)]
     assert len(startup) == 1 and startup[0]["step"] == 1  # once, with the first step
     logged = {k.removeprefix("startup/"): v for k, v in startup[0].items() if k.startswith("startup/")}
-    assert logged.keys() == {*STAGES, "profile_cached"} and all(v >= 0 for v in logged.values())
+    assert logged.keys() == {*STAGES, "profile_cached", "worker_in_driver"} and all(v >= 0 for v in logged.values())
     assert logged["profile_cached"] == 0.0 and logged["first_step_s"] >= logged["profile_s"]
+    assert logged["worker_in_driver"] == 0.0  # this session's Ray is running: auto keeps to Ray workers
     capsys.readouterr()
     second = Trainer(load_config(GRPO, [*overrides, f"logging.dir={tmp_path / 'b'}"]), progress_bars=False)
     try:
