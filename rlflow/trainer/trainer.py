@@ -170,6 +170,7 @@ class Trainer:
             self.graph = build.build_dataflow(self.cfg, rule_reward)
             self.callbacks = trainer_callbacks.Callbacks(callbacks)
             self.launched, self._started_ray = False, False
+            self.step = 0  # a failure while the first launch starts the workers restarts from here
             self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
             self._signal: int | None = None  # SIGINT/SIGTERM received during training (checkpoint.save_on_signal)
             # Seconds of each start-up stage, logged once with the first step (``startup/*``).

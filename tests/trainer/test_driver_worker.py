@@ -118,3 +118,30 @@ def test_worker_host_driver_takes_one_device_and_refuses_a_cluster_or_a_per_proc
             load_config(None, ["placement.worker_host=driver", given])
     with pytest.raises(ConfigError, match="placement.worker_host"):
         load_config(GRPO, ["placement.worker_host=process"])
+
+
+def test_a_worker_lost_while_the_first_launch_starts_it_is_started_again(tmp_path, monkeypatch):
+    # trainer.max_restarts covers the launch too: a worker that dies as it starts (Ray could not
+    # start its process) is started again, here as the driver-hosted one.
+    from rlflow.controller import WorkerDiedError
+    from rlflow.trainer import Trainer, build
+
+    real, calls = build.start_workers, []
+
+    def dies_once(*args, **kwargs):
+        calls.append(kwargs.get("in_driver"))
+        if len(calls) == 1:
+            raise WorkerDiedError(("model",), 0, None, "the process exited as it started")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build, "start_workers", dies_once)
+    overrides = [
+        *(f"models.actor.{o}" for o in ("hidden_size=64", "intermediate_size=128", "num_layers=2")),
+        "data.batch_size=4", "data.eval_size=4", "warmup.steps=0", "trainer.eval_before_train=false",
+        "trainer.total_steps=1", "trainer.max_restarts=1", "placement.worker_host=driver",
+        "placement.mode=heuristic", "placement.profile=false", "logging.console=false",
+        "logging.tensorboard=false", f"logging.dir={tmp_path}",
+    ]  # fmt: skip
+    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+        result = trainer.fit()
+    assert result.steps == 1 and calls == [True, True]
