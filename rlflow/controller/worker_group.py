@@ -5,6 +5,8 @@ that dispatches the arguments, calls the ranks and collects the outputs. Several
 can share one actor per device (colocation): the fused group exposes ``<role>_<method>`` and
 :meth:`RayWorkerGroup.spawn` returns one plain group per role over the same actors. A
 :meth:`RayWorkerGroup.view` is a group over a subset of the actors arranged as ``(dp, tp, pp)``.
+:meth:`RayWorkerGroup.in_driver` is a group of one worker run by this process instead of a Ray
+actor (:mod:`rlflow.controller.driver_host`), with the same methods, futures and errors.
 
 >>> pool = ResourcePool([4])                                            # doctest: +SKIP
 >>> group = RayWorkerGroup(pool, RayClassWithInitArgs(MyWorker, lr=1e-3))  # doctest: +SKIP
