@@ -6,7 +6,7 @@ tensordict, HF's modeling code and the engines again, and a local Ray costs its 
 to a single-process trainer's start. :class:`DriverHost` runs the host in the driver instead,
 behind the handle the worker group already speaks: ``host.method.remote(*args)`` queues the
 call on one thread of its own (a Ray actor's calls run one at a time, in order) and returns a
-:class:`DriverRef`, which :func:`get` and :func:`wait` accept beside Ray's object refs. Nothing
+:class:`DriverRef`, which the worker group's fetch and :func:`wait` take where they take Ray's object refs. Nothing
 is serialised: a call's output is the object the next call reads (a method that writes its
 inputs still gets a copy, ``WorkerHost.execute``).
 
@@ -20,9 +20,9 @@ and a crash of the worker is the driver's. The worker group chooses this only wh
 ...     def add(self, a, b):
 ...         return operator.add(a, b)
 >>> host = DriverHost(Adder)
->>> ref = host.add.remote(1, DriverRef.of(2))
->>> get([ref])
-[3]
+>>> two = host.add.remote(1, 1)
+>>> host.add.remote(two, 1).result()  # a ref among the arguments is resolved first, as Ray does
+3
 >>> host.kill()
 """
 
@@ -51,19 +51,9 @@ class DriverRef:
         self._error: BaseException | None = None
         self._parent, self._item = parent, item
 
-    @classmethod
-    def of(cls, value: Any) -> DriverRef:
-        """A ref that already holds ``value``."""
-        ref = cls()
-        ref._set(value, None)
-        return ref
-
     def _set(self, value: Any, error: BaseException | None) -> None:
         self._value, self._error = value, error
         self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Any:
         """The value; raises what the call raised; ``TimeoutError`` after ``timeout`` seconds."""
@@ -148,8 +138,8 @@ class DriverHost:
         if not self._thread.is_alive():
             return
 
-        def close() -> None:
-            if self._built.done() and self._built._error is None:
+        def close() -> None:  # runs after the build, the first call queued
+            if self._built._error is None:
                 getattr(self.obj, "close", lambda: None)()
 
         closing = self._submit(close, (), {})
@@ -159,31 +149,18 @@ class DriverHost:
         closing.result()
 
 
-def get(refs: Sequence[Any], timeout: float | None = None) -> list:
-    """``ray.get`` for a list of refs, any of which may be a :class:`DriverRef`."""
-    if not any(isinstance(r, DriverRef) for r in refs):
-        import ray
-
-        return ray.get(list(refs), timeout=timeout)
-    return [r.result(timeout) if isinstance(r, DriverRef) else _ray_get(r, timeout) for r in refs]
-
-
 def wait(refs: Sequence[Any]) -> None:
-    """Blocks until every ref is ready (``ray.wait`` for all of them), without fetching Ray's values."""
-    ray_refs = [r for r in refs if not isinstance(r, DriverRef)]
-    for r in refs:
-        if isinstance(r, DriverRef):
-            r._done.wait()
-    if ray_refs:
+    """Blocks until every ref is ready (``ray.wait`` for all of them), without fetching Ray's values.
+
+    The refs are one group's: all :class:`DriverRef` s, or all Ray object refs.
+    """
+    if refs and isinstance(refs[0], DriverRef):
+        for ref in refs:
+            ref._done.wait()
+    elif refs:
         import ray
 
-        ray.wait(ray_refs, num_returns=len(ray_refs))
+        ray.wait(list(refs), num_returns=len(refs))
 
 
-def _ray_get(ref: Any, timeout: float | None) -> Any:
-    import ray
-
-    return ray.get(ref, timeout=timeout)
-
-
-__all__ = ["DRIVER_NODE_ID", "DriverHost", "DriverRef", "get", "wait"]
+__all__ = ["DRIVER_NODE_ID", "DriverHost", "DriverRef", "wait"]

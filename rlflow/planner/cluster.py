@@ -42,12 +42,17 @@ def local_devices_per_node(use_gpu: bool | None = None) -> int:
     """
     import os
 
-    if use_gpu is not False:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return torch.cuda.device_count()
+    gpus = local_gpus() if use_gpu is not False else 0
+    if gpus > 0:
+        return gpus
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_gpus() -> int:
+    """The GPUs torch sees on this host (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # NCCL tuning model (src/graph/tuning.cc): Ring/LL base latency, per-step NVLink and network latencies.

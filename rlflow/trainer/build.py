@@ -22,13 +22,12 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
-from rlflow.engine.rollout import get_rollout_engine
-from rlflow.engine.rollout.base import PER_CALL, SamplingParams
-from rlflow.planner.cluster import local_devices_per_node
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.planner.cluster import local_devices_per_node, local_gpus
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
 from rlflow.planner.simulate import node_table, simulate
-from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig
+from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, driver_can_host
 from rlflow.trainer.local_ray import RAY_INIT_LOCK, WORKER_ENV, LocalRayStart, init_local_ray
 from rlflow.trainer.placement import Placement
 from rlflow.trainer.runner import CallPlacement
@@ -484,9 +483,7 @@ def local_uses_gpu(cfg: RLFlowConfig) -> bool:
     """:func:`uses_gpu` without Ray: ``placement.use_gpu``, else whether torch sees a GPU here."""
     if cfg.placement.use_gpu is not None:
         return cfg.placement.use_gpu
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    return local_gpus() > 0
 
 
 def driver_may_host(cfg: RLFlowConfig) -> bool:
@@ -498,7 +495,7 @@ def driver_may_host(cfg: RLFlowConfig) -> bool:
     if p.worker_host != "auto":
         return p.worker_host == "driver"
     return (
-        get_rollout_engine(cfg.rollout.engine).persistence == PER_CALL
+        driver_can_host(cfg.rollout.engine)
         and p.ray_address is None
         and p.num_nodes == 1
         and not os.environ.get("RAY_ADDRESS")

@@ -649,13 +649,20 @@ class RLFlowConfig(_Section):
                 "rollout.engine",
                 f"{self.rollout.engine!r} needs GPUs but placement.use_gpu is false; use one of {on_cpu}",
             )
-        if self.placement.worker_host == "driver" and engine.persistence == PER_PROCESS:
+        if self.placement.worker_host == "driver" and not driver_can_host(self.rollout.engine):
             raise ConfigError(
                 "placement.worker_host",
                 f"'driver' with rollout.engine={self.rollout.engine!r}: that engine is built once per worker "
                 "process and kept (its own processes and process-wide settings); run it in a Ray worker "
                 "(placement.worker_host: ray or auto)",
             )
+
+
+def driver_can_host(rollout_engine: str) -> bool:
+    """Whether a worker in the driver process may run this rollout engine: one built per call,
+    not one built once per process and kept (vLLM's, with its own processes and process-wide
+    settings), which keeps its Ray worker process (``placement.worker_host``)."""
+    return get_rollout_engine(rollout_engine).persistence != PER_PROCESS
 
 
 # --- Loading ---

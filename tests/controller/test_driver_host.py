@@ -13,7 +13,7 @@ import torch
 from conftest import ActorWorker, BrokenWorker, CriticWorker, make_batch
 
 from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, WorkerError, transfer_stats
-from rlflow.controller.driver_host import DRIVER_NODE_ID, DriverHost, DriverRef, get, wait
+from rlflow.controller.driver_host import DRIVER_NODE_ID, DriverHost, wait
 
 
 @pytest.fixture
@@ -60,12 +60,16 @@ def test_a_failing_call_names_role_rank_and_method_and_the_group_goes_on(driver_
     assert driver_actor.fail_on(-1) == [0]
 
 
+def _driver_threads() -> int:
+    return sum(t.name == "rlflow-driver-worker" for t in threading.enumerate())
+
+
 def test_a_failing_constructor_names_role_and_rank_and_leaves_no_thread():
-    before = {t.name for t in threading.enumerate()}
+    before = _driver_threads()
     with pytest.raises(WorkerError, match="reward.__init__ failed on worker rank 0") as info:
         RayWorkerGroup.in_driver(RayClassWithInitArgs(BrokenWorker), role="reward")
     assert "RuntimeError: cannot build on rank 0" in info.value.remote_traceback
-    assert "rlflow-driver-worker" not in {t.name for t in threading.enumerate()} - before
+    assert _driver_threads() == before
 
 
 def test_colocated_roles_share_the_driver_hosted_worker():
@@ -117,12 +121,14 @@ def test_driver_host_runs_calls_in_order_and_hands_errors_to_the_waiter():
 
     host = DriverHost(Slow)
     obj = host.obj
-    refs = [host.step.remote(0, pause=0.05), host.step.remote(1), host.step.remote(DriverRef.of(2))]
+    two, _ = host.pair.options(num_returns=2).remote(2)
+    # A ref among the arguments is resolved before the call, as Ray resolves top-level refs.
+    refs = [host.step.remote(0, pause=0.05), host.step.remote(1), host.step.remote(two)]
     first, second = host.pair.options(num_returns=2).remote(7)
     failed = host.boom.remote()
     wait(refs)
-    assert get(refs) == [0, 1, 2] and obj.log == [0, 1, 2]
-    assert get([first, second]) == [7, -7]
+    assert [r.result() for r in refs] == [0, 1, 2] and obj.log == [0, 1, 2]
+    assert [first.result(), second.result()] == [7, -7]
     with pytest.raises(KeyError, match="boom"):
         failed.result()
     with pytest.raises(AttributeError, match="no method 'missing'"):

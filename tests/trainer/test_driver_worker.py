@@ -102,8 +102,9 @@ def test_a_one_worker_plan_runs_in_the_driver_and_learns_what_a_ray_worker_learn
     resumed = _learned(tmp_path / "driver_resumed")
     assert {k: v for k, v in resumed[3].items() if not k.startswith("realloc/")} == driver[3]
     assert resumed[4] == driver[4]
-    startup = json.loads((tmp_path / "driver" / "metrics.jsonl").read_text().splitlines()[0])
-    assert startup.get("startup/worker_in_driver", 1.0) == 1.0
+    records = [json.loads(line) for line in (tmp_path / "driver" / "metrics.jsonl").read_text().splitlines()]
+    startup = [r for r in records if "startup/first_step_s" in r]
+    assert len(startup) == 1 and startup[0]["startup/worker_in_driver"] == 1.0
 
 
 def test_worker_host_driver_takes_one_device_and_refuses_a_cluster_or_a_per_process_engine():
