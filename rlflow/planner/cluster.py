@@ -86,6 +86,23 @@ A100_DECODE_TP_STEP_S = (METASEQ_GRAPH_TOKEN_S / METASEQ_LAYERS - _METASEQ_WEIGH
     2 * _METASEQ_RING_STEPS
 )
 
+# rlflow's built-in sampler on Hopper, measured on the H200 lent to this project, four machines
+# (benchmarks/bench_gpu_overheads.py, benchmarks/measured/gpu_overheads_h200.jsonl; torch 2.11 +
+# CUDA 13, Xeon hosts; docs/benchmarks.md, "GPU overheads"): the decode step of models 256 wide —
+# kernels of microseconds, so a step is its launches — at 1, 4 and 16 layers (medians 0.43, 1.49,
+# 4.00 ms a step), one least-squares line through all twelve: its slope is the host's launch of one
+# decoder layer's kernels, its intercept the step's work outside the layers (the draw, log-softmax
+# and stop check, the loop). The slopes of the four machines alone: 0.20-0.33 ms; metaseq's A100
+# figure above is 0.30 ms. An engine that replays its decode step as a CUDA graph (vLLM;
+# ``RolloutCapabilities.graph_decode``) is priced with neither.
+HOPPER_DECODE_LAYER_DISPATCH_S = 0.249e-3
+HOPPER_DECODE_STEP_DISPATCH_S = 0.367e-3
+# fp32 matmuls (the built-in sampler's fp32 copy; torch leaves TF32 off) run on the CUDA cores at the
+# datasheets' fp32 peak: A100 19.5, H100 and H200 SXM 67 TFLOP/s. On the H200 an 8192^3 fp32 product
+# sustained 51 TFLOP/s (0.76 of peak), as its bf16 product sustained 0.76-0.79 of the bf16 peak in the
+# same runs: the presets' matmul efficiency serves both.
+A100_FP32_PEAK_FLOPS, HOPPER_FP32_PEAK_FLOPS = 19.5e12, 67e12
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -153,6 +170,8 @@ class ClusterSpec:
         num_nodes, devices_per_node: shape of the cluster.
         device_memory_bytes: memory of one device.
         peak_flops: dense bf16 FLOP/s of one device (vendor peak).
+        fp32_peak_flops: dense fp32 FLOP/s of one device without TF32 (vendor peak); ``None``:
+            ``peak_flops`` (CPU workers compute in fp32 at their measured rate).
         mem_bandwidth: device memory bandwidth, bytes/s.
         intra_host_bandwidth / inter_host_bandwidth / host_device_bandwidth: bytes/s per device
             and direction (see module docstring).
@@ -171,6 +190,9 @@ class ClusterSpec:
             so every collective adds to the call's time.
         decode_layer_dispatch_s: host seconds to launch one decoder layer's kernels in an eager
             decode step, added to the step (0: not priced; CPU profiles measure their own).
+        decode_step_dispatch_s: host seconds of a decode step outside its layers (the sampler's
+            draw, log-softmax and stop check, its loop), added per generated token (0: not priced;
+            CPU profiles measure their own).
         decode_tp_step_s: seconds per ring step that a tp all-reduce inside a decode step takes
             beyond the NCCL model (the tp ranks wait for each other at every all-reduce).
         decode_kv_passes: passes over the KV cache per decode step (``None``: HF's
@@ -200,7 +222,9 @@ class ClusterSpec:
     rollout_memory_fraction: float | None = None
     comm_overlaps_compute: bool = True
     decode_layer_dispatch_s: float = 0.0
+    decode_step_dispatch_s: float = 0.0
     decode_tp_step_s: float = 0.0
+    fp32_peak_flops: float | None = None
     decode_kv_passes: int | None = None
     pipeline_lockstep: bool = False
     name: str = "custom"
@@ -217,13 +241,15 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be > 0")
         for attr in (
             "collective_latency_s", "intra_host_latency_s", "inter_host_latency_s", "decode_layer_dispatch_s",
-            "decode_tp_step_s",
+            "decode_step_dispatch_s", "decode_tp_step_s",
         ):  # fmt: skip
             if getattr(self, attr) < 0:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be >= 0")
         for attr in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ValueError(f"ClusterSpec.{attr}={getattr(self, attr)} must be in (0, 1]")
+        if self.fp32_peak_flops is not None and not self.fp32_peak_flops > 0:
+            raise ValueError(f"ClusterSpec.fp32_peak_flops={self.fp32_peak_flops} must be > 0 or None")
         if self.decode_kv_passes is not None and self.decode_kv_passes < 1:
             raise ValueError(f"ClusterSpec.decode_kv_passes={self.decode_kv_passes} must be >= 1 or None")
         if self.rollout_memory_fraction is not None and not 0 < self.rollout_memory_fraction <= 1:
@@ -239,6 +265,11 @@ class ClusterSpec:
     def flops(self) -> float:
         """Sustained matmul FLOP/s of one device."""
         return self.peak_flops * self.matmul_efficiency
+
+    @property
+    def fp32_flops(self) -> float:
+        """Sustained fp32 matmul FLOP/s of one device (no TF32)."""
+        return (self.fp32_peak_flops or self.peak_flops) * self.matmul_efficiency
 
     @property
     def bandwidth(self) -> float:
@@ -258,23 +289,29 @@ class ClusterSpec:
 # Vendor specifications (dense bf16, SXM parts; NVIDIA A100/H100/H200 datasheets). NVLink is
 # per direction; InfiniBand HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s per device NIC;
 # PCIe Gen4 x16 = 32 GB/s, Gen5 x16 = 64 GB/s per direction. Then the sustained fractions and
-# decode latencies above (H100 and H200: measured on an H100 here; no decode latencies measured).
+# decode latencies above (H100 and H200: efficiencies measured on an H100 here, the decode dispatch
+# and the fp32 rate on an H200; no tp wait at decode all-reduces measured: one GPU lent).
 _GPU_PRESETS: dict[str, dict[str, float]] = {
     "a100-80g": dict(
         device_memory_bytes=80 * GiB, peak_flops=312e12, mem_bandwidth=2.0e12,
         intra_host_bandwidth=300 * GB, inter_host_bandwidth=25 * GB, host_device_bandwidth=32 * GB,
         matmul_efficiency=A100_MATMUL_EFFICIENCY, memory_efficiency=A100_MEMORY_EFFICIENCY,
         decode_layer_dispatch_s=A100_DECODE_LAYER_DISPATCH_S, decode_tp_step_s=A100_DECODE_TP_STEP_S,
+        fp32_peak_flops=A100_FP32_PEAK_FLOPS,
     ),
     "h100-80g": dict(
         device_memory_bytes=80 * GiB, peak_flops=989e12, mem_bandwidth=3.35e12,
         intra_host_bandwidth=450 * GB, inter_host_bandwidth=50 * GB, host_device_bandwidth=64 * GB,
         matmul_efficiency=H100_MATMUL_EFFICIENCY, memory_efficiency=H100_MEMORY_EFFICIENCY,
+        decode_layer_dispatch_s=HOPPER_DECODE_LAYER_DISPATCH_S, decode_step_dispatch_s=HOPPER_DECODE_STEP_DISPATCH_S,
+        fp32_peak_flops=HOPPER_FP32_PEAK_FLOPS,
     ),
     "h200": dict(
         device_memory_bytes=141 * GB, peak_flops=989e12, mem_bandwidth=4.8e12,
         intra_host_bandwidth=450 * GB, inter_host_bandwidth=50 * GB, host_device_bandwidth=64 * GB,
         matmul_efficiency=H100_MATMUL_EFFICIENCY, memory_efficiency=H100_MEMORY_EFFICIENCY,
+        decode_layer_dispatch_s=HOPPER_DECODE_LAYER_DISPATCH_S, decode_step_dispatch_s=HOPPER_DECODE_STEP_DISPATCH_S,
+        fp32_peak_flops=HOPPER_FP32_PEAK_FLOPS,
     ),
 }  # fmt: skip
 

@@ -55,12 +55,19 @@ class Rates:
 
     def __init__(self, cluster: ClusterSpec):
         self.flops = cluster.flops
+        self.fp32_flops = cluster.fp32_flops
         self.bandwidth = cluster.bandwidth
         # Fixed seconds of framework dispatch, measured by a profile (0 for the analytic roofline):
         self.overhead_s = 0.0  # per layer pass
         self.pass_overhead_s = 0.0  # per pass of a whole stage (embedding, rotary, masks, norm, head)
+        self._sample_step_s = cluster.decode_step_dispatch_s
 
-    def compute_s(self, flops, matmul_bytes, stream_bytes, tokens, backward: bool = False):
+    def matmul_flops(self, nbytes: int | None = None) -> float:
+        """Sustained matmul FLOP/s of a pass computing in ``nbytes``-byte elements: a GPU's fp32
+        rate for 4 (no TF32: torch's default), its bf16 rate otherwise."""
+        return self.fp32_flops if nbytes == 4 else self.flops
+
+    def compute_s(self, flops, matmul_bytes, stream_bytes, tokens, backward: bool = False, nbytes: int | None = None):
         """Seconds of a layer pass: matmuls at the roofline, then the element-wise ``stream_bytes``.
 
         Args:
@@ -69,14 +76,17 @@ class Rates:
             stream_bytes: bytes of the element-wise kernels.
             tokens: tokens of the pass (a profile's rates depend on it).
             backward: a backward pass (a profile has separate rates).
+            nbytes: bytes per element the pass computes in (:meth:`matmul_flops`).
         """
-        matmul = np.maximum(np.asarray(flops) / self.flops, np.asarray(matmul_bytes) / self.bandwidth)
+        rate = self.matmul_flops(nbytes)
+        matmul = np.maximum(np.asarray(flops) / rate, np.asarray(matmul_bytes) / self.bandwidth)
         return self.overhead_s + matmul + np.asarray(stream_bytes) / self.bandwidth
 
     def sample_step_s(self, rows):
-        """Fixed seconds of the sampler's per-token work (draw, log-softmax, stop check) over
-        ``rows`` rows; 0 without a profile (the head's softmax bytes are priced with the head)."""
-        return np.zeros_like(np.asarray(rows, dtype=np.float64))
+        """Fixed seconds of the sampler's per-token work (draw, log-softmax, stop check, its loop)
+        over ``rows`` rows: the cluster's ``decode_step_dispatch_s`` (the head's softmax bytes are
+        priced with the head)."""
+        return np.full_like(np.asarray(rows, dtype=np.float64), self._sample_step_s)
 
     def call_scale(self, interface_type: str, busy_devices: int | None = None) -> float:
         """Measured over estimated seconds of whole calls of this interface type (a profile's
@@ -170,7 +180,7 @@ def head_s(model: ModelSpec, tp: int, logit_tokens, nbytes: int, cluster: Cluste
     flops = factor * 2.0 * model.hidden_size * out * np.asarray(logit_tokens)
     weights = model.hidden_size * out * nbytes
     io = np.asarray(logit_tokens) * (model.hidden_size + out) * nbytes
-    matmul = np.maximum(flops / rates.flops, factor * (weights + io) / rates.bandwidth)
+    matmul = np.maximum(flops / rates.matmul_flops(nbytes), factor * (weights + io) / rates.bandwidth)
     full = np.asarray(logit_tokens) * model.head_out
     gather = 0.0 if backward else collective_s(cluster, full * nbytes, tp, False, "all_gather")
     softmax = rates.memory_s(LOGIT_PASSES * full * cluster.precision.logit_bytes)
@@ -207,7 +217,9 @@ def stage_pass_s(model, strategy, cluster, rates: Rates, p: StagePass, backward:
     kv = 0 if backward else p.kv_read_tokens
     kv_passes = KV_CACHE_PASSES if cluster.decode_kv_passes is None else cluster.decode_kv_passes
     flops, matmul, stream = layer_work(model, tp, p.seqs, p.new_tokens, p.pairs, p.nbytes, kv, kv_passes)
-    layer = rates.compute_s(factor * flops, factor * matmul, factor * stream, tokens, backward) + 2 * all_reduce
+    layer = (
+        rates.compute_s(factor * flops, factor * matmul, factor * stream, tokens, backward, p.nbytes) + 2 * all_reduce
+    )
     head = head_s(model, tp, p.logit_tokens, p.nbytes, cluster, rates, backward)
     embed = rates.memory_s(2 * hidden_bytes) + (0.0 if backward else all_reduce)  # gather rows, sum shards
     layers = model.stage_layers(strategy.pp)

@@ -553,11 +553,11 @@ class ProfiledRates(Rates):
         x, y = self._bwd if backward else self._fwd
         return np.exp(np.interp(np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)), x, y))
 
-    def compute_s(self, flops, matmul_bytes, stream_bytes, tokens, backward: bool = False):
+    def compute_s(self, flops, matmul_bytes, stream_bytes, tokens, backward: bool = False, nbytes: int | None = None):
         """The profiled layer's rates already hold its element-wise kernels: one roofline for all bytes."""
-        nbytes = np.asarray(matmul_bytes) + np.asarray(stream_bytes)
+        moved = np.asarray(matmul_bytes) + np.asarray(stream_bytes)
         rate = self.flops_rate(tokens, backward)
-        return self.overhead_s + np.maximum(np.asarray(flops) / rate, nbytes / self.bandwidth)
+        return self.overhead_s + np.maximum(np.asarray(flops) / rate, moved / self.bandwidth)
 
     @classmethod
     def from_profile(

@@ -89,7 +89,8 @@ def model_specs(model_paths: Mapping[str, str | None], value_heads: set[str]) ->
 def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile | None) -> ClusterSpec:
     """The cluster the planner prices: CPU workers priced from ``profile`` (else this host's
     profile, else its hardware rates, cached unless ``placement.profile_cache`` is false), or
-    GPUs of the preset type."""
+    GPUs of the preset type as the configured rollout engine runs on them (its dtype, its share
+    of memory, and no per-layer decode dispatch for an engine that replays a CUDA graph)."""
     p = cfg.placement
     if use_gpu:
         cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
@@ -100,6 +101,9 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
         cluster = cluster.with_precision(rollout_bytes=(engine.weight_dtype or PARAM_DTYPE).itemsize)
         if engine.holds_memory_fraction:
             cluster = replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
+        if engine.capabilities.graph_decode:  # its decode step is one graph replay: no launch per layer
+            # (its own per-step host work, sampler and scheduler, is not measured: not priced)
+            cluster = replace(cluster, decode_layer_dispatch_s=0.0, decode_step_dispatch_s=0.0)
         return cluster
     rates = profile_or_measure(profile, refresh=not p.profile_cache)
     return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=rates)

@@ -140,6 +140,9 @@ class RolloutCapabilities:
             the whole world.
         shared_layout: all generate calls share one layout (one engine instance per process), so
             the planner ties the generate calls of a model to one layout.
+        graph_decode: on GPUs its decode step replays a captured CUDA graph (vLLM), so the host
+            launches no kernels per layer: the planner prices no per-layer dispatch
+            (``ClusterSpec.decode_layer_dispatch_s``) for its decode steps.
     """
 
     dp: bool = True
@@ -147,6 +150,7 @@ class RolloutCapabilities:
     pp: bool = False
     spans_world: bool = False
     shared_layout: bool = False
+    graph_decode: bool = False
 
     def unsupported(self, strategy: ParallelStrategy, world_size: int | None = None) -> str | None:
         """Why ``strategy`` cannot generate with this engine (in a pool of ``world_size`` workers,

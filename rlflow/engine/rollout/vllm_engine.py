@@ -260,7 +260,7 @@ class VLLMRolloutEngine:
     persistence: ClassVar[str] = PER_PROCESS
     can_sleep: ClassVar[bool] = True
     capabilities: ClassVar[RolloutCapabilities] = RolloutCapabilities(
-        dp=True, tp=True, pp=False, spans_world=True, shared_layout=True
+        dp=True, tp=True, pp=False, spans_world=True, shared_layout=True, graph_decode=True
     )
     weight_dtype: ClassVar[torch.dtype | None] = torch.bfloat16
     holds_memory_fraction: ClassVar[bool] = True
