@@ -227,9 +227,8 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     n = workload.n_seqs(mfc)
     rows = seqs_per_rank(n, strategy.dp)
     prompts = seqs_per_rank(workload.n_prompts(mfc), strategy.dp)
-    n_mbs = num_microbatches(mfc, strategy, n, workload.seq_len)
-    if strategy.pp > 1:  # the pipelined sampler cuts micro-batches of whole prompts
-        n_mbs = min(n_mbs, prompts)
+    # The sampler cuts micro-batches of whole prompts: in flight under pp, one after another at pp = 1.
+    n_mbs = min(num_microbatches(mfc, strategy, n, workload.seq_len), prompts)
     mb, prompt_mb = math.ceil(rows / n_mbs), math.ceil(prompts / n_mbs)
     cross = mesh.num_nodes > 1
     # A lock-step pipeline runs pp - 1 tokens more (its cache holds them too: not priced, a few tokens).

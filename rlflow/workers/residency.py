@@ -199,6 +199,11 @@ class Residency:
                 f"available={cls.available()}, supports device {self.device.type!r}="
                 f"{cls.supports_device(self.device.type)}"
             )
+        call = CallLayout(layout.ranks, layout.strategy)
+        gens = [
+            m for m in self.setup.model_mfcs(hosted.setup.name)
+            if m.interface_type == "generate" and self.setup.layouts[m.name] == call
+        ]  # fmt: skip
         spec = RolloutBuild(
             config=hosted.config,
             device_mesh=groups.mesh,
@@ -207,6 +212,7 @@ class Residency:
             pad_token_id=hosted.config.pad_token_id,
             seed=self.setup.seed,
             memory_fraction=self.setup.rollout_memory_fraction,
+            num_micro_batches=gens[0].n_mbs if gens else None,
         )
         engine = cls.build(spec)
         self._copies[key] = engine

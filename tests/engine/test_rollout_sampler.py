@@ -244,6 +244,34 @@ def test_seed_reproduces_samples(engine):
     assert not torch.equal(a["responses"], c["responses"])
 
 
+def test_micro_batches_of_prompts_generate_in_turn(model, engine):
+    # An MFC's n_mbs at pp = 1: groups of whole prompts one after another, rows in prompt order.
+    ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6, 2], seed=9)
+    greedy = SamplingParams(greedy=True, n=2, max_new_tokens=7, stop_token_ids=(5, 9))
+    whole = engine.generate((ids, mask), greedy)
+    for groups in (2, 3, 7, 20):  # 20 > prompts: one prompt a group
+        split = HFRolloutEngine(model, num_micro_batches=groups)
+        out = split.generate((ids, mask), greedy)
+        for key in ("responses", "response_mask", "input_ids", "position_ids"):
+            assert torch.equal(out[key], whole[key]), (groups, key)
+        torch.testing.assert_close(out["old_logp"], whole["old_logp"], atol=1e-5, rtol=0)
+    sampled = SamplingParams(n=2, max_new_tokens=6, seed=3)
+    a, b = (HFRolloutEngine(model, num_micro_batches=3).generate((ids, mask), sampled) for _ in range(2))
+    assert torch.equal(a["responses"], b["responses"])  # seeded: the groups draw in order
+    assert a["responses"].shape == whole["responses"].shape[:1] + (6,)
+    with pytest.raises(ValueError, match="num_micro_batches=0"):
+        HFRolloutEngine(model, num_micro_batches=0)
+
+
+def test_the_build_spec_carries_the_calls_micro_batches(model):
+    from rlflow.engine.rollout import RolloutBuild
+
+    spec = RolloutBuild(
+        config=model.config, device_mesh=None, device=torch.device("cpu"), dtype=torch.float32, num_micro_batches=3
+    )
+    assert get_rollout_engine("hf").build(spec)._num_micro_batches == 3
+
+
 def test_dataproto_in_dataproto_out(engine):
     ids, mask = left_padded_prompts([3, 5], seed=8)
     prompts = DataProto.from_dict(

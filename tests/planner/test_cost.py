@@ -130,6 +130,19 @@ def test_pipeline_bubble_is_pp_minus_one_over_microbatches():
         assert four == pytest.approx(one / 4 * (n_mbs + 3) / n_mbs, rel=0.03)
 
 
+def test_generate_micro_batches_decode_in_turn_at_most_one_per_prompt():
+    # An MFC's n_mbs at pp = 1: the sampler decodes groups of whole prompts one after another,
+    # so each group's steps read the weights again; more groups than prompts is one per prompt.
+    w = Workload(batch_size=8, prompt_len=128, gen_len=64, n_samples_per_prompt=4)
+    decode = {
+        n: call_cost(dataclasses.replace(GEN, n_mbs=n), LLAMA7B, S(), DeviceMesh(1, 1), A100, w).breakdown["decode_s"]
+        for n in (None, 1, 2, 8, 64)
+    }
+    assert decode[None] == decode[1]
+    assert 1.5 * decode[1] < decode[2] < 2 * decode[1]  # weight-bound steps: twice the reads, half the rows each
+    assert decode[64] == decode[8]  # 8 prompts on the rank
+
+
 def test_estimate_call_matches_call_cost_and_checks_the_mesh():
     t, act = estimate_call(CRITIC_INF, LLAMA7B.as_value_model(), S(dp=2, tp=2), DeviceMesh(1, 4), A100, PAPER)
     c = call_cost(CRITIC_INF, LLAMA7B.as_value_model(), S(dp=2, tp=2), DeviceMesh(1, 4), A100, PAPER)

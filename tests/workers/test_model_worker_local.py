@@ -345,3 +345,29 @@ def test_remax_baseline_rollout_decodes_greedily(paths):
         ids = out.batch["greedy_input_ids"]
         torch.testing.assert_close(ids, explicit.batch["input_ids"], rtol=0, atol=0)
         torch.testing.assert_close(ids[0::2], ids[1::2], rtol=0, atol=0)
+
+
+def test_a_generate_calls_micro_batches_reach_its_rollout_engine(paths, monkeypatch):
+    """``MFCDef.n_mbs`` of a generate call, which the planner prices, is what its engine runs."""
+    from rlflow.engine.rollout import HFRolloutEngine
+
+    built = []
+    build = HFRolloutEngine.build.__func__
+
+    def recording(cls, spec):
+        built.append(spec.num_micro_batches)
+        return build(cls, spec)
+
+    monkeypatch.setattr(HFRolloutEngine, "build", classmethod(recording))
+    algo = AlgorithmParams("grpo", adv_estimator="grpo", n_samples=2)
+    models = {
+        "actor": trainable("actor", "actor", paths["actor"]),
+        "reward": ModelSetup("reward", "reward", None, reward_fn="numeric_match"),
+    }
+    rollouts = {}
+    for n_mbs in (None, 2):
+        worker = make_worker(paths, algo, models, rule_based_reward=True, use_ref=False, n_mbs=n_mbs)
+        rollouts[n_mbs] = call(worker, "actor_gen", prompt_batch(paths["tokenizer"]), greedy=True)
+    assert set(built) == {None, 2}
+    assert len(rollouts[2]) == len(rollouts[None]) == 2 * len(PROMPTS)
+    torch.testing.assert_close(rollouts[2].batch["input_ids"], rollouts[None].batch["input_ids"], rtol=0, atol=0)

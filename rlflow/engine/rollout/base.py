@@ -189,6 +189,9 @@ class RolloutBuild:
         seed: the run's base seed.
         memory_fraction: the share of each device's memory an engine that
             :attr:`~RolloutEngine.holds_memory_fraction` takes while it generates.
+        num_micro_batches: the generate call's ``MFCDef.n_mbs`` — micro-batches of prompts per
+            call on each dp rank, as the planner prices them; None: the engine's own choice. An
+            engine that schedules its own batches (vLLM) may ignore it.
     """
 
     config: PretrainedConfig
@@ -198,6 +201,7 @@ class RolloutBuild:
     pad_token_id: int | None = None
     seed: int = 0
     memory_fraction: float = 0.5
+    num_micro_batches: int | None = None
 
 
 @runtime_checkable

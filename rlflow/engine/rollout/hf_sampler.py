@@ -530,7 +530,11 @@ class HFRolloutEngine:
         native_decode: run that decoder's steps and each step's sampling in C++ where they apply
             (one process; pipeline stages keep torch's; see :func:`sample_responses`); False keeps
             them in torch.
-        num_micro_batches: micro-batches of prompts in flight under pp > 1; default ``pp``.
+        num_micro_batches: micro-batches of whole prompts per call (at most the rank's prompts):
+            under pp > 1 in flight through the stages (default ``pp``); at pp = 1 generated one
+            after another, each with only its own KV cache in memory (default 1: all at once),
+            the sampling generator drawn in their order. The planner prices a generate call's
+            ``MFCDef.n_mbs`` so (``rlflow.planner.space.num_microbatches``).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -603,13 +607,20 @@ class HFRolloutEngine:
             stage = build_stage(build_meta_model(spec.config, "lm", dtype=spec.dtype), coords.pp, coords.pp_rank)
             stage.to_empty(device=spec.device)
             init_buffers(stage)
-            return cls(stage, spec.device_mesh, pad_token_id=spec.pad_token_id)
+            return cls(
+                stage, spec.device_mesh, pad_token_id=spec.pad_token_id, num_micro_batches=spec.num_micro_batches
+            )
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype)
         # Skipping the init also skips tying: a tied LM head would be a parameter of its own,
         # written by every reshard and refused by the lean decoder (it decodes the family's names).
         model.tie_weights()
-        return cls(model.to(spec.device), spec.device_mesh, pad_token_id=spec.pad_token_id)
+        return cls(
+            model.to(spec.device),
+            spec.device_mesh,
+            pad_token_id=spec.pad_token_id,
+            num_micro_batches=spec.num_micro_batches,
+        )
 
     def weight_target(self) -> nn.Module:
         """The HF model, or this rank's pipeline stage: the reshard executor writes its (tensor-parallel)
@@ -651,9 +662,7 @@ class HFRolloutEngine:
                 num_micro_batches=self._num_micro_batches, **common,
             )  # fmt: skip
         else:
-            responses, response_mask, old_logp = sample_responses(
-                self._model, ids, mask, params, native_decode=self._native_decode, **common
-            )
+            responses, response_mask, old_logp = self._sample_in_turn(ids, mask, params, common)
         out_device = input_ids.device
         return assemble_rollout(
             input_ids,
@@ -664,6 +673,16 @@ class HFRolloutEngine:
             params.n,
             source,
         )
+
+    def _sample_in_turn(self, ids, mask, params: SamplingParams, common: dict) -> tuple[torch.Tensor, ...]:
+        """pp = 1: the prompts at once, or ``num_micro_batches`` groups of whole prompts one after
+        another (their rows stay in prompt order; tp peers split the same prompts alike)."""
+        groups = min(self._num_micro_batches or 1, ids.shape[0])
+        parts = [
+            sample_responses(self._model, i, m, params, native_decode=self._native_decode, **common)
+            for i, m in zip(ids.tensor_split(groups), mask.tensor_split(groups))
+        ]
+        return parts[0] if groups == 1 else tuple(torch.cat(t) for t in zip(*parts))
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
