@@ -125,7 +125,10 @@ def run(models: tuple[str, ...] = tuple(MODELS)) -> list[dict]:
                     "tokens_per_s": round(figures["tokens_per_s"], 1),
                     "ratio_to_1_process": round(figures["tokens_per_s"] / base["tokens_per_s"], 2),
                     "load_average_1min": round(os.getloadavg()[0], 2),
-                    "units": {"seconds": f"s (best of {REPEATS}, slowest rank)", "tokens_per_s": "generated tokens / s"},
+                    "units": {
+                        "seconds": f"s (best of {REPEATS}, slowest rank)",
+                        "tokens_per_s": "generated tokens / s",
+                    },
                 }
             )
     return records
