@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from train_engine_helpers import (
+    ADAM_EPS,
     LR,
     actor_loss,
     build_model,
@@ -91,7 +92,7 @@ def _make_engine(job: Job, mesh, seed: int = 0):
     from rlflow.engine.optim import OptimConfig
     from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
-    optim = OptimConfig(lr=LR, max_grad_norm=job.max_grad_norm)
+    optim = OptimConfig(lr=LR, eps=ADAM_EPS, max_grad_norm=job.max_grad_norm)
     config = EngineConfig(optim=optim, device="cpu", **job.engine)
     return TrainEngine(build_model(job.family, tied=job.tied, head=job.head, seed=seed), mesh, config)
 

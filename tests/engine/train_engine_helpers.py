@@ -16,6 +16,13 @@ VOCAB = 96
 GLOBAL_ROWS = 8
 SEQ = 14
 LR = 1e-3
+# AdamW's epsilon in the engine and the reference alike. Adam divides each gradient element by its
+# own magnitude, so an element whose gradient is at float32's rounding level of the sums behind it
+# (a few 1e-9 against terms of 1e-3) moves by whatever that rounding says: the engine's other
+# summation order (micro-batches, tied-embedding gradients summed over stages) then changes its
+# update by a tenth of the learning rate. An epsilon of 1e-6 leaves such elements still and every
+# other update as it was (gradients here are ~1e-3).
+ADAM_EPS = 1e-6
 
 
 def build_model(family: str = "llama", *, tied: bool = False, head: str = "lm", seed: int = 0) -> nn.Module:
@@ -114,7 +121,7 @@ def reference_train(model: nn.Module, batch: dict, *, dp: int, num_mini_batches:
     """Single-process AdamW steps on the global mini-batches; returns (mean loss, mean grad norm)."""
     model.eval()  # no dropout: the engine's heads are deterministic
     loss_fn = critic_loss if isinstance(model, LlamaForTokenClassification) else actor_loss
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=ADAM_EPS)
     losses, norms = [], []
     for rows in mini_batch_rows(dp, num_mini_batches):
         mini = {k: v[rows] for k, v in batch.items()}
