@@ -205,6 +205,24 @@ def test_the_planner_offers_vllm_rollouts_on_every_worker_only():
 # ---- GPU: real vLLM ----
 
 
+def test_stale_cpu_shared_memory_of_ended_engines_is_removed_and_live_segments_kept(tmp_path):
+    # vLLM-CPU names a group's segments by group and ranks, not by run: one a killed worker left
+    # made the next tp=2 engine on the host fail with EEXIST. A live engine maps its segments.
+    import mmap
+    import os
+
+    from rlflow.engine.rollout.vllm_engine import _unlink_stale_cpu_shm
+
+    stale, live, other = (tmp_path / n for n in ("-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "psm_1234"))
+    for path in (stale, live, other):
+        path.write_bytes(bytes(4096))
+    with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):  # as a live engine holds its segment
+        assert _unlink_stale_cpu_shm(str(tmp_path)) == [str(stale)]
+        assert not stale.exists() and live.exists() and other.exists()
+    assert _unlink_stale_cpu_shm(str(tmp_path)) == [str(live)]  # unmapped now: its engine has ended
+    assert sorted(os.listdir(tmp_path)) == ["psm_1234"]
+
+
 @pytest.fixture(scope="module")
 def engines():
     model = tiny_model(seed=0).cuda()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -83,6 +84,7 @@ __all__ = ["CPU_HEAD_SIZES", "VLLMRolloutEngine", "to_vllm_sampling_params", "vl
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset, in GiB.
 _CPU_KV_CACHE_GIB = 1
+_log = logging.getLogger(__name__)
 
 
 def _import_vllm():
@@ -118,6 +120,43 @@ def _cpu_head_sizes() -> tuple[int, ...]:
     except ImportError:
         return CPU_HEAD_SIZES
     return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def _unlink_stale_cpu_shm(directory: str = "/dev/shm") -> list[str]:
+    """Removes vLLM-CPU's shared-memory segments that no live process maps; returns their paths.
+
+    vLLM's CPU communicator keeps one segment per rank of each group in ``directory``, named by
+    the group and its ranks (``<ident>-tp:0-[0-1]-cpushm_<rank>``), not by run, and removes them
+    only when its process ends cleanly. A worker ended by ``ray.kill`` (how a run shuts its
+    workers down) or by a crash leaves them behind, and the next engine of the same group name on
+    the host fails with ``create shm in SHMManager failed. errno: 17`` (EEXIST). A live engine maps
+    its segments for its whole life (``/proc/<pid>/maps``), so one no process maps is left over;
+    unlinking a name also leaves any mapping of it intact.
+    """
+    import glob
+
+    segments = set(glob.glob(os.path.join(directory, "*-cpushm_*")))
+    if not segments:
+        return []
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                text = f.read()
+        except OSError:  # a process that ended, or one of another user
+            continue
+        segments = {path for path in segments if path not in text}
+        if not segments:
+            return []
+    removed = []
+    for path in sorted(segments):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # a peer rank removed it first
+            pass
+    if removed:
+        _log.warning("removed %d shared-memory segment(s) of ended vLLM engines: %s", len(removed), removed)
+    return removed
 
 
 def _check_cpu_head_dim(config: PretrainedConfig) -> None:
@@ -314,6 +353,9 @@ class VLLMRolloutEngine:
             llm_kwargs.setdefault("enforce_eager", True)
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM reads the variable itself when set
                 llm_kwargs.setdefault("kv_cache_memory_bytes", _CPU_KV_CACHE_GIB << 30)
+            _unlink_stale_cpu_shm()
+            if dist.is_initialized():  # no rank creates its segments before every rank has cleared
+                dist.barrier()
         try:
             self._llm = vllm.LLM(
                 model=model_path,
