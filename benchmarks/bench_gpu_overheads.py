@@ -28,7 +28,6 @@ narrow models on CPU workers' gloo, to check the script, not to measure a GPU.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -36,6 +35,8 @@ import time
 
 import numpy as np
 import torch
+
+from benchmarks.run import _machine
 
 DEPTHS = (1, 4, 16)
 HIDDEN, HEADS, VOCAB = 256, 4, 128
@@ -75,41 +76,36 @@ def _model(layers: int):
     )  # fmt: skip
 
 
-def _generate_seconds(layers: int, device: str) -> dict[str, float]:
+def _decode_seconds(model, rows: int, prompt_len: int, device: str) -> tuple[float, float]:
+    """``(call_s, decode_step_s)`` of the built-in sampler on ``model``: ``rows`` prompts generated to
+    :data:`GEN_SHORT` and :data:`GEN_LONG` tokens (no stop token); a step is the difference over
+    the extra steps, the call's fixed part what the short call leaves beside its steps."""
     from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 
-    model = _model(layers).to(device).eval()
-    engine = HFRolloutEngine(model, pad_token_id=0)
-    ids = torch.randint(3, VOCAB, (ROWS, PROMPT_LEN), device=device)
-    mask = torch.ones_like(ids)
-    out = {}
-    for gen in (GEN_SHORT, GEN_LONG):
-        params = SamplingParams(n=1, max_new_tokens=gen, seed=0)
-        out[gen] = _timed(lambda p=params: engine.generate((ids, mask), p), device)
-    step = (out[GEN_LONG] - out[GEN_SHORT]) / (GEN_LONG - GEN_SHORT)
-    return {"call_s": out[GEN_SHORT] - GEN_SHORT * step, "decode_step_s": step, f"gen{GEN_LONG}_s": out[GEN_LONG]}
+    engine = HFRolloutEngine(model.to(device).eval(), pad_token_id=0)
+    ids = torch.randint(3, model.config.vocab_size, (rows, prompt_len), device=device)
+    prompts = (ids, torch.ones_like(ids))
+    short, long = (
+        _timed(lambda g=g: engine.generate(prompts, SamplingParams(n=1, max_new_tokens=g, seed=0)), device)
+        for g in (GEN_SHORT, GEN_LONG)
+    )
+    step = (long - short) / (GEN_LONG - GEN_SHORT)
+    return short - GEN_SHORT * step, step
 
 
 def _decode_check(hidden: int, intermediate: int, heads: int, layers: int, rows: int, device: str) -> dict:
     """Seconds of one decode step of the built-in sampler on a model of 7B-class layer widths."""
     from rlflow.data.tiny_models import build_tiny_model
-    from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 
     model = build_tiny_model(
         vocab_size=DECODE_VOCAB, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
         intermediate_size=intermediate, max_position_embeddings=256,
-    ).to(device).eval()  # fmt: skip
-    engine = HFRolloutEngine(model, pad_token_id=0)
-    ids = torch.randint(3, DECODE_VOCAB, (rows, DECODE_PROMPT), device=device)
-    out = {}
-    for gen in (GEN_SHORT, GEN_LONG):
-        params = SamplingParams(n=1, max_new_tokens=gen, seed=0)
-        out[gen] = _timed(lambda p=params: engine.generate((ids, torch.ones_like(ids)), p), device)
+    )  # fmt: skip
     return {
         "name": f"gpu_decode_h{hidden}_l{layers}_rows{rows}",
         "hidden_size": hidden, "intermediate_size": intermediate, "num_heads": heads, "num_layers": layers,
         "vocab_size": DECODE_VOCAB, "rows": rows, "prompt_len": DECODE_PROMPT, "gen": [GEN_SHORT, GEN_LONG],
-        "decode_step_s": (out[GEN_LONG] - out[GEN_SHORT]) / (GEN_LONG - GEN_SHORT),
+        "decode_step_s": _decode_seconds(model, rows, DECODE_PROMPT, device)[1],
     }  # fmt: skip
 
 
@@ -134,7 +130,7 @@ def _engine_seconds(layers: int, mesh, device: str) -> dict[str, float]:
     from rlflow.workers.losses import policy_loss_fn
 
     engine = TrainEngine(
-        copy.deepcopy(_model(layers)), mesh, EngineConfig(device=device, optim=OptimConfig(lr=1e-6, max_grad_norm=1.0))
+        _model(layers), mesh, EngineConfig(device=device, optim=OptimConfig(lr=1e-6, max_grad_norm=1.0))
     )
     ids = torch.randint(3, VOCAB, (ROWS, SEQ))
     mask = torch.ones_like(ids)
@@ -171,8 +167,9 @@ def run(device: str | None = None) -> list[dict]:
         mesh = init_device_mesh(device, (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
         rows = []
         for layers in DEPTHS:
+            call_s, step_s = _decode_seconds(_model(layers), ROWS, PROMPT_LEN, device)
             rows.append(
-                {"layers": layers, **_generate_seconds(layers, device), **_engine_seconds(layers, mesh, device)}
+                {"layers": layers, "call_s": call_s, "decode_step_s": step_s, **_engine_seconds(layers, mesh, device)}
             )
         checks = [_decode_check(*c, device) for c in DECODE_CHECKS] if device == "cuda" else []
         checks.append(_matmul_rates(device))
@@ -182,12 +179,7 @@ def run(device: str | None = None) -> list[dict]:
     fit = {}
     for key in ("call_s", "decode_step_s", "forward_s", "train_s"):
         fit[f"{key}_intercept"], fit[f"{key}_per_layer"] = _line(depths, [r[key] for r in rows])
-    machine = {
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "cpu": _cpu_model(),
-        "load_average_1min": round(os.getloadavg()[0], 2),
-    }
+    machine = {**_machine(), "load_average_1min": round(os.getloadavg()[0], 2)}
     shape = {"hidden": HIDDEN, "rows": ROWS, "prompt_len": PROMPT_LEN, "seq": SEQ, "gen": [GEN_SHORT, GEN_LONG]}
     units = f"s (median of {REPEATS}, device synchronised)"
     return [
@@ -195,14 +187,6 @@ def run(device: str | None = None) -> list[dict]:
         {"name": "gpu_overheads_fit", **fit, **machine, "shape": shape, "units": units},
         *({**c, **machine, "units": units} for c in checks),
     ]
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -154,9 +154,13 @@ class Residency:
         )
         return hosted
 
+    def _mfcs_on(self, model_name: str, layout: CallLayout) -> list[MFCDef]:
+        """The MFCs of ``model_name`` that run on ``layout``, in declaration order."""
+        return [m for m in self.setup.model_mfcs(model_name) if self.setup.layouts[m.name] == layout]
+
     def _engine_config(self, model: ModelSetup, layout: CallLayout) -> EngineConfig:
         """Engine settings: micro-batches of the model's first MFC on ``layout``; optimizer at a trainable home."""
-        mfcs = [m for m in self.setup.model_mfcs(model.name) if self.setup.layouts[m.name] == layout]
+        mfcs = self._mfcs_on(model.name, layout)
         mfc = next((m for m in mfcs if m.is_train), mfcs[0])
         train = model.trainable and mfc.is_train
         split = (
@@ -199,11 +203,11 @@ class Residency:
                 f"available={cls.available()}, supports device {self.device.type!r}="
                 f"{cls.supports_device(self.device.type)}"
             )
-        call = CallLayout(layout.ranks, layout.strategy)
         gens = [
-            m for m in self.setup.model_mfcs(hosted.setup.name)
-            if m.interface_type == "generate" and self.setup.layouts[m.name] == call
-        ]  # fmt: skip
+            m
+            for m in self._mfcs_on(hosted.setup.name, CallLayout(layout.ranks, layout.strategy))
+            if m.interface_type == "generate"
+        ]
         spec = RolloutBuild(
             config=hosted.config,
             device_mesh=groups.mesh,
