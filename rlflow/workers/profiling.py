@@ -126,11 +126,16 @@ def _in_gloo_processes(job, world: int, *args) -> list:
     (a module-level function) and its results small."""
     import torch.multiprocessing as mp
 
-    from rlflow.rendezvous import free_port
+    from rlflow.rendezvous import free_port, main_module_hidden
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method="spawn")
+    with main_module_hidden():  # a script without a main guard must not run again in the children
+        context = mp.start_processes(
+            _gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method="spawn", join=False
+        )
+    while not context.join():
+        pass
     results = dict(out.get() for _ in range(world))
     return [results[rank] for rank in range(world)]
 

@@ -4,6 +4,8 @@ priced from it (the pricing alone is tested in tests/planner/test_profile.py).""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -244,3 +246,19 @@ def test_a_profile_timed_without_the_cpp_decode_step_is_not_reused(monkeypatch):
     without = profiling.host_identity()
     assert without["kernels"] == [k for k in with_kernel["kernels"] if k != "_C_decode"]
     assert profile_cache_key(with_kernel, {}) != profile_cache_key(without, {})
+
+
+def test_spawned_profile_processes_work_from_a_script_without_a_main_guard(tmp_path):
+    # TRL's quickstart style: top-level code, no `if __name__ == "__main__":`. Spawned children
+    # used to run the script again and fail in multiprocessing's bootstrapping check.
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from rlflow.workers.profiling import gloo_collective_latency\n"
+        "print('script body ran')\n"
+        "print('latency', gloo_collective_latency(iters=3))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("script body ran") == 1
+    assert "latency" in done.stdout
+    assert sys.modules["__main__"].__name__ == "__main__"
