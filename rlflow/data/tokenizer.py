@@ -10,12 +10,16 @@ back.
 
 from __future__ import annotations
 
+import logging
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["DEFAULT_ALPHABET", "SPECIAL_TOKENS", "build_char_tokenizer", "load_tokenizer"]
+__all__ = ["DEFAULT_ALPHABET", "SPECIAL_TOKENS", "build_char_tokenizer", "load_tokenizer", "with_pad_token"]
+
+logger = logging.getLogger(__name__)
+_PAD_FROM_EOS_SAID: set[str] = set()  # tokenizer paths whose EOS padding was already announced
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
@@ -89,4 +93,30 @@ def load_tokenizer(path: str, padding_side: str | None = None) -> PreTrainedToke
         padding_side: override the saved padding side (``"left"`` for generation).
     """
     kwargs = {} if padding_side is None else {"padding_side": padding_side}
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    return with_pad_token(AutoTokenizer.from_pretrained(path, **kwargs), path)
+
+
+def with_pad_token(tokenizer: PreTrainedTokenizerBase, where: str) -> PreTrainedTokenizerBase:
+    """``tokenizer``, padding with its EOS token when it has no pad token (Llama's), as TRL does.
+
+    Padding positions are masked everywhere rlflow pads, so the EOS id there is never learned
+    from; it is said once per tokenizer ``where``.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad token nor an EOS token; names ``where``.
+    """
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"tokenizer {where} has neither a pad token nor an EOS token; set one before training "
+            "(tokenizer.pad_token = ...; tokenizer.save_pretrained(...))"
+        )
+    tokenizer.pad_token = tokenizer.eos_token
+    if where not in _PAD_FROM_EOS_SAID:
+        _PAD_FROM_EOS_SAID.add(where)
+        logger.warning(
+            "tokenizer %s has no pad token: padding with its EOS token %r (id %d)",
+            where, tokenizer.eos_token, tokenizer.eos_token_id,
+        )  # fmt: skip
+    return tokenizer

@@ -99,7 +99,10 @@ def run_dir_of(cfg: RLFlowConfig) -> Path:
 def materialize_tokenizer(cfg: RLFlowConfig, run_dir: Path) -> str:
     """The tokenizer directory: the configured one, or the built-in character tokenizer saved once."""
     if cfg.data.tokenizer is not None:
-        load_tokenizer(cfg.data.tokenizer)  # fails early with the path in the message
+        try:
+            load_tokenizer(cfg.data.tokenizer)  # fails early with the path in the message
+        except ValueError as err:
+            raise ConfigError("data.tokenizer", str(err)) from None
         return cfg.data.tokenizer
     path = run_dir / "tokenizer"
     if not (path / "tokenizer.json").is_file():

@@ -6,6 +6,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlflow.data import ArithmeticTask, CountdownTask, build_char_tokenizer, load_tokenizer
+from rlflow.data.datasets import PromptDataset
+from rlflow.trainer.build import materialize_tokenizer
+from rlflow.trainer.config import ConfigError, DataConfig, RLFlowConfig
 
 TASK_STRINGS = [
     "12+34=",
@@ -63,3 +66,35 @@ def test_bad_alphabets_are_rejected():
         build_char_tokenizer("")
     with pytest.raises(ValueError, match="padding_side='middle'"):
         build_char_tokenizer("01", padding_side="middle")
+
+
+def _saved_without(tmp_path, *tokens: str) -> str:
+    tok = build_char_tokenizer()
+    for name in tokens:
+        setattr(tok, name, None)
+    tok.save_pretrained(tmp_path)
+    assert all(getattr(AutoTokenizer.from_pretrained(tmp_path), name) is None for name in tokens)
+    return str(tmp_path)
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_says_so_once(tmp_path, caplog):
+    # Llama's tokenizers have no pad token; the prompt collation used to reach torch.full(..., None).
+    path = _saved_without(tmp_path, "pad_token")
+    with caplog.at_level("WARNING", logger="rlflow.data.tokenizer"):
+        tok = load_tokenizer(path)
+        load_tokenizer(path)
+    assert tok.pad_token == tok.eos_token and tok.pad_token_id == tok.eos_token_id
+    assert [r.getMessage() for r in caplog.records if "no pad token" in r.getMessage()] == [
+        f"tokenizer {path} has no pad token: padding with its EOS token '<eos>' (id 2)"
+    ]
+    batch = PromptDataset([{"prompt": "1+2="}, {"prompt": "10+20="}], tok, max_prompt_length=16)
+    batch = batch.collate([batch[0], batch[1]])
+    assert batch["input_ids"][0, 0].item() == tok.eos_token_id  # left padding
+    assert batch["attention_mask"][0, 0].item() == 0
+
+
+def test_a_tokenizer_without_pad_or_eos_is_a_config_error_naming_data_tokenizer(tmp_path):
+    path = _saved_without(tmp_path, "pad_token", "eos_token")
+    cfg = RLFlowConfig(data=DataConfig(tokenizer=path))
+    with pytest.raises(ConfigError, match=r"data\.tokenizer.*neither a pad token nor an EOS token"):
+        materialize_tokenizer(cfg, tmp_path / "run")
