@@ -301,8 +301,9 @@ class TrainEngine:
                 ``values`` ``(b, t)`` for a value head, aligned with ``micro_batch``'s columns
                 (``log_probs[:, i]`` is the log-prob of token ``i``; 0 at sequence starts and
                 padding). ``loss`` must be the mean over the micro-batch's loss units.
-            num_mini_batches: contiguous mini-batches of ``B / num_mini_batches`` rows each;
-                every dp rank must use the same count.
+            num_mini_batches: optimizer steps, each on one of that many contiguous mini-batches
+                (``B / num_mini_batches`` rows, sizes differing by at most one); every dp rank must
+                use the same count.
             loss_mask_key: batch key whose non-zero entries are the loss units (tokens), or
                 ``None`` to count rows.
 
@@ -317,7 +318,9 @@ class TrainEngine:
             raise ValueError(f"num_mini_batches={num_mini_batches} must be in [1, {rows}] (the dp-local rows)")
         self.stage.train()
         totals: dict[str, float] = {}
-        for chunk in torch.arange(rows).chunk(num_mini_batches):
+        # tensor_split, not chunk: exactly num_mini_batches steps (sizes differ by at most a row), so
+        # every dp rank takes the same count whatever its rows, as the lr schedule and metrics assume.
+        for chunk in torch.arange(rows).tensor_split(num_mini_batches):
             mini = select(batch, chunk)
             metrics = self._train_mini_batch(mini, loss_fn, loss_mask_key)
             for k, v in metrics.items():

@@ -604,6 +604,13 @@ class RLFlowConfig(_Section):
         if self.needs_critic() and "critic" in self.models and not self.is_trainable("critic"):
             raise ConfigError("models.critic.trainable", f"the {estimator} estimator needs a trainable critic")
         if record.samples_responses:
+            rows = self.data.batch_size * algo.n_samples
+            if algo.n_minibatches > rows:
+                raise ConfigError(
+                    "algorithm.n_minibatches",
+                    f"{algo.n_minibatches} mini-batches, but a step has {rows} rows "
+                    f"(data.batch_size={self.data.batch_size} x algorithm.n_samples={algo.n_samples})",
+                )
             if algo.reward_fn is not None and "reward" in self.models:
                 raise ConfigError(
                     "algorithm.reward_fn", f"{algo.reward_fn!r} and models.reward both give rewards; keep one"

@@ -99,7 +99,10 @@ def local_batch(batch: dict, dp_rank: int, dp: int) -> dict:
 
 def mini_batch_rows(dp: int, num_mini_batches: int) -> list[torch.Tensor]:
     """Global rows of each mini-batch: mini-batch k is the union of every dp rank's k-th chunk."""
-    return [torch.cat([dp_rows(d, dp).chunk(num_mini_batches)[k] for d in range(dp)]) for k in range(num_mini_batches)]
+    return [
+        torch.cat([dp_rows(d, dp).tensor_split(num_mini_batches)[k] for d in range(dp)])
+        for k in range(num_mini_batches)
+    ]
 
 
 def reference_outputs(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:

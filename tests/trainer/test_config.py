@@ -138,6 +138,7 @@ def test_wrong_type_names_the_key_and_the_declared_type():
         (["placement.mode=manual"], "placement.manual"),
         (["warmup.steps=10", "algorithm.name=sft"], "warmup.steps"),
         (["experiment_name=a b"], "experiment_name"),
+        (["data.batch_size=2", "algorithm.n_samples=2", "algorithm.n_minibatches=5"], "algorithm.n_minibatches"),
     ],
 )
 def test_inconsistent_settings_name_the_full_key(overrides, key):
