@@ -4,6 +4,7 @@ Every subcommand is one entry of :data:`COMMANDS`: a help line, a function addin
 to an ``argparse`` sub-parser and a function running it (returning the exit status).
 
     rlflow train recipes/grpo_arithmetic.yaml trainer.total_steps=20 models.actor.lr=1e-4
+    rlflow train trainer.total_steps=2 --print-config
     rlflow plan --algo ppo --actor llama2-7b --critic llama2-7b --nodes 1 --batch 512 \\
         --prompt-len 128 --gen-len 896 --search-seconds 30 --out plan.json --timeline plan.png
     rlflow profile --out profile.json
@@ -13,6 +14,7 @@ to an ``argparse`` sub-parser and a function running it (returning the exit stat
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,30 +36,48 @@ class UsageError(ValueError):
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML, e.g. recipes/grpo_arithmetic.yaml")
     p.add_argument(
-        "overrides",
+        "args",
         nargs="*",
-        metavar="key=value",
-        help="config overrides applied after the recipe, e.g. trainer.total_steps=20 (see docs/configuration.md)",
+        metavar="[recipe.yaml] key=value",
+        help="a recipe YAML (e.g. recipes/grpo_arithmetic.yaml; none: the defaults), then config overrides "
+        "such as trainer.total_steps=20 (see docs/configuration.md)",
     )
+    p.add_argument("--print-config", action="store_true", help="print the resolved, validated config as YAML and exit")
+
+
+def _train_source(args: list[str]) -> tuple[str | None, list[str]]:
+    """``(recipe or None, overrides)``: a first argument without ``=`` is the recipe, which must be
+    an existing YAML file; every other argument must read ``key=value``."""
+    from pathlib import Path
+
+    recipe = args[0] if args and "=" not in args[0] else None
+    overrides = args[1:] if recipe is not None else list(args)
+    if recipe is not None and (not recipe.endswith((".yaml", ".yml")) or not Path(recipe).is_file()):
+        raise UsageError(
+            f"recipe {recipe!r}: expected an existing YAML file such as recipes/grpo_arithmetic.yaml "
+            "(or key=value overrides of the defaults)"
+        )
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise UsageError(f"{bad[0]!r} is not an override; expected key=value (e.g. trainer.total_steps=20)")
+    return recipe, overrides
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from rlflow.trainer import run_recipe  # both light: the config's imports wait until Ray is begun
     from rlflow.trainer.config_fields import ConfigError
 
-    if not args.recipe.endswith((".yaml", ".yml")) or not Path(args.recipe).is_file():
-        raise UsageError(f"recipe {args.recipe!r}: expected an existing YAML file such as recipes/grpo_arithmetic.yaml")
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        raise UsageError(f"{bad[0]!r} is not an override; expected key=value (e.g. trainer.total_steps=20)")
+    recipe, overrides = _train_source(args.args)
     try:
+        if args.print_config:
+            from rlflow.trainer.config import load_config, to_yaml  # no Ray to begin: nothing trains
+
+            print(to_yaml(load_config(recipe, overrides)), end="")
+            return 0
         # The recipe goes first in argv, so that an override whose value ends in .yaml is never
-        # taken for the recipe.
-        run_recipe(args.recipe, [args.recipe, *args.overrides])
+        # taken for the recipe; without one, the defaults.
+        run_recipe(recipe, [recipe, *overrides] if recipe is not None else overrides)
     except ConfigError as exc:
         raise UsageError(f"bad config: {exc}") from exc
     return 0
@@ -331,7 +351,9 @@ def _run_draw(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("train a recipe (YAML) with key=value overrides", _train_arguments, _run_train),
+    "train": Command(
+        "train a recipe (YAML) with key=value overrides (no recipe: the defaults)", _train_arguments, _run_train
+    ),
     "plan": Command("search the execution plan of an algorithm on a cluster", _plan_arguments, _run_plan),
     "profile": Command("measure this machine for the cost model", _profile_arguments, _run_profile),
     "draw": Command("draw an algorithm's dataflow graph", _draw_arguments, _run_draw),
@@ -342,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlflow", description="RL post-training of language models with planned parallelism."
     )
+    parser.add_argument("--version", action="version", version=f"rlflow {importlib.metadata.version('rlflow')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, cmd in COMMANDS.items():
         cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
