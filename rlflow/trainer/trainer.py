@@ -127,8 +127,9 @@ class Trainer:
             passed to the reward functions. Replaces the synthetic task.
         eval_dataset: held-out prompts in the same forms; without one (and without a task) the
             run has no held-out score.
-        callbacks: functions ``fn(step, metrics)`` or objects with ``on_step_end(step, metrics)``;
-            returning True stops training (:mod:`rlflow.trainer.callbacks`).
+        callbacks: functions ``fn(step, metrics)`` or objects with ``on_step_end(step, metrics)``
+            (returning True stops training), and ``transformers.TrainerCallback`` objects
+            (:mod:`rlflow.trainer.callbacks`).
         algorithm: an algorithm name or an ``Algorithm`` record (sets ``algorithm.name``).
         progress_bars: show progress bars (planner search, steps).
     """
@@ -168,7 +169,9 @@ class Trainer:
                 reward_functions.check_reward_signature(fn, set(self.data.columns) - {"prompt"})
             rule_reward = "reward" not in self.cfg.models and self.data.reward_fn is not None
             self.graph = build.build_dataflow(self.cfg, rule_reward)
-            self.callbacks = trainer_callbacks.Callbacks(callbacks)
+            self.callbacks = trainer_callbacks.Callbacks(
+                callbacks, trainer_callbacks.training_args(self.cfg, self.run_dir), steps_per_epoch=len(self.data.train)
+            )
             self.launched, self._started_ray = False, False
             self.step = 0  # a failure while the first launch starts the workers restarts from here
             self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
@@ -331,6 +334,7 @@ class Trainer:
     def _run(self) -> None:
         """The stages after launch and resume: the fresh run's evaluation, warm-up and copies,
         training, the final evaluation and checkpoint."""
+        self.callbacks.train_begin(self.step)
         if self.step == 0:
             if self.cfg.trainer.eval_before_train:
                 self.evaluate()
@@ -348,6 +352,7 @@ class Trainer:
             self._exit_on_signal()
         self.result.score_after = self.evaluate()
         self._save(final=True)
+        self.callbacks.train_end(self.step)
 
     def _restart(self, err: Exception, attempt: int) -> None:
         """Stops every worker after a recoverable failure; :meth:`fit` then launches and resumes."""
@@ -421,6 +426,7 @@ class Trainer:
                 following = (step + 1, self._issue(step + 1, batches))
             self.runner.wait(submitted)
             self.step = step
+            self.callbacks.step_end(step)
             self._log_step(step)
             bar.update(1)
             pending = following
@@ -570,6 +576,7 @@ class Trainer:
         if score is not None:
             self.result.eval_history.append((self.step, score))
             self.logger.log(self.step, {"eval/score": score})
+            self.callbacks.evaluate(self.step, {"eval/score": score})
         return score
 
     def _log_step(self, step: int) -> None:
@@ -624,6 +631,8 @@ class Trainer:
             )
 
         self._last_saved = self.checkpoints.save(self.step, write)
+        if self._last_saved is not None:
+            self.callbacks.save(self.step)
         return self._last_saved
 
     def _resume(self, checkpoint: Path | None = None) -> None:
