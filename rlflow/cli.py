@@ -133,7 +133,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write the plan as JSON")
-    g.add_argument("--timeline", help="draw the plan's simulated timeline (.png or .svg)")
+    g.add_argument(
+        "--timeline", help="the plan's simulated timeline: a picture (.png, .svg) or a Perfetto / Chrome trace (.json)"
+    )
 
 
 def _algorithm_graph(args: argparse.Namespace) -> Any:
@@ -270,11 +272,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan.save(args.out)
         print(f"plan written to {args.out}")
     if args.timeline:
-        from rlflow.planner.timeline import draw_timeline
+        from rlflow.planner.timeline import save_timeline
 
         title = f"{args.algo}: {args.actor} actor on {args.nodes}x{args.devices_per_node} {args.device}"
         intervals = found.result.intervals(problem.mfc_names)
-        draw_timeline(intervals, args.timeline, title, found.result.iteration_end_s, problem.num_devices)
+        strategies = {c.name: c.strategy for c in plan.calls}
+        save_timeline(intervals, args.timeline, title, found.result.iteration_end_s, problem.num_devices, strategies)
         print(f"timeline written to {args.timeline}")
     return 0
 

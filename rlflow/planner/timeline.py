@@ -2,15 +2,22 @@
 
 One row per device, one colour per MFC; reallocations, reloads and data transfers are drawn
 hatched in the colour of the call they prepare; dashed vertical lines mark iteration ends.
-The trainer passes measured intervals through the same function as the simulator's.
+The same intervals also go to a Chrome trace-event file (:func:`write_trace`) for Perfetto or
+``chrome://tracing``. The trainer passes measured intervals through the same functions as the
+simulator's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from rlflow.files import write_atomic
+from rlflow.strategy import ParallelStrategy
 
 KINDS = ("call", "realloc", "reload", "ema", "data")
 _HATCH = {"call": None, "realloc": "///", "reload": "xx", "ema": "\\\\", "data": "..."}
@@ -112,6 +119,85 @@ def draw_timeline(
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
+    return str(path)
+
+
+def save_timeline(
+    intervals: Sequence[Interval],
+    path: str | os.PathLike,
+    title: str | None = None,
+    boundaries: Sequence[float] = (),
+    num_devices: int | None = None,
+    strategies: Mapping[str, ParallelStrategy] | None = None,
+) -> str:
+    """A trace (:func:`write_trace`) for a ``.json`` path, else a picture (:func:`draw_timeline`)."""
+    if Path(path).suffix == ".json":
+        return write_trace(intervals, path, title, strategies)
+    return draw_timeline(intervals, path, title, boundaries, num_devices)
+
+
+# Trace threads of a device: calls, weight movements (reallocation, reload, EMA), data transfers.
+_TRACE_THREADS = {
+    "call": (0, "calls"),
+    "realloc": (1, "weights"),
+    "reload": (1, "weights"),
+    "ema": (1, "weights"),
+    "data": (2, "data transfers"),
+}
+
+
+def write_trace(
+    intervals: Sequence[Interval],
+    path: str | os.PathLike,
+    title: str | None = None,
+    strategies: Mapping[str, ParallelStrategy] | None = None,
+) -> str:
+    """Write ``intervals`` as a Chrome trace-event file that Perfetto and ``chrome://tracing`` open.
+
+    One process per device (``pid`` = device index), one complete event (``"ph": "X"``, ``ts`` and
+    ``dur`` in microseconds) per interval, named by its MFC (hooks: ``"actor_gen realloc"``), on
+    the device's thread for its kind; ``args`` hold ``mfc``, ``kind``, ``step`` and the call's
+    ``dp``/``tp``/``pp`` from ``strategies``.
+
+    Args:
+        intervals: busy intervals; their times (s) become ``ts`` relative to time 0.
+        path: output file (``.json``).
+        title: kept as the trace's ``otherData.title``.
+        strategies: MFC name -> its parallel strategy.
+
+    Returns:
+        The path written, as a string.
+    """
+    strategies = strategies or {}
+    events: list[dict] = []
+    for device in sorted({iv.device for iv in intervals}):
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": device, "tid": 0, "args": {"name": f"device {device}"}}
+        )
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": device, "tid": 0, "args": {"sort_index": device}}
+        )
+        for tid, thread in sorted({_TRACE_THREADS[iv.kind] for iv in intervals if iv.device == device}):
+            events.append({"name": "thread_name", "ph": "M", "pid": device, "tid": tid, "args": {"name": thread}})
+    for iv in intervals:
+        args: dict = {"mfc": iv.label, "kind": iv.kind, "step": iv.iteration}
+        strategy = strategies.get(iv.label)
+        if strategy is not None:
+            args.update(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp)
+        events.append(
+            {
+                "name": iv.label if iv.kind == "call" else f"{iv.label} {iv.kind}",
+                "cat": iv.kind,
+                "ph": "X",
+                "ts": iv.start * 1e6,
+                "dur": (iv.end - iv.start) * 1e6,
+                "pid": iv.device,
+                "tid": _TRACE_THREADS[iv.kind][0],
+                "args": args,
+            }
+        )
+    trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title or ""}}
+    write_atomic(path, json.dumps(trace))
     return str(path)
 
 
