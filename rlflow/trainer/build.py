@@ -23,6 +23,7 @@ from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.files import write_atomic
 from rlflow.planner.cluster import local_devices_per_node, local_gpus
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
@@ -30,6 +31,7 @@ from rlflow.planner.simulate import node_table, simulate
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, driver_can_host
 from rlflow.trainer.local_ray import RAY_INIT_LOCK, WORKER_ENV, LocalRayStart, init_local_ray
 from rlflow.trainer.placement import Placement
+from rlflow.trainer.run_dir import TINY_SHAPE_FIELDS
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
@@ -146,8 +148,23 @@ def _checked_vocab(name: str, path: str, vocab: int, tokenizer_path: str) -> str
     return path
 
 
+# Beside a model the run built from its config: what it was built from. Another config (a new seed,
+# another shape) rebuilds it rather than train the earlier run's initial weights.
+BUILT_FROM = "rlflow_built_from.json"
+
+
+def _built_from(path: Path, spec: dict) -> bool:
+    record = path / BUILT_FROM
+    return (path / "config.json").is_file() and record.is_file() and json.loads(record.read_text()) == spec
+
+
+def _record_built_from(path: Path, spec: dict) -> None:
+    write_atomic(path / BUILT_FROM, json.dumps(spec, sort_keys=True))
+
+
 def _save_tiny(m: ModelConfig, name: str, path: Path, vocab: int, seed: int) -> str:
-    if not (path / "config.json").is_file():
+    spec = {"role": name, "vocab_size": vocab, "seed": seed, **{f: getattr(m, f) for f in TINY_SHAPE_FIELDS}}
+    if not _built_from(path, spec):
         model = build_tiny_model(
             family=m.family,
             vocab_size=vocab,
@@ -162,14 +179,22 @@ def _save_tiny(m: ModelConfig, name: str, path: Path, vocab: int, seed: int) -> 
         save_model(model, path)
         if name in VALUE_ROLES:  # a value model gets the tiny backbone and a fresh scalar head
             save_model(init_value_model_from_lm(path), path)
+        _record_built_from(path, spec)
     return str(path)
 
 
 def _copy_model(name: str, source: str, path: Path) -> str:
     if name not in VALUE_ROLES:
         return source  # a frozen copy reads the same weights; nothing to write
-    if not (path / "config.json").is_file():
+    source_record = Path(source) / BUILT_FROM
+    spec = {
+        "source": source,
+        "source_config": json.loads((Path(source) / "config.json").read_text()),
+        "source_built_from": json.loads(source_record.read_text()) if source_record.is_file() else None,
+    }
+    if not _built_from(path, spec):
         save_model(init_value_model_from_lm(source), path)
+        _record_built_from(path, spec)
     return str(path)
 
 

@@ -459,6 +459,12 @@ class LoggingConfig(_Section):
     """Where metrics go."""
 
     dir: str | None = _f(None, "run directory; null: runs/{experiment_name}")
+    if_exists: str = _f(
+        "refuse",
+        "when the run directory holds an earlier run that checkpoint.resume does not resume: refuse, replace "
+        "(delete its outputs), or new (write to {dir}-2, -3, ...)",
+        choices=("refuse", "replace", "new"),
+    )
     console: bool = _f(True, "print one compact line per logged step")
     jsonl: bool = _f(True, "append metrics to {run dir}/metrics.jsonl")
     tensorboard: bool = _f(True, "write TensorBoard events to {run dir}/tensorboard")

@@ -61,6 +61,7 @@ trainer_data = LazyModule("rlflow.trainer.data")
 trainer_metrics = LazyModule("rlflow.trainer.metrics")
 trainer_placement = LazyModule("rlflow.trainer.placement")
 trainer_runner = LazyModule("rlflow.trainer.runner")
+run_dirs = LazyModule("rlflow.trainer.run_dir")
 reward_functions = LazyModule("rlflow.workers.reward_funcs")
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class Trainer:
     ) -> RLFlowConfig:
         """The config with the Python inputs written into the run directory, every path absolute."""
         cfg = inputs.build_config(config, overrides, algorithm)
+        cfg = run_dirs.claim_run_dir(cfg)  # an earlier run's outputs: resumed, refused, replaced or kept apart
         run_dir = build.run_dir_of(cfg)
         cfg = inputs.with_model(cfg, model, run_dir)
         cfg = inputs.with_tokenizer(cfg, tokenizer, run_dir)
@@ -630,7 +632,8 @@ class Trainer:
                 },
             )
 
-        self._last_saved = self.checkpoints.save(self.step, write)
+        identities = run_dirs.model_identities(self.cfg)  # what a resume must match
+        self._last_saved = self.checkpoints.save(self.step, write, extra_meta={"models": identities})
         if self._last_saved is not None:
             self.callbacks.save(self.step)
         return self._last_saved
