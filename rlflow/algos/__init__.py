@@ -40,8 +40,8 @@ from rlflow.algos.losses import (
     ppo_policy_loss,
     register_policy_loss,
     sft_loss,
+    unclipped_policy_loss,
     value_loss,
-    vanilla_policy_loss,
 )
 from rlflow.algos.packed_gae import gae_packed, gae_packed_torch, has_cpp_gae
 from rlflow.algos.utils import (
@@ -95,6 +95,6 @@ __all__ = [
     "remax_advantages",
     "rloo_advantages",
     "sft_loss",
+    "unclipped_policy_loss",
     "value_loss",
-    "vanilla_policy_loss",
 ]

@@ -18,6 +18,7 @@ from torch import Tensor
 from rlflow.algos.utils import entropy_from_logits, logprobs_from_logits, masked_mean
 
 __all__ = [
+    "AMBIGUOUS_POLICY_LOSSES",
     "LOSS_AGG_MODES",
     "DPOLossOutput",
     "PolicyLossOutput",
@@ -32,8 +33,8 @@ __all__ = [
     "ppo_policy_loss",
     "register_policy_loss",
     "sft_loss",
+    "unclipped_policy_loss",
     "value_loss",
-    "vanilla_policy_loss",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -86,12 +87,22 @@ class PolicyLossOutput(NamedTuple):
 
 PolicyLossFn = Callable[..., PolicyLossOutput]
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# Names other libraries give other losses: refused, never registered, with what to choose instead.
+AMBIGUOUS_POLICY_LOSSES = {
+    "vanilla": (
+        "'vanilla' names two losses: verl's is PPO's clipped surrogate, rlflow's 'ppo' (with algorithm.dual_clip_c=3 for "
+        "verl's default dual clip); the unclipped importance-weighted gradient -A * pi / pi_old is rlflow's "
+        "'unclipped'"
+    ),
+}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name``; refuses duplicate names."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in AMBIGUOUS_POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is refused as ambiguous: {AMBIGUOUS_POLICY_LOSSES[name]}")
         if name in _POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered ({_POLICY_LOSSES[name].__qualname__})")
         _POLICY_LOSSES[name] = fn
@@ -102,6 +113,8 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered under ``name``; ``KeyError`` lists the registered names."""
+    if name in AMBIGUOUS_POLICY_LOSSES:
+        raise KeyError(f"policy loss {AMBIGUOUS_POLICY_LOSSES[name]}")
     if name not in _POLICY_LOSSES:
         raise KeyError(f"unknown policy loss {name!r}; registered: {sorted(_POLICY_LOSSES)}")
     return _POLICY_LOSSES[name]
@@ -166,14 +179,15 @@ def ppo_policy_loss(
     )
 
 
-@register_policy_loss("vanilla")
-def vanilla_policy_loss(
+@register_policy_loss("unclipped")
+def unclipped_policy_loss(
     log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean"
 ) -> PolicyLossOutput:
     """Unclipped importance-weighted policy gradient ``-A * pi / pi_old``.
 
     On-policy (one update per batch, ``log_prob == old_log_prob`` numerically) its gradient is
-    REINFORCE's ``-A * grad log pi``; ReMax and RLOO are usually trained this way.
+    REINFORCE's ``-A * grad log pi``; ReMax and RLOO are usually trained this way. (verl's
+    ``vanilla`` is the clipped :func:`ppo_policy_loss`; rlflow refuses that name.)
 
     Args:
         log_prob: ``(B, T)`` log-probs under the policy being trained.
@@ -185,7 +199,7 @@ def vanilla_policy_loss(
     Returns:
         A :class:`PolicyLossOutput` (both clip fractions 0).
 
-    >>> vanilla_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)).loss
+    >>> unclipped_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 3.0]]), torch.ones(1, 2)).loss
     tensor(-2.)
     """
     log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)

@@ -50,6 +50,7 @@ from rlflow.planner.cluster import local_devices_per_node
 from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
+from rlflow.trainer.verl_keys import leaf_keys, verl_hint, verl_value_hint
 
 __all__ = [
     "AlgorithmConfig",
@@ -713,6 +714,9 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     try:
         return _build(RLFlowConfig, data, "")
     except ConfigError as err:
+        verl = verl_value_hint(err.key, OmegaConf.select(merged, err.key, default=None))
+        if verl is not None:  # a value that means something else in verl
+            err = ConfigError(err.key, verl)
         raise err.with_source(_source_of(err.key, raw, origin, overrides)) from None
 
 
@@ -763,6 +767,9 @@ def _merge(base: DictConfig, update: DictConfig, origin: str | None) -> DictConf
         key, parent = err.full_key or "?", err.object_type
         declared = {f.name: f.type for f in dataclasses.fields(parent)} if dataclasses.is_dataclass(parent) else {}
         if isinstance(err, ConfigKeyError):
+            verl = verl_hint(key, leaf_keys(OmegaConf.to_container(update)))
+            if verl is not None:  # a verl user's key: name rlflow's
+                raise ConfigError(*verl, origin) from None
             raise ConfigError(key, f"unknown key; valid keys here: {list(declared)}", origin) from None
         expected = declared.get(key.rsplit(".", 1)[-1])
         detail = str(err).splitlines()[0]

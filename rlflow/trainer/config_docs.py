@@ -8,13 +8,15 @@ import typing
 from typing import Any
 
 from rlflow.trainer.config_fields import _bounds_text, _choices_of
+from rlflow.trainer.verl_keys import render_verl_table
 
 __all__ = ["render_reference"]
 
 
 def render_reference(root: type, intro_doc: str) -> str:
     """The whole of ``docs/configuration.md``: this module's docstring, then one table per section
-    (key, type, default, allowed values, description) in the order of :class:`RLFlowConfig`.
+    (key, type, default, allowed values, description) in the order of :class:`RLFlowConfig`, then
+    verl's keys with the rlflow keys that replace them.
 
     Dictionary entries appear under a placeholder key (``models.<role>``, ``placement.manual.<mfc>``).
     Regenerate the file with ``python -m rlflow.trainer.config > docs/configuration.md``.
@@ -28,6 +30,7 @@ def render_reference(root: type, intro_doc: str) -> str:
     lines.append("")
     lines += [intro.strip(), "", "Recipes: `recipes/*.yaml`. Every field:", ""]
     _render_section(root, "", lines)
+    lines += render_verl_table()
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -19,7 +19,7 @@ from rlflow.algos import (
     register_policy_loss,
     sft_loss,
     value_loss,
-    vanilla_policy_loss,
+    unclipped_policy_loss,
 )
 
 
@@ -57,9 +57,9 @@ def test_ppo_without_dual_clip_and_with_clip_higher():
         ppo_policy_loss(log_prob, old, adv, mask, clip_ratio_c=0.5)
 
 
-def test_vanilla_policy_gradient_is_reinforce_on_policy():
+def test_unclipped_policy_gradient_is_reinforce_on_policy():
     log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    out = vanilla_policy_loss(log_prob, log_prob.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))
+    out = unclipped_policy_loss(log_prob, log_prob.detach(), torch.tensor([[2.0, -1.0]]), torch.ones(1, 2))
     out.loss.backward()
     torch.testing.assert_close(log_prob.grad, torch.tensor([[-1.0, 0.5]]))  # -A / num_tokens
 
@@ -134,9 +134,17 @@ def test_policy_loss_registry(monkeypatch):
     from rlflow.algos import losses
 
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
-    assert {"ppo", "vanilla"} <= set(list_policy_losses())
+    assert {"ppo", "unclipped"} <= set(list_policy_losses())
     assert get_policy_loss("ppo") is ppo_policy_loss
     with pytest.raises(ValueError, match="'ppo' is already registered"):
-        register_policy_loss("ppo")(vanilla_policy_loss)
-    with pytest.raises(KeyError, match="registered: \\['ppo', 'vanilla'\\]"):
+        register_policy_loss("ppo")(unclipped_policy_loss)
+    with pytest.raises(KeyError, match="registered: \\['ppo', 'unclipped'\\]"):
         get_policy_loss("grpo-typo")
+
+
+def test_vanilla_is_refused_naming_both_meanings():
+    # verl's "vanilla" is the clipped PPO surrogate; rlflow's unclipped loss is "unclipped".
+    with pytest.raises(KeyError, match="verl's is PPO's clipped surrogate, rlflow's 'ppo'.*rlflow's 'unclipped'"):
+        get_policy_loss("vanilla")
+    with pytest.raises(ValueError, match="'vanilla' is refused as ambiguous"):
+        register_policy_loss("vanilla")(ppo_policy_loss)
