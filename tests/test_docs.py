@@ -4,8 +4,8 @@
   ``python -m benchmarks.run X``, ``python recipes/X.py``, ``rlflow X``) names a Makefile
   target, benchmark module, file, CLI subcommand and flags, and config keys that exist;
 * every relative link in docs/ and README.md points to an existing file (and heading);
-* docs/benchmarks.md carries every per-topic page of docs/benchmarks/ unchanged: linked, and
-  each of its paragraphs, tables and commands present word for word.
+* docs/benchmarks.md is a reference: every benchmark section states its command, machine, load
+  and date, every benchmark module has a section, and the index at the top links every section.
 
 Pure text checks: nothing here imports torch or Ray, so the file runs in well under a second.
 """
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 DOC_PAGES = sorted(DOCS.rglob("*.md"))
 LINKED_PAGES = [*DOC_PAGES, ROOT / "README.md"]
-TOPIC_PAGES = sorted((DOCS / "benchmarks").glob("*.md"))
+BENCHMARKS_PAGE = DOCS / "benchmarks.md"
 
 _FENCE = re.compile(r"^(```|~~~)(\w*)[^\n]*\n(.*?)^\1[ \t]*$", re.DOTALL | re.MULTILINE)
 _SHELL_LANGS = ("", "bash", "sh", "shell", "console")
@@ -324,28 +324,59 @@ def test_slugs_follow_github():
 
 # ----------------------------------------------------------------------------- benchmarks page
 
-
-def _normalised(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _blocks(text: str) -> list[str]:
-    """Paragraphs, tables and code blocks of a page (blank-line separated), whitespace normalised."""
-    return [_normalised(b) for b in re.split(r"\n\s*\n", text) if b.strip()]
+_SECTION_FIELDS = {
+    "command": r"^Commands?:",
+    "machine": r"^Machine:",
+    "load": r"^Load:",
+    "date": r"^Date:.*\b\d{4}-\d{2}-\d{2}\b",
+}
 
 
-@pytest.mark.parametrize("topic", TOPIC_PAGES, ids=_ids(TOPIC_PAGES))
-def test_benchmarks_page_carries_topic_page(topic: Path):
-    merged = (DOCS / "benchmarks.md").read_text()
-    assert f"](benchmarks/{topic.name})" in merged, f"docs/benchmarks.md does not link {_rel(topic)}"
-    whole = _normalised(merged)
-    missing = [b for b in _blocks(topic.read_text()) if b not in whole]
-    assert not missing, (
-        f"docs/benchmarks.md lacks these parts of {_rel(topic)} (copy the page in unchanged):\n"
-        + "\n".join(m[:160] for m in missing)
-    )
+def benchmark_sections(text: str) -> dict[str, str]:
+    """``{heading: body}`` of the ``##`` sections of a page (fenced blocks kept in the body)."""
+    parts = re.split(r"^## +(.+?)\s*$", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
-def test_benchmark_pages_state_their_command():
-    for topic in TOPIC_PAGES:
-        assert re.search(r"^Commands?:", topic.read_text(), re.MULTILINE), f"{_rel(topic)} has no 'Command:' line"
+def benchmark_section_problems(heading: str, body: str) -> list[str]:
+    """The fields a benchmark section lacks: a command, a machine, a load and a dated line."""
+    return [
+        f"section {heading!r} has no line matching {pattern!r} (its {field})"
+        for field, pattern in _SECTION_FIELDS.items()
+        if not re.search(pattern, body, re.MULTILINE)
+    ]
+
+
+def test_every_benchmark_section_states_command_machine_load_and_date():
+    sections = benchmark_sections(BENCHMARKS_PAGE.read_text())
+    assert len(sections) >= len(bench_modules()), "docs/benchmarks.md has fewer sections than benchmark modules"
+    problems = [p for heading, body in sections.items() for p in benchmark_section_problems(heading, body)]
+    assert not problems, "docs/benchmarks.md:\n" + "\n".join(problems)
+
+
+def test_benchmark_section_check_catches_a_missing_field():
+    complete = "Command: `make bench`\nMachine: 2 cores\nLoad: 1.0\nDate: 2026-11-26\n"
+    assert benchmark_section_problems("x", complete) == []
+    assert benchmark_section_problems("x", complete.replace("Load: 1.0\n", ""))
+    assert benchmark_section_problems("x", complete.replace("2026-11-26", "not recorded"))
+    assert benchmark_section_problems("x", complete.replace("Command:", "The command is"))
+
+
+def test_every_benchmark_module_has_a_section():
+    """A module's section names it in a command: ``benchmarks.run <name>`` or ``bench_<name>``."""
+    sections = benchmark_sections(BENCHMARKS_PAGE.read_text())
+    missing = []
+    for module in bench_modules():
+        name = module.removeprefix("bench_")
+        pattern = rf"benchmarks\.run {re.escape(name)}\b|\b{re.escape(module)}\b"
+        if not any(re.search(pattern, body) for body in sections.values()):
+            missing.append(f"benchmarks/{module}.py")
+    assert not missing, f"docs/benchmarks.md has no section whose command runs: {missing}"
+
+
+def test_benchmark_index_links_every_section():
+    text = BENCHMARKS_PAGE.read_text()
+    index = text.split("\n## ", 1)[0]
+    linked = {target.partition("#")[2] for target in _LINK.findall(index) if target.startswith("#")}
+    unlinked = [h for h in benchmark_sections(text) if slug(h) not in linked]
+    assert not unlinked, f"the index of docs/benchmarks.md does not link these sections: {unlinked}"
