@@ -30,6 +30,7 @@ every part so that the parts concatenate. Every rank also keeps one
 the driver issued it for, which :meth:`ModelWorker.pop_metrics` hands to the driver (step
 metrics, timelines). An exception inside a call or hook reaches the driver as an error that
 starts with the call, its model and the rank (``reward_inf (model reward) on rank 1: ...``).
+Calls the driver chose (``set_profiler``) run under ``torch.profiler`` and leave a Chrome trace.
 
 Checkpoints: ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` on all ranks (ONE_TO_ALL) at a
 quiet point (no call in flight); ``save_pretrained(model, dir)`` exports HF weights.
@@ -51,9 +52,10 @@ from rlflow.controller import Dispatch, Worker, register
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext
+from rlflow.workers.hf_export import complete_hf_export
 from rlflow.workers.interfaces import build_interface, check_calls
 from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION
-from rlflow.workers.records import CallRecord, call_error
+from rlflow.workers.records import CallProfiler, CallRecord, call_error
 from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
 from rlflow.workers.setup import WorkerSetup
@@ -83,6 +85,7 @@ class ModelWorker(Worker):
         self.residency: Residency | None = None
         self._records: list[CallRecord] = []
         self._copied: set[str] = set()  # models that took another's weights (copy_weights)
+        self._profiler = CallProfiler((), (), "")  # profiles nothing until set_profiler
 
     # ------------------------------------------------------------------ lifecycle
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -175,6 +178,11 @@ class ModelWorker(Worker):
         self._records.append(
             CallRecord(mfc.name, mfc.model_name, kind, interval_kind, self.rank, step, start, time.time(), numbers)
         )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_profiler(self, profiler: CallProfiler) -> None:
+        """Run ``profiler.calls`` at ``profiler.steps`` under ``torch.profiler`` (``trainer.profile_calls``)."""
+        self._profiler = profiler
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pop_metrics(self) -> list[CallRecord]:
@@ -288,12 +296,13 @@ class ModelWorker(Worker):
         if coords is None:
             raise RuntimeError(f"rank {self.rank} is not in the layout {layout.ranks} of MFC {mfc.name!r}")
         residency = self._residency()
-        ctx = CallContext(mfc, residency.call_groups(layout))
+        ctx = CallContext(mfc, residency.call_groups(layout), step)
         data = interface_rows(mfc, inputs)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         wall_start, start = time.time(), time.perf_counter()
-        out = run(self.interfaces[mfc.model_name], residency.engine_for(mfc), data, ctx)
+        with self._profiler.profile(mfc.name, step, self.rank, self.device):
+            out = run(self.interfaces[mfc.model_name], residency.engine_for(mfc), data, ctx)
         local = {k: float(v) for k, v in (out.meta_info if out is not None else {}).items()}
         local["time_s"] = time.perf_counter() - start
         local["peak_memory_bytes"] = peak_memory_bytes(self.device)
@@ -321,9 +330,10 @@ class ModelWorker(Worker):
         """Write this rank's state into ``path`` (the driver makes the directory's save atomic).
 
         Trainable models: engine shards (weights, optimizer, scheduler; one file per home rank)
-        under ``<model>/engine`` and an HF export under ``<model>/hf`` (written by the home
-        mesh's rank 0). Frozen models whose weights changed (EMA reference, a reference copied
-        from the actor at RL start): their full weights as ``<model>/weights.safetensors``
+        under ``<model>/engine`` and an HF export with the run's tokenizer and generation config
+        under ``<model>/hf`` (written by the home mesh's rank 0). Frozen models whose weights
+        changed (EMA reference, a reference copied from the actor at RL start): their full
+        weights as ``<model>/weights.safetensors``
         (HF names, written by the home mesh's rank 0). Every rank: ``worker_rank<r>.pt`` with
         its RNG states, interface state (rollout counters, KL coefficient) and the names of the
         copied models. Collective over each model's home ranks.
@@ -335,7 +345,7 @@ class ModelWorker(Worker):
                     continue
                 if self.setup.models[name].trainable:
                     engine.save_checkpoint(os.path.join(path, name, "engine"))
-                    engine.save_pretrained(os.path.join(path, name, "hf"))
+                    self._export_hf(engine, os.path.join(path, name, "hf"))
                 else:
                     _save_weights(engine, os.path.join(path, name, FROZEN_WEIGHTS))
         state = {
@@ -379,7 +389,8 @@ class ModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_pretrained(self, model_name: str, path: str) -> None:
-        """Export ``model_name`` as an HF checkpoint at ``path``; collective over its home ranks (rank 0 writes)."""
+        """Export ``model_name`` as an HF checkpoint with the run's tokenizer and generation config at
+        ``path``; collective over its home ranks (rank 0 writes)."""
         residency = self._residency()
         if model_name not in residency.models or residency.models[model_name].home is None:
             raise KeyError(
@@ -388,7 +399,14 @@ class ModelWorker(Worker):
             )
         with residency.home_loaded(model_name) as engine:
             if engine is not None:
-                engine.save_pretrained(path)
+                self._export_hf(engine, path)
+
+    def _export_hf(self, engine: TrainEngine, path: str) -> None:
+        """``engine``'s HF export at ``path`` with the run's tokenizer and generation config; collective
+        over its mesh, whose rank 0 writes (:func:`rlflow.workers.hf_export.complete_hf_export`)."""
+        engine.save_pretrained(path)
+        if engine.dp_rank == engine.tp_rank == engine.pp_rank == 0:  # the rank that wrote the weights
+            complete_hf_export(path, self.setup.tokenizer_path, self.setup.sampling)
 
 
 def _numpy_rng_state() -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""What a model worker reports about the calls it ran: timing records and call errors.
+"""What a model worker reports about the calls it ran: timing records, profiler traces and call errors.
 
 Every rank keeps one :class:`CallRecord` per MFC call and per reallocation hook it ran;
 the driver pops them (``ModelWorker.pop_metrics``) and groups them by the training step the
-driver gave the call. An exception inside a call or hook leaves the worker as a
+driver gave the call. Chosen calls at chosen steps run under ``torch.profiler``
+(:class:`CallProfiler`, ``trainer.profile_calls``), each rank writing a Chrome trace. An exception inside a call or hook leaves the worker as a
 :class:`~rlflow.controller.TaskError` whose message names the call, its model and the rank
 (``reward_inf (model reward) on rank 1: ValueError: ...``), with the original exception
 chained.
@@ -10,12 +11,17 @@ chained.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity
 
 from rlflow.controller import TaskError
 
-__all__ = ["INTERVAL_KINDS", "RECORD_KINDS", "CallRecord", "call_error"]
+__all__ = ["INTERVAL_KINDS", "RECORD_KINDS", "CallProfiler", "CallRecord", "call_error"]
 
 # What ran: the call itself or one of its reallocation hooks.
 RECORD_KINDS = ("call", "pre_call", "post_call")
@@ -73,6 +79,38 @@ class CallRecord:
     def seconds(self) -> float:
         """Wall-clock duration on the worker."""
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class CallProfiler:
+    """Which calls a worker runs under ``torch.profiler``, and where their traces go.
+
+    Attributes:
+        calls: MFC names to profile.
+        steps: the training steps (a call's ``step``) at which they are profiled.
+        directory: where each rank writes ``step{N}_{mfc}_rank{R}.json`` (a Chrome trace).
+    """
+
+    calls: frozenset[str]
+    steps: frozenset[int]
+    directory: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calls", frozenset(self.calls))
+        object.__setattr__(self, "steps", frozenset(self.steps))
+
+    @contextmanager
+    def profile(self, mfc: str, step: int, rank: int, device: torch.device) -> Iterator[None]:
+        """Runs the body under the torch profiler (CPU, and CUDA on a GPU) when ``mfc`` at ``step``
+        is chosen, then writes its Chrome trace; otherwise runs it as it is."""
+        if mfc not in self.calls or step not in self.steps:
+            yield
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False) as prof:
+            yield
+        os.makedirs(self.directory, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(self.directory, f"step{step}_{mfc}_rank{rank}.json"))
 
 
 def call_error(mfc: str, model: str, kind: str, rank: int, error: Exception) -> TaskError:
