@@ -5,7 +5,8 @@ A checkpoint is a directory ``<checkpoint dir>/step_<N>`` holding whatever the t
 (step, time, file list). :meth:`CheckpointManager.save` lets ``write_fn`` fill a temporary
 directory next to the target and renames it into place only when everything is written, so a
 crash never leaves a half-written ``step_<N>``: a directory with that name and a ``meta.json`` is
-complete. Nothing here pickles: RNG states and the data-loader position are JSON, and any
+complete. The trained models of a finished run go apart from the rotation, to ``final/<model>``
+(:func:`save_final_models`). Nothing here pickles: RNG states and the data-loader position are JSON, and any
 tensors the trainer adds go through safetensors or ``torch.load(weights_only=True)``.
 """
 
@@ -19,7 +20,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,11 @@ from rlflow.trainer.config import CheckpointConfig
 __all__ = [
     "CheckpointManager",
     "capture_rng_state",
+    "final_dir",
     "read_json",
     "read_trainer_state",
     "restore_rng_state",
+    "save_final_models",
     "write_json",
     "write_trainer_state",
 ]
@@ -176,6 +179,43 @@ def _replace_dir(src: Path, dst: Path) -> None:
     os.replace(dst, old)
     os.replace(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# --- The final models ---
+
+
+def final_dir(cfg: CheckpointConfig, run_dir: str | Path) -> Path:
+    """``cfg.final_dir`` (absolute: workers write there), or ``<run_dir>/final``."""
+    return Path(os.path.abspath(cfg.final_dir)) if cfg.final_dir else Path(run_dir) / "final"
+
+
+def save_final_models(export: Callable[[str, str], Any], names: Sequence[str], directory: str | Path) -> list[Path]:
+    """Export each model of ``names`` to ``<directory>/<name>``, each replaced only once whole.
+
+    ``export(name, path)`` writes an HF directory at ``path`` (``ModelWorker.save_pretrained``
+    through the worker group: weights, tokenizer, generation config); it is given a temporary
+    path beside the target, renamed onto the target when complete. The directory lies outside
+    the checkpoint rotation, so ``keep_last`` never prunes it.
+
+    Returns:
+        The model directories, in the order of ``names``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # Exports a killed run left half-written: ours, and the engine's own temporary beside each of ours.
+    for leftover in [*directory.glob(f"{_TMP_PREFIX}*"), *directory.glob(f".{_TMP_PREFIX}*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    written = []
+    for name in names:
+        tmp = directory / f"{_TMP_PREFIX}{name}_{uuid.uuid4().hex[:8]}"
+        try:
+            export(name, str(tmp))
+            _replace_dir(tmp, directory / name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        written.append(directory / name)
+    return written
 
 
 # --- JSON files ---

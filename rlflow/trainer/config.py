@@ -453,6 +453,33 @@ class LoopConfig(_Section):
     log_every: int = _f(1, "log metrics every this many steps", ge=1)
     max_wall_seconds: float | None = _f(None, "stop (after a final eval and checkpoint) past this wall time", gt=0.0)
     max_restarts: int = _f(0, "worker restarts after a death or failed collective, each from the last checkpoint", ge=0)
+    profile_calls: list[str] = _f(
+        [],
+        "MFCs (e.g. actor_train, actor_gen) to run under torch.profiler at profile_steps, each writing a Chrome "
+        "trace per rank to {run dir}/profiles/step{N}_{mfc}_rank{R}.json; empty: no profiling",
+    )
+    profile_steps: list[int] = _f([], "the training steps whose profile_calls are profiled (0: before training)")
+
+    def _check(self) -> None:
+        # Profiling is on when both name something; one of them alone is a forgotten half.
+        if bool(self.profile_calls) != bool(self.profile_steps):
+            given, empty = ("profile_calls", "profile_steps")[:: 1 if self.profile_calls else -1]
+            raise ConfigError(empty, f"empty, but {given}={getattr(self, given)}; set both or neither")
+        negative = [s for s in self.profile_steps if s < 0]
+        if negative:
+            raise ConfigError("profile_steps", f"{negative}; steps are >= 0")
+
+    def check_profile_calls(self, call_names: Sequence[str]) -> None:
+        """Refuses a ``profile_calls`` entry that is not one of the run's ``call_names`` (its graph's MFCs).
+
+        Raises:
+            ConfigError: on ``trainer.profile_calls``, naming the unknown calls and the known ones.
+        """
+        unknown = [name for name in self.profile_calls if name not in call_names]
+        if unknown:
+            raise ConfigError(
+                "trainer.profile_calls", f"{unknown} are not calls of this run; its calls: {sorted(call_names)}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -485,6 +512,11 @@ class CheckpointConfig(_Section):
     keep_last: int = _f(2, "checkpoints kept (older ones deleted); 0: keep all", ge=0)
     save_hf: bool = _f(True, "also export the trainable models as HF directories in each checkpoint")
     save_on_signal: bool = _f(True, "on SIGINT/SIGTERM during training: finish the step, save a checkpoint, then exit")
+    final_dir: str | None = _f(
+        None,
+        "where fit() writes the trained models at its end, one HF directory (weights, tokenizer, generation "
+        "config) per model, never pruned; null: {run dir}/final",
+    )
 
     def _check(self) -> None:
         if not self.resume:

@@ -63,6 +63,7 @@ trainer_placement = LazyModule("rlflow.trainer.placement")
 trainer_runner = LazyModule("rlflow.trainer.runner")
 run_dirs = LazyModule("rlflow.trainer.run_dir")
 reward_functions = LazyModule("rlflow.workers.reward_funcs")
+worker_records = LazyModule("rlflow.workers.records")
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class Trainer:
                 reward_functions.check_reward_signature(fn, set(self.data.columns) - {"prompt"})
             rule_reward = "reward" not in self.cfg.models and self.data.reward_fn is not None
             self.graph = build.build_dataflow(self.cfg, rule_reward)
+            self.cfg.trainer.check_profile_calls(list(self.graph.nodes))
             self.callbacks = trainer_callbacks.Callbacks(
                 callbacks, trainer_callbacks.training_args(self.cfg, self.run_dir), steps_per_epoch=len(self.data.train)
             )
@@ -239,6 +241,9 @@ class Trainer:
         self.setup = setup
         started = time.perf_counter()
         self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu, ranks, in_driver=in_driver)
+        if cfg.trainer.profile_calls:  # a torch.profiler trace of each chosen call, per rank
+            loop, directory = cfg.trainer, str(self.run_dir / "profiles")
+            self.workers.set_profiler(worker_records.CallProfiler(loop.profile_calls, loop.profile_steps, directory))
         self._record_startup("workers_s", started)
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
@@ -354,6 +359,7 @@ class Trainer:
             self._exit_on_signal()
         self.result.score_after = self.evaluate()
         self._save(final=True)
+        self._save_final_models()
         self.callbacks.train_end(self.step)
 
     def _restart(self, err: Exception, attempt: int) -> None:
@@ -404,8 +410,9 @@ class Trainer:
     def _exit_on_signal(self) -> None:
         """Saves the step reached and leaves as the signal would have (a shell sees 130 or 143)."""
         path = self._save()
+        self._save_final_models()
         name = signal.Signals(self._signal).name
-        print(f"{name}: stopped at step {self.step}; checkpoint {path}")
+        log.warning(f"{name}: stopped at step {self.step}; checkpoint {path}")
         if self._signal == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + self._signal)
@@ -609,6 +616,14 @@ class Trainer:
         self._intervals += [timeline.Interval(r.rank, r.start, r.end, r.mfc, r.interval_kind, r.step) for r in records]
         return records
 
+    def _save_final_models(self) -> None:
+        """The trained models as HF directories (weights, tokenizer, generation config) in
+        ``checkpoint.final_dir``, apart from the rotating checkpoints."""
+        names = [name for name, model in self.setup.models.items() if model.trainable]
+        directory = trainer_checkpoint.final_dir(self.cfg.checkpoint, self.run_dir)
+        paths = trainer_checkpoint.save_final_models(self.workers.save_pretrained, names, directory)
+        print(f"final models at step {self.step}: {', '.join(str(p) for p in paths)}")
+
     def _save(self, final: bool = False) -> Path | None:
         if final and not self.cfg.checkpoint.save_final:
             return None
@@ -676,9 +691,9 @@ class Trainer:
                 checkpoint_layouts.remove_scratch(source)
 
     def _report(self) -> None:
-        """Measured vs estimated time per MFC, and the measured timeline as a picture."""
+        """Measured vs estimated time per MFC, and the measured timeline as a picture and a Perfetto / Chrome trace."""
         table = trainer_metrics.timing_table(self.result.mfc_seconds, self.result.estimated_seconds)
-        print(table)
+        log.info(table)
         (self.run_dir / "timings.txt").write_text(table + "\n")
         if self._intervals:
             t0 = min(i.start for i in self._intervals)
@@ -692,6 +707,10 @@ class Trainer:
                 self.run_dir / "timeline.png",
                 title=f"{self.cfg.experiment_name}: measured",
                 boundaries=sorted(ends.values()),
+            )
+            strategies = {name: layout.strategy for name, layout in self.setup.layouts.items()}
+            timeline.write_trace(
+                shifted, self.run_dir / "timeline.trace.json", f"{self.cfg.experiment_name}: measured", strategies
             )
 
     def close(self) -> None:
