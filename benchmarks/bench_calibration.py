@@ -28,7 +28,7 @@ Metropolis-Hastings chains of a fixed number of proposals (reproducible), starte
 plan and the baselines.
 
     python -m benchmarks.run calibration
-    python -m benchmarks.bench_calibration --markdown       # the table of docs/benchmarks/calibration.md
+    python -m benchmarks.bench_calibration --markdown       # the table of docs/benchmarks.md, "Calibration"
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def run(steps: int = SEARCH_STEPS) -> list[dict]:
 
 
 def markdown(records: list[dict]) -> str:
-    """The calibration table as docs/benchmarks/calibration.md shows it."""
+    """The calibration table as docs/benchmarks.md, section "Calibration", shows it."""
     rows = [
         "| point | ReaLHF PFLOP/iter | searched: paper / rlflow (err) | heuristic: paper / rlflow (err) "
         "| ratio paper / rlflow (diff) | GPUs per call rlflow / Table 4 |",

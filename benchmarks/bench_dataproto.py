@@ -10,7 +10,7 @@ concatenated result, for:
 * ``rlflow_read_only``: the same with ``writable_inputs=False`` (the worker's part stays a view of
   the object store's memory);
 * ``verl``: verl's ``RayWorkerGroup`` and ``DataProto`` (``verl.single_controller``), run in a
-  subprocess under its own virtual environment (``.venv-verl``, made on first use; about 2 min).
+  subprocess under its own virtual environment (``.venv-verl``, made on first use).
 
 Each program runs its own Ray instance with 4 CPUs. The programs alternate in ``ROUNDS`` rounds
 of ``CALLS`` calls each, so that the load of a shared machine hits all of them alike; a record

@@ -12,7 +12,7 @@ checks that both give the same destination tensors bit for bit, and reports seco
 effective GB/s (bytes crossing processes / seconds), the speed-up, and the bytes moved next to
 the layouts' minimum (:func:`minimum_moved_numel`).
 
-Run: ``python -m benchmarks.run reshard`` (about 1-2 minutes on 2 cores).
+Run: ``python -m benchmarks.run reshard``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ against samples seen per task in the output directory.
 Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main``), ``RLFLOW_BENCH_TRL_TINY_STEPS`` (150),
 ``RLFLOW_BENCH_TRL_MAIN_STEPS`` (30), ``RLFLOW_BENCH_TRL_REPEATS`` (1),
 ``RLFLOW_BENCH_TRL_THREADS`` (``1,2``: TRL's torch thread counts; on a busy machine a 2-thread
-process spin-waits for its second core, 13-20 s per tiny step at load 10, so ``1`` there),
+process spin-waits for its second core, so ``1`` there),
 ``RLFLOW_BENCH_TRL_WARM_START_STEPS`` (0: random initial weights; N: both start from the model
 after N supervised steps on the task's answers, :func:`warm_start`),
 ``RLFLOW_BENCH_TRL_LR`` (the task's: both sides' learning rate; a warm-started tiny model

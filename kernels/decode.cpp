@@ -2,11 +2,11 @@
 //
 // Python twin: rlflow.engine.rollout.fast_decode.FastDecoder.step (the tests compare the two).
 // On the small models of CPU rollouts a decode step is a few dozen tiny torch ops, each costing
-// more in dispatch and allocation than in arithmetic (a 2-layer, 64-wide model spends ~0.6 ms a
-// step in ~60 ops for ~4 MFLOP). Here the same math runs in one C++ call over buffers allocated
-// once: embedding, per layer RMSNorm → fused q/k/v (+ bias, per-head q/k RMSNorm) → RoPE → KV
-// write at the step's slot → attention over the valid keys (additive key mask, sliding window,
-// grouped-query heads) → o-projection + residual → RMSNorm → fused gate/up → SiLU(gate) · up →
+// more in dispatch and allocation than in arithmetic (docs/benchmarks.md, "Sampler"). Here the
+// same math runs in one C++ call over buffers allocated once: embedding, per layer RMSNorm →
+// fused q/k/v (+ bias, per-head q/k RMSNorm) → RoPE → KV write at the step's slot → attention
+// over the valid keys (additive key mask, sliding window, grouped-query heads) → o-projection +
+// residual → RMSNorm → fused gate/up → SiLU(gate) · up →
 // down-projection + residual; then the final RMSNorm and the LM head.
 //
 // Layouts (all float32, C-contiguous; the Python side packs them once per weight version):

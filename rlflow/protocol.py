@@ -481,7 +481,7 @@ def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
     torch splits a large copy over its intra-op threads. When the process shares few cores with
     busy workers (the driver collecting their outputs), waiting for those threads costs far more
-    than the copy: 4 MiB took 29 ms with ``torch.cat`` and 0.35 ms with numpy at load 10 on 2 cores.
+    than the copy (docs/benchmarks.md, "DataProto round trip").
     Rows of contiguous tensors of one dtype and trailing shape concatenate as their bytes do.
     """
     first = tensors[0]

@@ -201,8 +201,8 @@ class TrainEngine:
         apply_tp(stage, self.mesh["tp"])
         if self.config.gradient_checkpointing:
             apply_ac(stage)
-        # FSDP over one rank shards nothing and syncs nothing, yet its hooks cost a tiny model's
-        # step 2-3x on CPU; it stays where it does work: dp > 1, or a compute dtype to cast to.
+        # FSDP over one rank shards nothing and syncs nothing, yet its hooks outweigh a tiny model's
+        # step on CPU; it stays where it does work: dp > 1, or a compute dtype to cast to.
         master_dtype = next(stage.parameters()).dtype
         fsdp = self.mesh["dp"].size() > 1 or self.compute_dtype != master_dtype
         if fsdp:

@@ -8,8 +8,8 @@ machines), ``host_device_bandwidth`` its host<->device copy rate (PCIe).
 Latencies follow NCCL's own tuning model (``src/graph/tuning.cc``, ring algorithm, LL
 protocol): a collective costs a base latency of 6.6 us plus 0.6 us per NVLink step or
 2.7 us per network step. The sustained-efficiency factors of the H100 and H200 presets come from
-measurements on an H100 lent to this project (docs/reference: 798 TFLOP/s on an 8192^3 bf16
-matmul against 989 peak; 3.0 TB/s device-to-device copy against 3.35 TB/s); the A100 preset's
+measurements on an H100 lent to this project (an 8192^3 bf16 matmul and a device-to-device copy
+against their peaks; docs/placement.md, "Cost model"); the A100 preset's
 matmul fraction is Megatron-LM's sustained training rate on A100s, and its decode latencies
 (host launch per layer, tp ranks waiting at each decode all-reduce) come from metaseq's eager
 and CUDA-graph decode on A100s; every constant below names its source.
@@ -89,18 +89,17 @@ A100_DECODE_TP_STEP_S = (METASEQ_GRAPH_TOKEN_S / METASEQ_LAYERS - _METASEQ_WEIGH
 # rlflow's built-in sampler on Hopper, measured on the H200 lent to this project, four machines
 # (benchmarks/bench_gpu_overheads.py, benchmarks/measured/gpu_overheads_h200.jsonl; torch 2.11 +
 # CUDA 13, Xeon hosts; docs/benchmarks.md, "GPU overheads"): the decode step of models 256 wide —
-# kernels of microseconds, so a step is its launches — at 1, 4 and 16 layers (medians 0.43, 1.49,
-# 4.00 ms a step), one least-squares line through all twelve: its slope is the host's launch of one
-# decoder layer's kernels, its intercept the step's work outside the layers (the draw, log-softmax
-# and stop check, the loop). The slopes of the four machines alone: 0.20-0.33 ms; metaseq's A100
-# figure above is 0.30 ms. An engine that replays its decode step as a CUDA graph (vLLM;
-# ``RolloutCapabilities.graph_decode``) is priced with neither.
+# kernels of microseconds, so a step is its launches — at 1, 4 and 16 layers, one least-squares line
+# through all twelve: its slope is the host's launch of one decoder layer's kernels, its intercept
+# the step's work outside the layers (the draw, log-softmax and stop check, the loop); the steps and
+# each machine's own line are on that page. An engine that replays its decode step as a CUDA graph
+# (vLLM; ``RolloutCapabilities.graph_decode``) is priced with neither.
 HOPPER_DECODE_LAYER_DISPATCH_S = 0.249e-3
 HOPPER_DECODE_STEP_DISPATCH_S = 0.367e-3
 # fp32 matmuls (the built-in sampler's fp32 copy; torch leaves TF32 off) run on the CUDA cores at the
-# datasheets' fp32 peak: A100 19.5, H100 and H200 SXM 67 TFLOP/s. On the H200 an 8192^3 fp32 product
-# sustained 51 TFLOP/s (0.76 of peak), as its bf16 product sustained 0.76-0.79 of the bf16 peak in the
-# same runs: the presets' matmul efficiency serves both.
+# datasheets' fp32 peak: A100 19.5, H100 and H200 SXM 67 TFLOP/s. On the H200 an fp32 product sustained
+# the same share of its peak as a bf16 one did of its own (docs/benchmarks.md, "GPU overheads"): the
+# presets' matmul efficiency serves both.
 A100_FP32_PEAK_FLOPS, HOPPER_FP32_PEAK_FLOPS = 19.5e12, 67e12
 
 

@@ -1,10 +1,10 @@
 """A local Ray started on a thread while the driver prepares the run.
 
-A local Ray takes 5-6 s to start on the 2-core machine (its GCS, API server, raylet and agents,
-and a Python worker per CPU: docs/benchmarks.md, section "rlflow against TRL's
-`GRPOTrainer`"), and the driver's imports of tensordict, torch's distributed stack and the
-engines, its construction and the imports of a launch take about as long; they ran one after the
-other. ``Trainer(...)`` now calls :func:`begin_local_ray` before any of them, and
+A local Ray takes seconds to start (its GCS, API server, raylet and agents, and a Python worker
+per CPU: docs/benchmarks.md, section "rlflow against TRL's `GRPOTrainer`"), and the driver's
+imports of tensordict, torch's distributed stack and the engines, its construction and the
+imports of a launch take about as long; they ran one after the other. ``Trainer(...)`` now
+calls :func:`begin_local_ray` before any of them, and
 :func:`rlflow.trainer.build.ensure_ray` takes the instance over at launch when the validated
 config asks for that Ray (a local one of this machine's cores, with the dashboard as asked), else
 shuts it down and starts the one it asks for. A construction that fails stops it

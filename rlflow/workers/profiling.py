@@ -48,7 +48,7 @@ from rlflow.planner.profile import (
 )
 
 # Layer shapes and sizes profiled per device kind: (batch, seq) for forward/backward,
-# (batch, context) for decode steps. CPU sizes keep the whole profile well under 30 s.
+# (batch, context) for decode steps. CPU sizes are small, to keep the whole profile short.
 _CPU_LAYER = dict(num_layers=1, hidden_size=256, intermediate_size=688, num_heads=8, num_kv_heads=8, vocab_size=256)
 _CPU_PASSES = ((1, 64), (4, 128), (4, 256))
 _CPU_DECODE = ((1, 128), (8, 128), (32, 128))
@@ -463,7 +463,7 @@ def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync
 def run_profile(
     path: str | Path | None = None,
     device: str | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     passes: tuple[tuple[int, int], ...] | None = None,
     decodes: tuple[tuple[int, int], ...] | None = None,
     layer: dict[str, int] | None = None,
@@ -476,7 +476,7 @@ def run_profile(
     Args:
         path: where to write; ``None``: :func:`default_profile_path`.
         device: ``"cpu"`` or ``"cuda"``; ``None``: CUDA when available.
-        progress: show a tqdm bar.
+        progress: show a tqdm bar; ``None``: when stderr is a terminal.
         passes: ``(batch, seq)`` sizes of the forward/backward timings (default per device kind).
         decodes: ``(batch, context)`` sizes of the decode-step timings; the whole one-layer
             model's decode step and the sampler's per-token work are timed at the same sizes.
@@ -527,7 +527,8 @@ def run_profile(
     torch.set_num_threads(1)  # one thread per worker process, as rlflow runs CPU workers
     start = time.perf_counter()
     try:
-        bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=not progress)
+        disable = None if progress is None else not progress  # tqdm's None: hidden when stderr is no terminal
+        bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=disable)
         hardware = measure_hardware(device)
         if not cuda:  # CPU workers talk through gloo; NCCL's latencies come from the GPU presets
             hardware = replace(hardware, collective_latency_s=gloo_collective_latency())
@@ -666,7 +667,7 @@ def _read_cached(path: Path) -> MachineProfile | None:
         return None
 
 
-def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool = True) -> CachedProfile:
+def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool | None = None) -> CachedProfile:
     """A CPU profile of this machine at ``shapes`` (:func:`run_profile` arguments, as
     ``rlflow.trainer.placement.profile_shapes`` makes them): read from the cache when a profile of
     the same host and shapes is there (:func:`host_identity`,
@@ -675,7 +676,7 @@ def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool = True
     Args:
         shapes: ``layer``, ``passes``, ``decodes`` and optionally ``calls`` and ``call_processes``.
         refresh: measure again even when the cache has the profile (and replace it).
-        progress: show the measuring progress bar.
+        progress: show the measuring progress bar; ``None``: when stderr is a terminal.
     """
     path = cached_profile_path(profile_cache_key(host_identity("cpu"), shapes))
     profile = None if refresh else _read_cached(path)

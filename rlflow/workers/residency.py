@@ -324,7 +324,7 @@ class Residency:
         elif self._copies.pop(key, None) is not None:
             if self.device.type == "cuda":
                 # HF modules hold reference cycles: collect them so the cache can hand memory back.
-                # On CPU refcounting frees the tensors; a full collection costs ~0.2 s per call.
+                # On CPU refcounting frees the tensors; a full collection per call would be time for nothing.
                 gc.collect()
                 torch.cuda.empty_cache()
 

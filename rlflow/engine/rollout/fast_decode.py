@@ -1,7 +1,7 @@
 """A lean decoder for the built-in sampler: the family's decoder math on the module's weights.
 
-On small models a decode step through HF's modules costs about 2 ms of Python dispatch per
-token (hooks, cache objects, mask checks, many small ops), ten times the arithmetic. This
+On small models a decode step through HF's modules is mostly Python dispatch (hooks, cache
+objects, mask checks, many small ops), not arithmetic (docs/benchmarks.md, "Sampler"). This
 module runs the same math in a fraction of the ops, for every family whose layers are the
 Llama decoder with the variations :class:`rlflow.families.LayerFeatures` names (q/k/v biases,
 o and MLP biases, per-head q/k RMSNorm) and whose attention is full or sliding-window
@@ -46,8 +46,8 @@ __all__ = ["FastDecoder", "fast_decode_blocker", "kv_cache_bytes"]
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
 # Decode attention as baddbmm + softmax + bmm up to this many (row, kv head) batches on CPU,
-# scaled_dot_product_attention above: measured crossover between 64 and 128 batches on a
-# 2-core EPYC (sdpa 1.4x slower at 64 batches of 16-wide heads, bmm 1.4x slower at 128 of 32).
+# scaled_dot_product_attention above: the crossover measured on a 2-core EPYC lies between 64 and
+# 128 batches.
 _BMM_MAX_BATCHES = 64
 
 

@@ -16,8 +16,8 @@ under tensor parallelism:
 forward is :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` wherever
 :func:`~rlflow.engine.rollout.fast_decode.fast_decode_blocker` allows it: the family's decoder
 math on the module's weights with fused projections and a preallocated KV cache, in a fraction
-of the ops of HF's modules (2–3× faster per rollout on issue 12's task, see
-docs/benchmarks/sampler.md); on small float32 CPU models its decode steps run in C++, one call a
+of the ops of HF's modules (docs/benchmarks.md, "Sampler", times both); on small float32 CPU
+models its decode steps run in C++, one call a
 step (:class:`~rlflow.engine.rollout.native_decode.NativeDecoder`, where
 :func:`~rlflow.engine.rollout.native_decode.native_decode_blocker` allows it). Elsewhere (tensor-parallel weights, an unknown family, a rope
 type whose angles depend on the sequence length, parameters the family does not name, a

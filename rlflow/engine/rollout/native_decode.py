@@ -1,8 +1,8 @@
 """The lean decoder's decode step in C++: one call per step instead of a few dozen torch ops.
 
 :class:`~rlflow.engine.rollout.fast_decode.FastDecoder` cut HF's decode step to the family's
-math in about sixty torch ops; on the small models CPU rollouts run, those ops still cost ten
-times their arithmetic (a 2-layer, 64-wide Llama: ~0.6 ms a step for ~4 MFLOP). :class:`NativeDecoder`
+math in about sixty torch ops; on the small models CPU rollouts run, those ops still cost far
+more than their arithmetic (docs/benchmarks.md, "Sampler"). :class:`NativeDecoder`
 keeps its twin's prefill (one pass, torch's kernels are the right tool there) and runs every
 decode step in ``rlflow._C_decode`` (``kernels/decode.cpp``) over the twin's own KV buffers,
 rope tables and key mask: the same math, the same sampler loop around it (the same draws, the
@@ -40,8 +40,8 @@ __all__ = [
 
 # Largest decode step run in C++, in multiply-adds per layer (rows x the layer's matrices). The C++
 # step wins where torch's per-op overhead dominates a step and loses where MKL's GEMMs outrun its
-# AVX2 tiles; `python -m benchmarks.run sampler` times the crossover (its `sampler_step_*` records,
-# docs/benchmarks/sampler.md): 1.7-2.4x faster up to ~14 M, level around 30-60 M, slower above.
+# AVX2 tiles; `python -m benchmarks.run sampler` times the crossover (its `sampler_step_*` records;
+# the figures and the level point below which this limit sits: docs/benchmarks.md, "Sampler").
 NATIVE_MAX_STEP_MACS = 32_000_000
 
 
