@@ -622,7 +622,7 @@ class Trainer:
         names = [name for name, model in self.setup.models.items() if model.trainable]
         directory = trainer_checkpoint.final_dir(self.cfg.checkpoint, self.run_dir)
         paths = trainer_checkpoint.save_final_models(self.workers.save_pretrained, names, directory)
-        print(f"final models at step {self.step}: {', '.join(str(p) for p in paths)}")
+        log.info(f"final models at step {self.step}: {', '.join(str(p) for p in paths)}")
 
     def _save(self, final: bool = False) -> Path | None:
         if final and not self.cfg.checkpoint.save_final:
