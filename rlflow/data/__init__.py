@@ -1,5 +1,6 @@
-"""Data: JSONL datasets and a resumable loader, synthetic tasks with verifiable answers,
-a local character tokenizer and tiny Llama/Qwen2 models built from configs."""
+"""Data: files read through ``datasets``, TRL's row formats, datasets and a resumable loader,
+synthetic tasks with verifiable answers, a local character tokenizer and tiny Llama/Qwen2 models
+built from configs."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from rlflow.data.datasets import (
     collate_prompts,
     collate_sft,
     pad_sequences,
-    read_jsonl,
 )
+from rlflow.data.files import FORMATS, data_format, read_records
 from rlflow.data.loader import StatefulDataLoader, StatefulSampler
 from rlflow.data.tasks import (
     SPLITS,
@@ -29,6 +30,7 @@ from rlflow.data.tokenizer import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_t
 
 __all__ = [
     "DEFAULT_ALPHABET",
+    "FORMATS",
     "SPECIAL_TOKENS",
     "SPLITS",
     "ArithmeticTask",
@@ -47,9 +49,10 @@ __all__ = [
     "collate_preferences",
     "collate_prompts",
     "collate_sft",
+    "data_format",
     "load_tokenizer",
     "pad_sequences",
-    "read_jsonl",
+    "read_records",
     "save_tiny_model_and_tokenizer",
     "solve_countdown",
     "write_jsonl",

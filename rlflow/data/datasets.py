@@ -1,14 +1,20 @@
-"""JSONL datasets (prompts, prompt + answer, paired preferences) and their collates.
+"""Datasets of prompts (RL), supervised examples (SFT) and preference pairs (DPO, reward models),
+in TRL's standard and conversational formats, and their collates.
 
-Every dataset reads and tokenises its whole file when built, so a bad line (invalid JSON,
-bytes that are not UTF-8, a missing field) or an over-long example fails at start-up with
-``<file>:<line>`` in the message, not hours into a run; an empty file is named as empty. Over-long examples raise unless truncation is configured; truncation is counted
-(``num_truncated``) and reported with a warning, never silent.
+A dataset reads a data file through :mod:`rlflow.data.files` (parquet, JSON lines, CSV, Arrow, a
+``save_to_disk`` directory) or takes rows in memory, and tokenises every row when built, so a
+malformed row (a missing or ill-typed column, a format it cannot tell) or an over-long example
+fails at start-up naming the file and its line or row, not hours into a run. Over-long examples
+raise unless truncation is configured; truncation is counted (``num_truncated``) and reported
+with a warning, never silent. The rows each dataset reads (:mod:`rlflow.data.formats`):
+
+* :class:`PromptDataset`: ``prompt`` (a string or messages) and any other column;
+* :class:`SFTDataset`: ``prompt`` + ``completion`` (or ``answer``), ``messages`` or ``text``;
+* :class:`PreferenceDataset`: ``prompt`` + ``chosen`` + ``rejected``, or ``chosen`` + ``rejected``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -16,6 +22,17 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
+
+from rlflow.data.files import DatasetFormatError, read_records
+from rlflow.data.formats import (
+    Text,
+    check_text,
+    is_messages,
+    preference_parts,
+    render_conversation,
+    render_prompt,
+    split_completion,
+)
 
 __all__ = [
     "DatasetFormatError",
@@ -26,84 +43,14 @@ __all__ = [
     "collate_prompts",
     "collate_sft",
     "pad_sequences",
-    "read_jsonl",
 ]
-
-
-class DatasetFormatError(ValueError):
-    """A dataset line is malformed or too long; the message starts with ``file:line``."""
-
-
-def read_jsonl(path: str | os.PathLike, fields: Mapping[str, type | tuple[type, ...]]) -> list[dict[str, Any]]:
-    """Read a JSONL file of objects, checking that each has ``fields`` with the given types.
-
-    Blank lines are skipped; other fields are kept as they are.
-
-    Args:
-        path: the file.
-        fields: required field name → accepted type(s).
-
-    Returns:
-        One dict per non-blank line, each with ``"_line"`` (its 1-based line number) added.
-
-    Raises:
-        DatasetFormatError: bytes that are not UTF-8, invalid JSON, not an object, missing field
-            or wrong type (the message names the file and line), or a file without a single
-            JSON line (named as empty).
-    """
-    records = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            line = _decoded(raw, where)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            _check_record(record, fields, where)
-            records.append({**record, "_line": line_no})
-    if not records:
-        what = "is empty" if os.path.getsize(path) == 0 else "holds only blank lines"
-        raise DatasetFormatError(f"{path}: the file {what}; a dataset needs one JSON object per line")
-    return records
-
-
-def _decoded(raw: bytes, where: str) -> str:
-    """One line as text; bytes that are not UTF-8 are named with their column (1-based, in bytes)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        byte = raw[e.start : e.start + 1].hex()
-        raise DatasetFormatError(
-            f"{where}: not UTF-8: byte 0x{byte} at column {e.start + 1} ({e.reason}); save the file as UTF-8"
-        ) from None
-
-
-def _check_record(record: Any, fields: Mapping[str, type | tuple[type, ...]], where: str) -> None:
-    if not isinstance(record, dict):
-        raise DatasetFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for name, kind in fields.items():
-        if name not in record:
-            raise DatasetFormatError(f"{where}: missing field {name!r} (has {sorted(record)})")
-        if not isinstance(record[name], kind):
-            raise DatasetFormatError(
-                f"{where}: field {name!r} should be {_type_name(kind)}, got {type(record[name]).__name__}"
-            )
-
-
-def _type_name(kind: type | tuple[type, ...]) -> str:
-    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
-
 
 _ITEM_KEYS = ("index", "input_ids", "loss_mask")  # what a dataset adds to a record's fields
 
 
-class _JsonlDataset:
-    """Shared plumbing: load records, tokenise them, count truncations, index items."""
+class _RowDataset:
+    """Shared plumbing: read rows, tokenise them, count truncations, index items."""
 
-    fields: dict[str, type | tuple[type, ...]] = {}
     truncation_modes: tuple[str, ...] = ("error",)
 
     def __init__(
@@ -116,58 +63,90 @@ class _JsonlDataset:
             raise ValueError(f"truncation={truncation!r}; {type(self).__name__} accepts {self.truncation_modes}")
         self.tokenizer, self.truncation, self.num_truncated = tokenizer, truncation, 0
         self.source = str(source) if isinstance(source, (str, os.PathLike)) else "<records>"
-        if isinstance(source, (str, os.PathLike)):
-            records = read_jsonl(source, self.fields)
-        else:
-            records = []
-            for i, record in enumerate(source):
-                _check_record(record, self.fields, f"{self.source}:{i + 1}")
-                records.append({**record, "_line": i + 1})
-            if not records:
-                raise DatasetFormatError(f"{self.source}: no records; a dataset needs at least one")
-        self.lines = [r["_line"] for r in records]  # of each item, for errors that name file:line
-        self.items = [self._build_item(i, r) for i, r in enumerate(records)]
+        rows = read_records(source) if isinstance(source, (str, os.PathLike)) else _in_memory(source)
+        self.places = [where for where, _ in rows]  # of each item, for errors that name file:line
+        self.items = [self._build_item(i, where, row) for i, (where, row) in enumerate(rows)]
         if self.num_truncated:
             warnings.warn(
                 f"{self.source}: truncated {self.num_truncated} of {len(self.items)} examples ({truncation})",
                 stacklevel=2,
             )
 
-    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+    def _build_item(self, index: int, where: str, row: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _where(self, record: Mapping[str, Any]) -> str:
-        return f"{self.source}:{record['_line']}"
-
     def where(self, index: int) -> str:
-        """``file:line`` of item ``index`` (``<records>:<n>`` for records given in memory)."""
-        return f"{self.source}:{self.lines[index]}"
+        """Where item ``index`` is: ``file:line``, ``file row i``, or ``<records>:n`` for rows given in memory."""
+        return self.places[index]
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _segments(self, where: str, prompt: Text, completion: Text, column: str) -> tuple[list[int], list[int]]:
+        """Token ids of a prompt and of its completion.
+
+        Strings: the prompt with special tokens (BOS), the completion without, then EOS. Messages:
+        both as the chat template renders them, the completion closed by the template's own end
+        of turn.
+        """
+        if isinstance(prompt, str) and isinstance(completion, str):
+            eos = self.tokenizer.eos_token_id
+            return self._encode(prompt, True), self._encode(completion, False) + ([] if eos is None else [eos])
+        if is_messages(prompt) and is_messages(completion):
+            prompt_text, completion_text = split_completion(self.tokenizer, prompt, completion, where, column)
+            return self._encode(prompt_text, False), self._encode(completion_text, False)
+        raise DatasetFormatError(
+            f"{where}: 'prompt' and {column!r} mix a string and messages; give both as one or the other"
+        )
+
+    def _fit(self, where: str, context: list[int], target: list[int], what: str, field: str, max_length: int):
+        """``context + target`` within ``max_length`` and its loss mask (1 on ``target``)."""
+        ids = context + target
+        if len(ids) > max_length:
+            message = f"{where}: {what} has {len(ids)} tokens > max_length={max_length}"
+            if self.truncation == "error":
+                raise DatasetFormatError(message)
+            if len(context) >= max_length:
+                raise DatasetFormatError(f"{message}, and the prompt alone ({len(context)}) leaves no {field} token")
+            self.num_truncated += 1
+            ids = ids[:max_length]
+        return ids, [0] * len(context) + [1] * (len(ids) - len(context))
 
     def __len__(self) -> int:
         return len(self.items)
 
     @property
     def columns(self) -> tuple[str, ...]:
-        """The fields of the records (``_line`` and the tokenised fields left out), in first-seen order."""
+        """The fields of the records (the tokenised fields left out), in first-seen order."""
         return tuple(dict.fromkeys(k for item in self.items for k in item if k not in _ITEM_KEYS))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.items[index]
 
 
-class PromptDataset(_JsonlDataset):
-    """Prompts for rollouts: lines ``{"prompt": str | list[message], ...}``; every other field
-    (``ground_truth``, ``answer``, any column a reward function reads) travels with the item.
+def _in_memory(source: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    rows = []
+    for i, record in enumerate(source):
+        where = f"<records>:{i + 1}"
+        if not isinstance(record, Mapping):
+            raise DatasetFormatError(f"{where}: expected a dict of columns, got {type(record).__name__}")
+        rows.append((where, dict(record)))
+    if not rows:
+        raise DatasetFormatError("<records>: no records; a dataset needs at least one")
+    return rows
 
-    A conversational prompt (TRL's format: a list of ``{"role": ..., "content": ...}``
-    messages) is rendered with the tokenizer's chat template, ending with the generation
-    prompt; a tokenizer without a chat template refuses it.
+
+class PromptDataset(_RowDataset):
+    """Prompts for rollouts: rows ``{"prompt": str | list[message], ...}``; every other column
+    (``ground_truth``, ``answer``, verl's ``reward_model`` / ``extra_info``, any column a reward
+    function reads) travels with the item.
+
+    A conversational prompt (a list of ``{"role": ..., "content": ...}`` messages) is rendered
+    with the tokenizer's chat template, ending with the generation prompt; a tokenizer without a
+    chat template refuses it. The item keeps the messages themselves under ``prompt``.
 
     Args:
-        source: a JSONL path, or records (dicts) already in memory.
+        source: a data file (:func:`~rlflow.data.files.read_records`), or rows (dicts) in memory.
         tokenizer: encodes the prompt with its special tokens (BOS).
         max_prompt_length: longest prompt in tokens.
         truncation: ``"error"``, ``"left"`` (drop the beginning after BOS, keep the end next
@@ -176,31 +155,28 @@ class PromptDataset(_JsonlDataset):
     Items: ``{"index": int, "input_ids": list[int], "prompt": str | list, **other fields}``.
     """
 
-    fields = {"prompt": (str, list)}
     truncation_modes = ("error", "left", "right")
 
     def __init__(self, source, tokenizer, max_prompt_length: int, truncation: str = "error") -> None:
         self.max_prompt_length = max_prompt_length
         super().__init__(source, tokenizer, truncation)
 
-    def _prompt_ids(self, record: dict[str, Any]) -> list[int]:
-        prompt = record["prompt"]
+    def _prompt_ids(self, where: str, prompt: Text) -> list[int]:
         if isinstance(prompt, str):
             return self._encode(prompt, add_special_tokens=True)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise DatasetFormatError(
-                f"{self._where(record)}: the prompt is a list of messages, but the tokenizer has no chat "
-                "template to render it; give plain-string prompts or a tokenizer with a chat template"
-            )
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = render_prompt(self.tokenizer, prompt, where, "prompt")
         return self._encode(text, add_special_tokens=False)  # the template writes its own special tokens
 
-    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        ids = self._prompt_ids(record)
+    def _build_item(self, index: int, where: str, row: dict[str, Any]) -> dict[str, Any]:
+        check_text(row, "prompt", where, "; a prompt row holds 'prompt': a string or a list of messages")
+        reserved = {"index", "input_ids"} & set(row)
+        if reserved:
+            raise DatasetFormatError(f"{where}: field(s) {sorted(reserved)} are reserved for rlflow")
+        ids = self._prompt_ids(where, row["prompt"])
         if len(ids) > self.max_prompt_length:
             if self.truncation == "error":
                 raise DatasetFormatError(
-                    f"{self._where(record)}: prompt has {len(ids)} tokens > max_prompt_length={self.max_prompt_length} "
+                    f"{where}: prompt has {len(ids)} tokens > max_prompt_length={self.max_prompt_length} "
                     "(raise the limit, or truncate from the left: data.truncation=left)"
                 )
             self.num_truncated += 1
@@ -211,53 +187,93 @@ class PromptDataset(_JsonlDataset):
                 keep_bos = bos is not None and ids[0] == bos and self.max_prompt_length > 1
                 tail = ids[len(ids) - self.max_prompt_length + keep_bos :]
                 ids = [bos, *tail] if keep_bos else tail
-        reserved = {"index", "input_ids"} & set(record)
-        if reserved:
-            raise DatasetFormatError(f"{self._where(record)}: field(s) {sorted(reserved)} are reserved for rlflow")
-        extra = {k: v for k, v in record.items() if k not in ("prompt", "_line")}
-        return {"index": index, "input_ids": ids, "prompt": record["prompt"], **extra}
+        return {"index": index, "input_ids": ids, "prompt": row["prompt"], **row}
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return collate_prompts(items, self.tokenizer.pad_token_id)
 
 
-class SFTDataset(_JsonlDataset):
-    """Supervised pairs: lines ``{"prompt": str, "answer": str}``; the loss covers the answer
-    and the EOS token, not the prompt.
+class SFTDataset(_RowDataset):
+    """Supervised examples in TRL's SFT formats; the loss covers what the model should write.
+
+    ==============================  ====================================================
+    row                             loss on
+    ==============================  ====================================================
+    ``prompt`` + ``completion``     the completion (and EOS after a string one)
+    ``prompt`` + ``answer``         the answer and EOS (rlflow's own files)
+    ``messages``                    every token of the rendered conversation after the first
+    ``text``                        every token after the first, and EOS
+    ==============================  ====================================================
+
+    ``prompt`` and ``completion`` are both strings or both messages; checked in that order, so
+    a row holding ``prompt`` + ``completion`` beside ``text`` trains on the completion.
 
     Args:
-        source: a JSONL path, or records in memory.
-        tokenizer: encodes ``prompt`` with special tokens and ``answer`` without; EOS follows.
-        max_length: longest prompt + answer + EOS in tokens.
+        source: a data file, or rows in memory.
+        tokenizer: encodes strings (prompt with special tokens, completion without) and renders
+            messages with its chat template.
+        max_length: longest example in tokens.
         truncation: ``"error"`` or ``"right"`` (cut the end of the answer); a prompt that
             leaves no answer token raises either way.
-        answer_field: the field holding the answer (``"chosen"``: SFT on the chosen answers of
-            a preference file, as before DPO).
+        answer_field: ``"answer"``, or ``"chosen"``: rows are preference rows and the example is
+            the prompt (explicit or implicit) and its chosen answer, as an SFT warm-up before DPO.
 
     Items: ``{"index", "input_ids": list[int], "loss_mask": list[int]}``.
     """
 
-    fields = {"prompt": str, "answer": str}
     truncation_modes = ("error", "right")
 
     def __init__(
         self, source, tokenizer, max_length: int, truncation: str = "error", answer_field: str = "answer"
     ) -> None:
+        if answer_field not in ("answer", "chosen"):
+            raise ValueError(f"answer_field={answer_field!r}; expected 'answer' or 'chosen'")
         self.max_length, self.answer_field = max_length, answer_field
-        self.fields = {"prompt": str, answer_field: str}
         super().__init__(source, tokenizer, truncation)
 
-    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
-        field = self.answer_field
-        ids, mask = _prompt_and_response(self, record, record[field], self.max_length, field)
+    def _build_item(self, index: int, where: str, row: dict[str, Any]) -> dict[str, Any]:
+        if self.answer_field == "chosen":
+            prompt, chosen, _ = preference_parts(row, where)
+            context, target = self._segments(where, prompt, chosen, "chosen")
+            what, field = "prompt + chosen", "chosen"
+        elif "prompt" in row and ("completion" in row or "answer" in row):
+            field = "completion" if "completion" in row else "answer"
+            check_text(row, "prompt", where)
+            check_text(row, field, where)
+            context, target = self._segments(where, row["prompt"], row[field], field)
+            what = f"prompt + {field}"
+        elif "messages" in row or "text" in row:
+            field = "messages" if "messages" in row else "text"
+            context, target = self._language_modelling(where, row, field)
+            what = field
+        else:
+            raise DatasetFormatError(
+                f"{where}: no SFT format in the columns {sorted(row)}; expected 'prompt' + 'completion' "
+                "(or 'answer'), 'messages' or 'text'"
+            )
+        ids, mask = self._fit(where, context, target, what, field, self.max_length)
         return {"index": index, "input_ids": ids, "loss_mask": mask}
+
+    def _language_modelling(self, where: str, row: Mapping[str, Any], field: str) -> tuple[list[int], list[int]]:
+        """The first token as context (nothing predicts it), every later one as target."""
+        value = row[field]
+        if field == "messages" and is_messages(value):
+            ids = self._encode(render_conversation(self.tokenizer, value, where, field), False)
+        elif field == "text" and isinstance(value, str):
+            eos = self.tokenizer.eos_token_id
+            ids = self._encode(value, True) + ([] if eos is None else [eos])
+        else:
+            kind = "a list of messages" if field == "messages" else "str"
+            raise DatasetFormatError(f"{where}: field {field!r} should be {kind}, got {type(value).__name__}")
+        return ids[:1], ids[1:]
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return collate_sft(items, self.tokenizer.pad_token_id)
 
 
-class PreferenceDataset(_JsonlDataset):
-    """Paired preferences: lines ``{"prompt": str, "chosen": str, "rejected": str}``.
+class PreferenceDataset(_RowDataset):
+    """Paired preferences: rows ``{"prompt", "chosen", "rejected"}`` of strings or of messages, or
+    ``{"chosen", "rejected"}`` whose shared beginning is the prompt (TRL's implicit prompt).
 
     Args: as :class:`SFTDataset`; ``max_length`` bounds each of prompt + chosen and
     prompt + rejected.
@@ -266,41 +282,23 @@ class PreferenceDataset(_JsonlDataset):
     "rejected_loss_mask"}``.
     """
 
-    fields = {"prompt": str, "chosen": str, "rejected": str}
     truncation_modes = ("error", "right")
 
     def __init__(self, source, tokenizer, max_length: int, truncation: str = "error") -> None:
         self.max_length = max_length
         super().__init__(source, tokenizer, truncation)
 
-    def _build_item(self, index: int, record: dict[str, Any]) -> dict[str, Any]:
+    def _build_item(self, index: int, where: str, row: dict[str, Any]) -> dict[str, Any]:
+        prompt, chosen, rejected = preference_parts(row, where)
         item: dict[str, Any] = {"index": index}
-        for side in ("chosen", "rejected"):
-            ids, mask = _prompt_and_response(self, record, record[side], self.max_length, side)
+        for side, completion in (("chosen", chosen), ("rejected", rejected)):
+            context, target = self._segments(where, prompt, completion, side)
+            ids, mask = self._fit(where, context, target, f"prompt + {side}", side, self.max_length)
             item[f"{side}_input_ids"], item[f"{side}_loss_mask"] = ids, mask
         return item
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return collate_preferences(items, self.tokenizer.pad_token_id)
-
-
-def _prompt_and_response(
-    dataset: _JsonlDataset, record: Mapping[str, Any], response: str, max_length: int, field: str
-) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + response + EOS, and the loss mask (1 on response and EOS)."""
-    prompt_ids = dataset._encode(record["prompt"], add_special_tokens=True)
-    eos = dataset.tokenizer.eos_token_id
-    response_ids = dataset._encode(response, add_special_tokens=False) + ([] if eos is None else [eos])
-    ids = prompt_ids + response_ids
-    if len(ids) > max_length:
-        where = f"{dataset._where(record)}: prompt + {field} has {len(ids)} tokens > max_length={max_length}"
-        if dataset.truncation == "error":
-            raise DatasetFormatError(where)
-        if len(prompt_ids) >= max_length:
-            raise DatasetFormatError(f"{where}, and the prompt alone ({len(prompt_ids)}) leaves no {field} token")
-        dataset.num_truncated += 1
-        ids = ids[:max_length]
-    return ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
 
 
 def pad_sequences(sequences: Sequence[Sequence[int]], pad_value: int, side: str, length: int | None = None):

@@ -1,9 +1,9 @@
-"""The trainer's data: records from a synthetic task or JSONL files, loaders, and batches as DataProto.
+"""The trainer's data: records from a synthetic task or data files, loaders, and batches as DataProto.
 
 Every algorithm reads its rows under the dataflow keys of ``rlflow.dataflow.algorithms``:
 
 * RL algorithms (dataset ``prompts``: PPO, GRPO, ReMax, RLOO, REINFORCE++): ``prompts`` / ``prompt_mask`` (left-padded) and the
-  non-tensor ``answers`` (ground truths for rule-based rewards) and ``uid`` (prompt index);
+  non-tensor ``answers`` (ground truths for rule-based rewards), ``uid`` (prompt index) and ``columns`` (each row's fields);
 * SFT (dataset ``examples``): ``input_ids`` / ``attention_mask`` / ``loss_mask`` (right-padded prompt + answer);
 * DPO and reward modelling (dataset ``pairs``): the same keys with pairs interleaved, row ``2i`` chosen and
   ``2i+1`` rejected.
@@ -12,6 +12,7 @@ Every algorithm reads its rows under the dataflow keys of ``rlflow.dataflow.algo
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 from collections.abc import Iterable, Mapping
@@ -22,12 +23,15 @@ import numpy as np
 import torch
 
 from rlflow.data.datasets import DatasetFormatError, PreferenceDataset, PromptDataset, SFTDataset
+from rlflow.data.files import data_format
 from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
 from rlflow.trainer.config import ConfigError, RLFlowConfig
 from rlflow.workers.reward_funcs import RewardFuncs, required_columns
 from rlflow.workers.rewards import check_ground_truth
+
+logger = logging.getLogger(__name__)
 
 # Enough training problems that a short run never repeats a prompt within an epoch; a task
 # with fewer distinct training problems (1-digit arithmetic) gives all it has.
@@ -110,9 +114,18 @@ def task_records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any
 
 
 def _records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]] | str:
-    """Task examples as records, or the configured JSONL path."""
+    """Task examples as records, or the configured data file.
+
+    Raises:
+        ConfigError: the file's format is not one ``datasets`` reads here (names the key).
+    """
+    key = "data.train_file" if split == "train" else "data.eval_file"
     path = cfg.data.train_file if split == "train" else cfg.data.eval_file
     if path is not None:
+        try:
+            data_format(path)
+        except ValueError as err:
+            raise ConfigError(key, str(err)) from None
         return path
     if cfg.data.task is None:
         raise ValueError(f"data.{split}_file is not set and data.task is null: nothing to train on")
@@ -170,13 +183,20 @@ def training_reward(cfg: RLFlowConfig, reward_fn: str | RewardFuncs | None) -> s
 
 
 def ground_truth_of(row: Mapping[str, Any]) -> Any:
-    """What a rule reward scores a row against: its ``ground_truth``, else its ``answer`` (None without either).
+    """What a rule reward scores a row against: its ``ground_truth``, else verl's
+    ``reward_model["ground_truth"]``, else its ``answer`` (None without any).
 
     >>> ground_truth_of({"answer": "4", "ground_truth": {"answer": "4", "reverse_digits": True}})
     {'answer': '4', 'reverse_digits': True}
+    >>> ground_truth_of({"prompt": [], "reward_model": {"style": "rule", "ground_truth": "72"}})
+    '72'
     """
-    value = row.get("ground_truth")
-    return row.get("answer") if value is None else value
+    reward_model = row.get("reward_model")
+    verl = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+    for value in (row.get("ground_truth"), verl, row.get("answer")):
+        if value is not None:
+            return value
+    return None
 
 
 def check_rows(dataset: PromptDataset, reward: str | RewardFuncs | None, indices: Iterable[int] | None = None) -> None:
@@ -220,7 +240,7 @@ def _eval_prompts(cfg: RLFlowConfig, tokenizer, reward_fn: str | RewardFuncs | N
     if d.eval_size == 0 or not cfg.scores_generations:
         return None
     if d.task is None and d.eval_file is None:
-        print(f"no held-out evaluation: data.train_file ({d.train_file}) comes without data.eval_file")
+        logger.info(f"no held-out evaluation: data.train_file ({d.train_file}) comes without data.eval_file")
         return None
     eval_set = PromptDataset(_records(cfg, "test", d.eval_size), tokenizer, d.max_prompt_len, d.truncation)
     rows = range(min(d.eval_size, len(eval_set)))

@@ -1,4 +1,5 @@
-"""JSONL datasets: line-numbered errors, length limits, collates, and exact loader resume."""
+"""Datasets from JSON lines (read through ``datasets``): line-numbered errors, length limits, collates,
+and exact loader resume."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rlflow.data import (
     StatefulDataLoader,
     StatefulSampler,
     build_char_tokenizer,
-    read_jsonl,
+    read_records,
 )
 
 
@@ -35,7 +36,7 @@ def write(path, lines):
         ('{"prompt": "1+1=",', "invalid JSON"),
         ("[1, 2]", "expected a JSON object, got list"),
         ('{"question": "1+1="}', "missing field 'prompt'"),
-        ('{"prompt": 12}', "field 'prompt' should be str or list, got int"),
+        ('{"prompt": 12}', "column 'prompt' holds a number here and a string on line 1"),
         ('{"prompt": "1", "index": 4}', "field\\(s\\) \\['index'\\] are reserved"),
     ],
 )
@@ -45,9 +46,9 @@ def test_bad_line_names_file_and_line(tmp_path, tok, bad_line, message):
         PromptDataset(path, tok, max_prompt_length=8)
 
 
-def test_read_jsonl_skips_blank_lines_and_keeps_line_numbers(tmp_path):
+def test_read_records_skips_blank_lines_and_keeps_line_numbers(tmp_path):
     path = write(tmp_path / "r.jsonl", [{"a": 1}, "  ", {"a": 2, "b": "x"}])
-    assert read_jsonl(path, {"a": int}) == [{"a": 1, "_line": 1}, {"a": 2, "b": "x", "_line": 3}]
+    assert read_records(path) == [(f"{path}:1", {"a": 1}), (f"{path}:3", {"a": 2, "b": "x"})]
 
 
 def test_prompt_dataset_items_and_left_padded_collate(tmp_path, tok):

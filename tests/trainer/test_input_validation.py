@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from recipe_helpers import TINY
 
-from rlflow.data.datasets import DatasetFormatError, PromptDataset, read_jsonl
+from rlflow.data.datasets import DatasetFormatError, PromptDataset
+from rlflow.data.files import read_records
 from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.trainer import Trainer, load_config
 from rlflow.trainer.data import build_trainer_data, check_rows, prompts_to_proto
@@ -111,7 +112,7 @@ def test_an_empty_file_is_named_as_empty_not_as_a_batch_size_problem(tmp_path, c
         PromptDataset([], build_char_tokenizer(), max_prompt_length=16)
 
 
-def test_read_jsonl_still_skips_blank_lines_between_records(tmp_path):
+def test_read_records_still_skips_blank_lines_between_records(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"prompt": "x"}\n\n{"prompt": "y"}\n')
-    assert [r["_line"] for r in read_jsonl(path, {"prompt": str})] == [1, 3]
+    assert [where for where, _ in read_records(path)] == [f"{path}:1", f"{path}:3"]
