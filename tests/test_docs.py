@@ -5,7 +5,9 @@
   target, benchmark module, file, CLI subcommand and flags, and config keys that exist;
 * every relative link in docs/ and README.md points to an existing file (and heading);
 * docs/benchmarks.md is a reference: every benchmark section states its command, machine, load
-  and date, every benchmark module has a section, and the index at the top links every section.
+  and date, every benchmark module has a section, and the index at the top links every section;
+* code (rlflow/, benchmarks/, recipes/, kernels/) states no measured figure: no load a figure was
+  taken at, no speed-up; those live in docs/benchmarks.md.
 
 Pure text checks: nothing here imports torch or Ray, so the file runs in well under a second.
 """
@@ -380,3 +382,39 @@ def test_benchmark_index_links_every_section():
     linked = {target.partition("#")[2] for target in _LINK.findall(index) if target.startswith("#")}
     unlinked = [h for h in benchmark_sections(text) if slug(h) not in linked]
     assert not unlinked, f"the index of docs/benchmarks.md does not link these sections: {unlinked}"
+
+
+# ----------------------------------------------------------------------------- no measured figures in code
+
+# What a measured figure in a comment looks like: a load it was taken at, or a speed-up. Such
+# figures go stale with the code and the machine; they belong in docs/benchmarks.md.
+_MEASURED_FIGURE = re.compile(
+    r"\b(?:at|under) load (?:average )?(?:of )?[≈~]?\d"
+    r"|\bload average (?:of )?[≈~]?\d"
+    r"|\d(?:\.\d+)?(?:\s?[-–]\s?\d(?:\.\d+)?)?\s?[x×] (?:faster|slower)\b"
+)
+CODE_FILES = sorted(
+    p
+    for folder in ("rlflow", "benchmarks", "recipes", "kernels")
+    for p in (ROOT / folder).rglob("*")
+    if p.suffix in (".py", ".cpp", ".h", ".yaml") and p.is_file()
+)
+
+
+def measured_figures(text: str) -> list[str]:
+    """Lines of ``text`` that state a measured figure (see ``_MEASURED_FIGURE``)."""
+    return [line.strip() for line in text.splitlines() if _MEASURED_FIGURE.search(line)]
+
+
+def test_measured_figure_pattern():
+    assert measured_figures("4 MiB took 29 ms with torch.cat at load 10 on 2 cores.")
+    assert measured_figures("# (load average 2.6), the sampler")
+    assert measured_figures("of HF's modules (2–3× faster per rollout)")
+    assert measured_figures("# sdpa 1.4x slower at 64 batches")
+    assert measured_figures('"load_average_1min": round(os.getloadavg()[0], 2),') == []
+    assert measured_figures("# scaled_dot_product_attention above: the crossover lies between 64 and 128") == []
+
+
+def test_code_carries_no_measured_figures():
+    found = [f"{_rel(p)}: {line}" for p in CODE_FILES for line in measured_figures(p.read_text(errors="replace"))]
+    assert not found, "measured figures in code (move them to docs/benchmarks.md):\n" + "\n".join(found)
