@@ -9,7 +9,7 @@
 * code (rlflow/, benchmarks/, recipes/, kernels/) states no measured figure: no load a figure was
   taken at, no speed-up; those live in docs/benchmarks.md.
 
-Pure text checks: nothing here imports torch or Ray, so the file runs in well under a second.
+Pure text checks: nothing here imports torch or Ray.
 """
 
 from __future__ import annotations
