@@ -40,10 +40,12 @@ class CallContext:
     Attributes:
         mfc: the call.
         groups: the call's process groups on this rank; ``None`` in a single process (tests).
+        step: the training step the driver issued the call for (reward functions' ``trainer_state``).
     """
 
     mfc: MFCDef
     groups: CallGroups | None = None
+    step: int = 0
 
     @property
     def coords(self) -> RankCoords:
