@@ -4,10 +4,16 @@ A reward function scores a batch of completions::
 
     def reward(prompts: list[str], completions: list[str], **kwargs) -> list[float | None]: ...
 
-``prompts`` are the dataset's prompt strings (repeated for each sample of a prompt),
-``completions`` the decoded responses, and every other dataset column arrives as a keyword
-holding one value per completion. A function without ``**kwargs`` receives only the columns
-it names. It returns one float per completion, or ``None`` where it does not apply (a format
+``prompts`` are the dataset's prompts (repeated for each sample of a prompt), ``completions``
+the decoded responses, and every other dataset column arrives as a keyword holding one value
+per completion. As in TRL's ``GRPOTrainer``, two more keywords come from the trainer:
+``completion_ids`` (each completion's token ids, its stop token included, no padding) and
+``trainer_state`` (a ``transformers.TrainerState`` with ``global_step``, the training step the
+call belongs to, and ``max_steps``). A conversational row, whose ``prompt`` is a list of chat
+messages, gets that list as its prompt and ``[{"role": "assistant", "content": text}]`` as its
+completion (a trailing assistant message of the prompt is taken out of it and prefixed to the
+text, as TRL does). A function without ``**kwargs`` receives only the keywords it names. It
+returns one float per completion, or ``None`` where it does not apply (a format
 reward on a row it cannot judge): ``None`` counts as NaN, left out of the weighted sum and of
 that function's mean, as in TRL. A completion every function skipped gets reward 0.
 
@@ -32,14 +38,26 @@ from typing import Any
 import numpy as np
 import torch
 from ray import cloudpickle  # vendored by Ray, which ships these functions to the workers anyway
+from transformers import TrainerState
 
 from rlflow.workers.reward_errors import RewardErrors
 
-__all__ = ["RewardFuncs", "check_reward_signature", "pack_reward_funcs", "required_columns", "score_completions"]
+__all__ = [
+    "RewardFuncs",
+    "as_conversation",
+    "check_reward_signature",
+    "is_conversation",
+    "pack_reward_funcs",
+    "required_columns",
+    "score_completions",
+    "trainer_state",
+]
 
 RewardFunc = Callable[..., Sequence[float | None]]
-# Keywords the trainer fills itself; never dataset columns.
-_FIXED = ("prompts", "completions")
+# Keywords every function takes (TRL's convention), and all those the trainer fills itself: never dataset
+# columns (a column of one of these names is not passed).
+_REQUIRED = ("prompts", "completions")
+_FIXED = (*_REQUIRED, "completion_ids", "trainer_state")
 
 
 @dataclass(frozen=True)
@@ -50,11 +68,13 @@ class RewardFuncs:
         names: each function's name (its ``__name__``); metrics are ``rewards/<name>``.
         weights: each function's weight in the summed reward.
         payload: ``cloudpickle`` of the list of functions, their code included.
+        max_steps: the run's training steps (``trainer_state.max_steps``); None: unknown.
     """
 
     names: tuple[str, ...]
     weights: tuple[float, ...]
     payload: bytes
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.weights) or not self.names:
@@ -73,12 +93,19 @@ def reward_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def pack_reward_funcs(funcs: Sequence[RewardFunc], weights: Sequence[float] | None = None) -> RewardFuncs:
+def pack_reward_funcs(
+    funcs: Sequence[RewardFunc], weights: Sequence[float] | None = None, max_steps: int | None = None
+) -> RewardFuncs:
     """Pickles ``funcs`` by value for workers that cannot import their modules.
 
     A function's module is pickled by value unless it belongs to an installed distribution
     (which every worker of the same environment imports by name); ``__main__`` is pickled by
     value by cloudpickle already.
+
+    Args:
+        funcs: the reward functions.
+        weights: one weight per function (default 1 each).
+        max_steps: the run's training steps, handed to the functions as ``trainer_state.max_steps``.
 
     Raises:
         ValueError: no function, a weight count that differs from the function count, or two
@@ -106,7 +133,7 @@ def pack_reward_funcs(funcs: Sequence[RewardFunc], weights: Sequence[float] | No
     finally:
         for module in by_value:
             cloudpickle.unregister_pickle_by_value(module)
-    return RewardFuncs(names, weights, payload)
+    return RewardFuncs(names, weights, payload, max_steps)
 
 
 def _installed(module_name: str) -> bool:
@@ -118,8 +145,8 @@ def _installed(module_name: str) -> bool:
 def check_reward_signature(fn: RewardFunc, columns: Collection[str]) -> None:
     """Checks that ``fn`` can be called as the trainer calls it, with the dataset's ``columns``.
 
-    The trainer passes ``prompts=``, ``completions=`` and, by keyword, every column (all of them
-    when ``fn`` takes ``**kwargs``, else those it names).
+    The trainer passes ``prompts=``, ``completions=`` and, by keyword, ``completion_ids``,
+    ``trainer_state`` and every column (all of them when ``fn`` takes ``**kwargs``, else those it names).
 
     Raises:
         TypeError: ``fn`` takes neither ``prompts``/``completions`` nor ``**kwargs``, or a
@@ -135,7 +162,7 @@ def check_reward_signature(fn: RewardFunc, columns: Collection[str]) -> None:
     for p in named.values():
         if p.kind is inspect.Parameter.POSITIONAL_ONLY:
             raise TypeError(f"reward function {name!r}: parameter {p.name!r} is positional-only; rewards get keywords")
-    missing_fixed = [k for k in _FIXED if k not in named and not takes_kwargs]
+    missing_fixed = [k for k in _REQUIRED if k not in named and not takes_kwargs]
     if missing_fixed:
         raise TypeError(
             f"reward function {name!r} must accept {missing_fixed} (TRL's convention: "
@@ -153,11 +180,14 @@ def check_reward_signature(fn: RewardFunc, columns: Collection[str]) -> None:
 
 def score_completions(
     funcs: RewardFuncs,
-    prompts: Sequence[str],
-    completions: Sequence[str],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
     columns: Mapping[str, Sequence[Any]],
     errors: RewardErrors | None = None,
     uids: Sequence[Any] | None = None,
+    *,
+    completion_ids: Sequence[list[int]] | None = None,
+    step: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum of every function's rewards, and each function's mean.
 
@@ -167,11 +197,13 @@ def score_completions(
 
     Args:
         funcs: the packed functions.
-        prompts: ``B`` prompt strings.
-        completions: ``B`` decoded completions.
+        prompts: ``B`` prompts (strings, or message lists: :func:`as_conversation`).
+        completions: ``B`` completions (decoded strings, or assistant message lists).
         columns: dataset column -> ``B`` values (``prompt`` excluded).
         errors: the reward-error policy of the call.
         uids: ``B`` prompt ids named in errors.
+        completion_ids: ``B`` lists of completion token ids (keyword ``completion_ids``); None: not passed.
+        step: the training step of the call (``trainer_state.global_step``).
 
     Returns:
         ``(B,)`` float32 rewards, and ``{"rewards/<name>": mean}`` over the values that are not
@@ -181,16 +213,20 @@ def score_completions(
         ValueError: a function returned a number of values other than ``B``; names the function.
     """
     n, errors = len(completions), errors or RewardErrors("raise")
+    per_sample = {k: v for k, v in columns.items() if k not in _FIXED}
+    if completion_ids is not None:
+        per_sample["completion_ids"] = completion_ids
+    state = {"trainer_state": trainer_state(step, funcs.max_steps)}
     scores = np.full((len(funcs.names), n), np.nan, dtype=np.float64)
     for i, (fn, name) in enumerate(zip(funcs.load(), funcs.names)):
-        kwargs = _kwargs_for(fn, columns)
+        kwargs, shared = _kwargs_for(fn, per_sample), _kwargs_for(fn, state)
         try:
-            values = _call(fn, name, list(prompts), list(completions), kwargs)
+            values = _call(fn, name, list(prompts), list(completions), {**kwargs, **shared})
         except _WrongCount:
             raise
         except Exception:  # find the samples it fails on: each scores by the policy
             values = [
-                _score_one(fn, name, j, prompts, completions, kwargs, errors, None if uids is None else uids[j])
+                _score_one(fn, name, j, prompts, completions, kwargs, shared, errors, None if uids is None else uids[j])
                 for j in range(n)
             ]
         scores[i] = [np.nan if v is None else float(v) for v in values]
@@ -218,12 +254,14 @@ def _score_one(
     prompts: Sequence[str],
     completions: Sequence[str],
     kwargs: Mapping[str, list],
+    shared: Mapping[str, Any],
     errors: RewardErrors,
     uid: Any,
 ) -> float | None:
-    """Completion ``j`` scored alone; the policy's value when ``fn`` raises on it."""
+    """Completion ``j`` scored alone (``kwargs`` per sample, ``shared`` as they are); the policy's
+    value when ``fn`` raises on it."""
     try:
-        (value,) = _call(fn, name, [prompts[j]], [completions[j]], {k: [v[j]] for k, v in kwargs.items()})
+        (value,) = _call(fn, name, [prompts[j]], [completions[j]], {**{k: [v[j]] for k, v in kwargs.items()}, **shared})
         return value
     except _WrongCount:
         raise
@@ -246,11 +284,53 @@ def required_columns(fn: RewardFunc) -> tuple[str, ...]:
     return tuple(p.name for p in named if p.name not in _FIXED and p.default is p.empty)
 
 
-def _kwargs_for(fn: RewardFunc, columns: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+def _kwargs_for(fn: RewardFunc, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` ``fn`` takes: all with ``**kwargs``, else those it names (sequences as lists)."""
     params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return {k: list(v) for k, v in columns.items()}
-    return {k: list(v) for k, v in columns.items() if k in params}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {
+        k: list(v) if isinstance(v, (list, tuple, np.ndarray)) else v
+        for k, v in values.items()
+        if takes_all or k in params
+    }
+
+
+def trainer_state(step: int, max_steps: int | None) -> TrainerState:
+    """The ``trainer_state`` keyword: a ``transformers.TrainerState`` at training step ``step``.
+
+    >>> trainer_state(3, 10).global_step, trainer_state(3, 10).max_steps
+    (3, 10)
+    """
+    return TrainerState(global_step=step, max_steps=max_steps if max_steps is not None else 0)
+
+
+def is_conversation(prompt: Any) -> bool:
+    """Whether ``prompt`` is a list of chat messages (dicts with ``role`` and ``content``), as TRL tells them.
+
+    >>> is_conversation([{"role": "user", "content": "1+1="}]), is_conversation("1+1=")
+    (True, False)
+    """
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)
+    )
+
+
+def as_conversation(prompt: list[Mapping[str, Any]], text: str) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """A conversational row's ``(prompt, completion)`` as TRL's ``GRPOTrainer`` hands them to reward functions.
+
+    The completion is one assistant message; a prompt ending in an assistant message (a prefix
+    the model continued) loses that message, whose content starts the completion.
+
+    >>> as_conversation([{"role": "user", "content": "Hi"}], "Hello")
+    ([{'role': 'user', 'content': 'Hi'}], [{'role': 'assistant', 'content': 'Hello'}])
+    >>> as_conversation([{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "It is "}], "4")
+    ([{'role': 'user', 'content': '2+2='}], [{'role': 'assistant', 'content': 'It is 4'}])
+    """
+    messages = [dict(m) for m in prompt]  # the row's own list stays as it is
+    prefix = messages.pop()["content"] if messages and messages[-1]["role"] == "assistant" else ""
+    return messages, [{"role": "assistant", "content": prefix + text}]
 
 
 def _nan_mean(values: np.ndarray) -> float:

@@ -6,8 +6,9 @@
 * :class:`RuleRewardInterface` — decodes each row's prompt (real tokens outside the
   response) and response (``response_mask``) with the run's tokenizer and scores them with
   the registered rule (``rlflow.workers.rewards``) against the ``answers`` column, or with
-  Python reward functions (``rlflow.workers.reward_funcs``) given the dataset's ``columns``. It
-  holds no weights and runs on CPU. A sample whose reward raises fails the call or is scored by
+  Python reward functions (``rlflow.workers.reward_funcs``) given the dataset's ``columns``, the
+  completions' token ids and the call's step, in TRL's conventions (conversational rows included).
+  It holds no weights and runs on CPU. A sample whose reward raises fails the call or is scored by
   the model's ``reward_errors`` policy (``rlflow.workers.reward_errors``).
 """
 
@@ -25,7 +26,7 @@ from rlflow.workers.interfaces.actor import pair_columns
 from rlflow.workers.interfaces.base import ModelInterface, train_epochs
 from rlflow.workers.losses import reward_model_loss_fn
 from rlflow.workers.reward_errors import RewardErrors
-from rlflow.workers.reward_funcs import RewardFuncs, score_completions
+from rlflow.workers.reward_funcs import RewardFuncs, as_conversation, is_conversation, score_completions
 from rlflow.workers.rewards import compute_rule_rewards, nan_mean
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ class RuleRewardInterface(ModelInterface):
         errors = RewardErrors(self.model.reward_errors)
         uids = data.non_tensor_batch["uid"].tolist() if "uid" in data.non_tensor_keys else None
         if isinstance(self.model.reward_fn, RewardFuncs):
-            out = _score_with_funcs(self.model.reward_fn, data, responses, errors, uids)
+            ids = [row[m].tolist() for row, m in zip(tensors["input_ids"], tensors["response_mask"].bool())]
+            out = _score_with_funcs(self.model.reward_fn, data, responses, ids, errors, uids, ctx.step)
         else:
             answers = data.non_tensor_batch["answers"].tolist()
             rewards = compute_rule_rewards(self.model.reward_fn, prompts, responses, answers, errors, uids)
@@ -100,15 +102,30 @@ class RuleRewardInterface(ModelInterface):
 
 
 def _score_with_funcs(
-    funcs: RewardFuncs, data: DataProto, completions: list[str], errors: RewardErrors, uids: list | None
+    funcs: RewardFuncs,
+    data: DataProto,
+    texts: list[str],
+    completion_ids: list[list[int]],
+    errors: RewardErrors,
+    uids: list | None,
+    step: int,
 ) -> DataProto:
-    """TRL-style reward functions: the dataset's prompt strings and every other column by keyword."""
+    """TRL-style reward functions: the dataset's prompts (message lists for conversational rows,
+    whose completions become assistant messages), every other column by keyword, the completions'
+    token ids and the trainer state at ``step``."""
     rows = data.non_tensor_batch.get("columns")
     if rows is None:
         raise KeyError(f"reward functions {list(funcs.names)} need the dataset's 'columns'; rows hold {data.keys}")
     names = list(dict.fromkeys(k for row in rows for k in row))
     columns = {k: [row.get(k) for row in rows] for k in names if k != "prompt"}
-    rewards, means = score_completions(funcs, [row["prompt"] for row in rows], completions, columns, errors, uids)
+    pairs = [
+        as_conversation(row["prompt"], text) if is_conversation(row["prompt"]) else (row["prompt"], text)
+        for row, text in zip(rows, texts)
+    ]
+    prompts, completions = [p for p, _ in pairs], [c for _, c in pairs]
+    rewards, means = score_completions(
+        funcs, prompts, completions, columns, errors, uids, completion_ids=completion_ids, step=step
+    )
     out = _with_score_mean(rewards, errors)
     out.meta_info.update(means)
     return out
