@@ -20,7 +20,9 @@ in torchtitan and verl but without the full state dict on rank 0:
 
 A value model started from a causal LM (the critic's usual start) reads its backbone from
 the LM's files; its ``score`` head is zero, exactly as
-:func:`rlflow.engine.models.init_value_model_from_lm` initialises it. Sharded checkpoints
+:func:`rlflow.engine.models.init_value_model_from_lm` initialises it. A value model read from a
+``*ForSequenceClassification`` checkpoint (a TRL reward model) gets a zero ``score.bias``, which
+those files lack, as :func:`rlflow.engine.models.build_value_model` loads it. Sharded checkpoints
 (``model.safetensors.index.json``) are read file by file. A directory without safetensors
 files, or whose files lack a parameter the layout needs, is loaded the plain way
 (:func:`sharded_model` returns ``None`` and logs why).
@@ -280,7 +282,13 @@ def sharded_model(
     if files is None:
         logger.warning("%s has no safetensors files: loading the whole model on rank %d before sharding", path, rank)
         return None
-    zero_init = VALUE_HEAD_NAMES if head == "value" and is_causal_lm_config(config) else ()
+    from rlflow.engine.models import SEQUENCE_HEAD_BIAS, is_sequence_classification
+
+    zero_init: tuple[str, ...] = ()
+    if head == "value" and is_causal_lm_config(config):
+        zero_init = VALUE_HEAD_NAMES
+    elif head == "value" and is_sequence_classification(config) and SEQUENCE_HEAD_BIAS not in files:
+        zero_init = (SEQUENCE_HEAD_BIAS,)
     needed = {spec.name for spec in layout.params} - set(zero_init)
     missing = sorted(needed - set(files))
     if missing:

@@ -11,6 +11,9 @@ whatever rlflow writes, ``AutoModelFor*.from_pretrained`` reads, and vice versa.
   (:func:`sequence_scores`). Using the stock HF class means ``save_pretrained`` /
   ``from_pretrained`` work unchanged and the checkpoint records its architecture.
   Classifier dropout is forced to 0: HF's default of 0.1 would make values noisy in training.
+  A ``*ForSequenceClassification`` checkpoint with one label (a TRL reward model) loads as this
+  form too: its ``score`` is the same linear map of the last hidden state, without a bias (a
+  zero one here), and HF scores it at the last non-pad token, which :func:`sequence_scores` picks.
 
 Saving always goes through ``save_pretrained`` (safetensors) into a temporary directory
 next to the target that is then renamed into place, so a crash never leaves a half-written
@@ -39,6 +42,7 @@ if TYPE_CHECKING:  # HF's modeling_utils (and torch._dynamo under it) loads with
 __all__ = [
     "cache_kwarg",
     "build_value_model",
+    "is_sequence_classification",
     "compute_values",
     "init_value_model_from_lm",
     "load_causal_lm",
@@ -48,6 +52,13 @@ __all__ = [
 ]
 
 _VALUE_HEAD_KEYS = ("score.weight", "score.bias")
+# The head entry a sequence-classification checkpoint lacks (its ``score`` has no bias).
+SEQUENCE_HEAD_BIAS = "score.bias"
+
+
+def is_sequence_classification(config: PretrainedConfig) -> bool:
+    """Whether ``config.architectures`` names a ``*ForSequenceClassification`` (a TRL-style reward model)."""
+    return any(arch.endswith("ForSequenceClassification") for arch in (getattr(config, "architectures", None) or []))
 
 
 def cache_kwarg(fn) -> str:
@@ -133,9 +144,12 @@ def build_value_model(
     Returns:
         An ``AutoModelForTokenClassification`` instance whose ``logits`` are ``(B, T, 1)``.
 
+    A ``*ForSequenceClassification`` directory with one label loads with a zero head bias.
+
     Raises:
         ValueError: when the directory holds a causal LM — use :func:`init_value_model_from_lm`,
-            which says explicitly how the new head is initialised.
+            which says explicitly how the new head is initialised — or a sequence classifier of
+            more than one label.
     """
     dtype = resolve_dtype(dtype)
     if isinstance(path_or_config, PretrainedConfig):
@@ -151,9 +165,39 @@ def build_value_model(
             f"{str(path)!r} holds a causal LM ({config.architectures}), not a value model; "
             "use init_value_model_from_lm() to start a critic from it"
         )
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, config=_value_config(config), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-    )
+    if not is_sequence_classification(config):
+        model = AutoModelForTokenClassification.from_pretrained(
+            path,
+            config=_value_config(config),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+        return model.eval()
+    if config.num_labels != 1:
+        raise ValueError(
+            f"{str(path)!r} is a sequence classifier of {config.num_labels} labels; a reward model has one"
+        )
+    # The head's bias is "missing" by design: silence HF's report, check the missing keys ourselves.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path,
+            config=_value_config(config),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+            output_loading_info=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(set(info.get("missing_keys", ())) - {SEQUENCE_HEAD_BIAS})
+    if missing:
+        raise ValueError(f"weights missing from {str(path)!r}: {missing}")
+    if model.score.bias is not None:
+        with torch.no_grad():
+            model.score.bias.zero_()
     return model.eval()
 
 

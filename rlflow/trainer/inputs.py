@@ -11,6 +11,9 @@ into the run directory (once, at construction) and returns the config that names
   model's directory when it holds a tokenizer;
 * :func:`with_datasets` — a list of dicts, a ``datasets.Dataset`` or a JSONL path, every column
   kept; a training dataset replaces the synthetic task;
+* :func:`split_reward_funcs` and :func:`with_reward_model` — ``reward_funcs`` as TRL takes it:
+  functions, or a reward model given by local path, Hugging Face Hub id or model object, which
+  becomes the run's ``models.reward`` (:func:`check_reward_tokenizer`: it must read the run's tokens);
 * :func:`check_reward_source` — one source of rewards for an algorithm that samples responses.
 """
 
@@ -23,17 +26,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError
+from transformers import AutoConfig
+
+from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow.algorithms import Algorithm, get_algorithm, list_algorithms, register_algorithm
-from rlflow.trainer.config import ConfigError, RLFlowConfig, load_config
-from rlflow.workers.reward_funcs import RewardFuncs
+from rlflow.engine.models import is_sequence_classification
+from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, load_config
+from rlflow.workers.reward_funcs import RewardFunc, RewardFuncs
 
 __all__ = [
     "DatasetLike",
     "build_config",
     "check_reward_source",
+    "check_reward_tokenizer",
     "records_of",
+    "split_reward_funcs",
     "with_datasets",
     "with_model",
+    "with_reward_model",
     "with_tokenizer",
 ]
 
@@ -103,6 +115,114 @@ def check_reward_source(cfg: RLFlowConfig, reward_funcs: RewardFuncs | None) -> 
         raise ConfigError(
             "algorithm.reward_fn",
             "null, and neither models.reward nor data.task gives a reward (Python: Trainer(reward_funcs=[fn]))",
+        )
+
+
+def split_reward_funcs(
+    reward_funcs: Any, reward_weights: Sequence[float] | None = None
+) -> tuple[list[RewardFunc] | None, Any]:
+    """``(functions, reward model)`` of ``reward_funcs`` given as TRL's ``GRPOTrainer`` takes it.
+
+    A string or path is a reward model (a local directory or a Hub id), as is a model object
+    (anything with ``save_pretrained``); anything else is a reward function.
+
+    >>> split_reward_funcs("org/reward-model")
+    (None, 'org/reward-model')
+
+    Raises:
+        ConfigError: more than one reward model, a reward model beside functions (rlflow scores
+            a run's responses with one of the two), or weights other than ``[1]`` for a reward model.
+    """
+    if reward_funcs is None:
+        return None, None
+    single = callable(reward_funcs) or isinstance(reward_funcs, (str, os.PathLike))
+    entries = [reward_funcs] if single or hasattr(reward_funcs, "save_pretrained") else list(reward_funcs)
+    models = [e for e in entries if isinstance(e, (str, os.PathLike)) or hasattr(e, "save_pretrained")]
+    funcs = [e for e in entries if not any(e is m for m in models)]
+    if len(models) > 1:
+        raise ConfigError("reward_funcs", f"{len(models)} reward models; rlflow scores a run with one")
+    if models and funcs:
+        raise ConfigError(
+            "reward_funcs",
+            f"a reward model ({_described(models[0])}) beside reward functions; rlflow scores a run with a "
+            "reward model or with functions, not their sum: give one of the two",
+        )
+    if models and reward_weights is not None and [float(w) for w in reward_weights] != [1.0]:
+        raise ConfigError("reward_weights", f"{list(reward_weights)} for a reward model, whose score is not weighted")
+    return funcs or None, models[0] if models else None
+
+
+def _described(model: Any) -> str:
+    return repr(str(model)) if isinstance(model, (str, os.PathLike)) else type(model).__name__
+
+
+def with_reward_model(cfg: RLFlowConfig, model: Any, run_dir: Path) -> RLFlowConfig:
+    """``models.reward`` loaded from ``model``: a local directory, a Hub id or a model object.
+
+    A Hub id resolves through ``huggingface_hub`` (its cache; ``HF_HUB_OFFLINE=1`` reads only the
+    cache); an object is written to ``<run_dir>/models/reward_init``. The checkpoint is a
+    one-label ``*ForSequenceClassification`` (TRL's reward models) or ``*ForTokenClassification``
+    (rlflow's); both are scored at the last real token of each response
+    (:mod:`rlflow.engine.models`).
+
+    Raises:
+        ConfigError: ``models.reward`` is configured too; the id is neither a directory nor found
+            on the Hub or in its cache; the checkpoint is no one-label classifier.
+    """
+    if model is None:
+        return cfg
+    if "reward" in cfg.models:
+        raise ConfigError("reward_funcs", f"a reward model ({_described(model)}) and models.reward both; keep one")
+    path = _reward_model_dir(model, run_dir)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    archs = config.architectures or []
+    if not (is_sequence_classification(config) or any(a.endswith("ForTokenClassification") for a in archs)):
+        raise ConfigError(
+            "reward_funcs",
+            f"{_described(model)} ({path}) holds {archs}; a reward model is a *ForSequenceClassification "
+            "or *ForTokenClassification checkpoint",
+        )
+    if config.num_labels != 1:
+        raise ConfigError("reward_funcs", f"{_described(model)} has {config.num_labels} labels; a reward model has one")
+    return replace(cfg, models={**cfg.models, "reward": ModelConfig(init="path", path=path)})
+
+
+def _reward_model_dir(model: Any, run_dir: Path) -> str:
+    if hasattr(model, "save_pretrained"):
+        path = run_dir / "models" / "reward_init"
+        model.save_pretrained(path)  # every time: a reused run directory must not keep another model
+        return str(path)
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    try:
+        return snapshot_download(str(model))
+    except (OSError, ValueError, HfHubHTTPError) as err:  # not found, offline without it in the cache, a bad id
+        raise ConfigError(
+            "reward_funcs",
+            f"{str(model)!r} is neither a local directory nor a model on the Hugging Face Hub or in its cache "
+            f"({type(err).__name__}: {err})",
+        ) from None
+
+
+def check_reward_tokenizer(cfg: RLFlowConfig, tokenizer_path: str) -> None:
+    """A reward model that carries a tokenizer must share the run's vocabulary.
+
+    rlflow scores the rollout's token ids with the reward model, where TRL decodes the text and
+    tokenizes it again with the reward model's own tokenizer: another vocabulary would read
+    other tokens.
+
+    Raises:
+        ConfigError: the reward model's tokenizer maps a token to another id than the run's.
+    """
+    reward = cfg.models.get("reward")
+    if reward is None or reward.path is None or not any((Path(reward.path) / f).is_file() for f in _TOKENIZER_FILES):
+        return
+    if load_tokenizer(reward.path).get_vocab() != load_tokenizer(tokenizer_path).get_vocab():
+        raise ConfigError(
+            "models.reward.path",
+            f"the tokenizer of {reward.path} differs from the run's ({tokenizer_path}); rlflow scores the "
+            "policy's token ids with the reward model (it does not re-tokenize the text as TRL does), so both "
+            "must share one tokenizer: train with the reward model's tokenizer, or a reward model of the policy's",
         )
 
 

@@ -124,6 +124,8 @@ class Trainer:
             model directory's tokenizer, else ``data.tokenizer``.
         reward_funcs: a function or functions ``fn(prompts, completions, **columns) -> list[float | None]``
             (:mod:`rlflow.workers.reward_funcs`), summed; each mean logged as ``<reward call>/rewards/<name>``.
+            Or, as in TRL, a reward model: a local directory, a Hub id or a model object
+            (:func:`rlflow.trainer.inputs.with_reward_model`), which becomes ``models.reward``.
         reward_weights: one weight per reward function (default 1 each).
         train_dataset: a list of dicts, a ``datasets.Dataset`` or a JSONL path; every column is
             passed to the reward functions. Replaces the synthetic task.
@@ -156,13 +158,20 @@ class Trainer:
         self._ray_start = local_ray.begin_local_ray(config, overrides)
         try:
             self.progress_bars = progress_bars
-            self.cfg = self._build_config(config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset)
+            funcs, reward_model = inputs.split_reward_funcs(reward_funcs, reward_weights)
+            self.cfg = self._build_config(
+                config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset, reward_model
+            )
             self.run_dir = build.run_dir_of(self.cfg)
             (self.run_dir / "config.yaml").write_text(trainer_config.to_yaml(self.cfg))
-            funcs = [reward_funcs] if callable(reward_funcs) else reward_funcs
-            self.reward_funcs = reward_functions.pack_reward_funcs(funcs, reward_weights) if funcs is not None else None
+            self.reward_funcs = (
+                reward_functions.pack_reward_funcs(funcs, reward_weights, self.cfg.trainer.total_steps)
+                if funcs is not None
+                else None
+            )
             inputs.check_reward_source(self.cfg, self.reward_funcs)
             self.tokenizer_path = build.materialize_tokenizer(self.cfg, self.run_dir)
+            inputs.check_reward_tokenizer(self.cfg, self.tokenizer_path)
             self.model_paths = build.materialize_models(self.cfg, self.run_dir, self.tokenizer_path)
             self.data = trainer_data.build_trainer_data(
                 self.cfg, tokenizer_io.load_tokenizer(self.tokenizer_path), self.reward_funcs
@@ -187,7 +196,7 @@ class Trainer:
             raise
 
     def _build_config(
-        self, config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset
+        self, config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset, reward_model=None
     ) -> RLFlowConfig:
         """The config with the Python inputs written into the run directory, every path absolute."""
         cfg = inputs.build_config(config, overrides, algorithm)
@@ -196,6 +205,7 @@ class Trainer:
         cfg = inputs.with_model(cfg, model, run_dir)
         cfg = inputs.with_tokenizer(cfg, tokenizer, run_dir)
         cfg = inputs.with_datasets(cfg, train_dataset, eval_dataset, run_dir)
+        cfg = inputs.with_reward_model(cfg, reward_model, run_dir)
         # Workers may run with another working directory (a joined cluster): hand them absolute paths.
         return build.resolve_paths(cfg)
 
