@@ -127,3 +127,21 @@ def test_an_unknown_call_to_profile_is_refused_naming_the_calls(tmp_path):
 def test_profiling_needs_calls_and_steps_both(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(GRPO, overrides)
+
+
+def test_a_run_stopped_by_a_callback_leaves_its_final_model_where_final_dir_says(tmp_path):
+    overrides = [
+        *TINY,
+        "trainer.total_steps=3",
+        "trainer.eval_before_train=false",
+        f"checkpoint.final_dir={tmp_path / 'exported'}",
+        f"logging.dir={tmp_path / 'run'}",
+    ]
+    with Trainer(load_config(GRPO, overrides), callbacks=[lambda step, metrics: step >= 1], progress_bars=False) as t:
+        steps = t.fit().steps
+    assert steps < 3  # the step issued ahead of the stop finishes too
+    assert not (tmp_path / "run" / "final").exists()
+    final = load_file(tmp_path / "exported" / "actor" / "model.safetensors")
+    saved = load_file(tmp_path / "run" / "checkpoints" / f"step_{steps}" / "actor" / "hf" / "model.safetensors")
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
+    assert AutoTokenizer.from_pretrained(tmp_path / "exported" / "actor").eos_token == "<eos>"
