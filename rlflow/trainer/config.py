@@ -221,7 +221,7 @@ class ModelConfig(_Section):
 
 @dataclass(kw_only=True)
 class DataConfig(_Section):
-    """Prompts (and answers): a built-in synthetic task or JSONL files."""
+    """Prompts (and answers): a built-in synthetic task or data files (parquet, JSON lines, CSV, Arrow)."""
 
     task: str | None = _f(
         "auto",
@@ -234,8 +234,12 @@ class DataConfig(_Section):
     num_numbers: int = _f(3, "countdown: numbers given per puzzle", ge=2, le=5)
     max_number: int = _f(10, "countdown: numbers are drawn from [1, max_number]", ge=1)
     max_target: int = _f(100, "countdown: targets are drawn from [1, max_target]", ge=1)
-    train_file: str | None = _f(None, "JSONL training data (prompt / answer / chosen+rejected per algorithm)")
-    eval_file: str | None = _f(None, "JSONL held-out data; null: held-out problems of the task")
+    train_file: str | None = _f(
+        None,
+        "training data: .parquet, .jsonl, .json, .csv, .arrow or a save_to_disk directory "
+        "(TRL's or verl's columns per algorithm: docs/quickstart.md)",
+    )
+    eval_file: str | None = _f(None, "held-out data, in a train_file format; null: held-out problems of the task")
     tokenizer: str | None = _f(None, "local HF tokenizer directory; null: the built-in character tokenizer")
     batch_size: int = _f(32, "prompts per training step", ge=1)
     max_prompt_len: int = _f(16, "prompt length limit in tokens (see truncation)", ge=1)
