@@ -639,7 +639,7 @@ class Trainer:
             return None
 
         def write(directory: Path) -> None:
-            self.workers.save_checkpoint(str(directory))
+            self.workers.save_checkpoint(str(directory), self.cfg.checkpoint.save_hf)
             ahead = self.issuer.save(directory / AHEAD_DIR)
             plan = self.placement.plan.to_json() if self.placement.plan is not None else None
             checkpoint_layouts.write_layouts(

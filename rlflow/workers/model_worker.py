@@ -55,6 +55,7 @@ from rlflow.workers.context import CallContext
 from rlflow.workers.hf_export import complete_hf_export
 from rlflow.workers.interfaces import build_interface, check_calls
 from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION
+from rlflow.workers.logs import configure_logging
 from rlflow.workers.records import CallProfiler, CallRecord, call_error
 from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
@@ -80,6 +81,7 @@ class ModelWorker(Worker):
         if not isinstance(setup, WorkerSetup):
             raise TypeError(f"ModelWorker needs a WorkerSetup, got {type(setup).__name__}")
         check_calls(setup)
+        configure_logging(setup.log_level)  # a Ray worker's messages reach the driver through its stdout
         self.setup = setup
         self.interfaces = {name: build_interface(model, setup) for name, model in setup.models.items()}
         self.residency: Residency | None = None
@@ -326,12 +328,12 @@ class ModelWorker(Worker):
         return [name for name, model in self.setup.models.items() if model.trainable or name in targets]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, hf: bool = True) -> None:
         """Write this rank's state into ``path`` (the driver makes the directory's save atomic).
 
         Trainable models: engine shards (weights, optimizer, scheduler; one file per home rank)
-        under ``<model>/engine`` and an HF export with the run's tokenizer and generation config
-        under ``<model>/hf`` (written by the home mesh's rank 0). Frozen models whose weights
+        under ``<model>/engine`` and, with ``hf`` (``checkpoint.save_hf``), an HF export with the
+        run's tokenizer and generation config under ``<model>/hf`` (written by the home mesh's rank 0). Frozen models whose weights
         changed (EMA reference, a reference copied from the actor at RL start): their full
         weights as ``<model>/weights.safetensors``
         (HF names, written by the home mesh's rank 0). Every rank: ``worker_rank<r>.pt`` with
@@ -345,7 +347,8 @@ class ModelWorker(Worker):
                     continue
                 if self.setup.models[name].trainable:
                     engine.save_checkpoint(os.path.join(path, name, "engine"))
-                    self._export_hf(engine, os.path.join(path, name, "hf"))
+                    if hf:
+                        self._export_hf(engine, os.path.join(path, name, "hf"))
                 else:
                     _save_weights(engine, os.path.join(path, name, FROZEN_WEIGHTS))
         state = {

@@ -8,7 +8,9 @@ One tiny GRPO run of two steps, its one worker in the driver (no Ray), checked b
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,23 @@ def test_a_run_stopped_by_a_callback_leaves_its_final_model_where_final_dir_says
     saved = load_file(tmp_path / "run" / "checkpoints" / f"step_{steps}" / "actor" / "hf" / "model.safetensors")
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
     assert AutoTokenizer.from_pretrained(tmp_path / "exported" / "actor").eos_token == "<eos>"
+
+
+def test_a_run_stopped_by_sigint_leaves_its_final_model_and_save_hf_false_no_checkpoint_export(tmp_path):
+    overrides = [*TINY, "trainer.total_steps=3", "checkpoint.save_hf=false", f"logging.dir={tmp_path}"]
+
+    sent = []
+
+    def interrupt(step, metrics):  # called for every log of a step: one signal (a second acts at once)
+        if step >= 1 and not sent:  # in training: before it (step 0's evaluation) SIGINT interrupts as usual
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGINT)  # rlflow's handler: finish the step in flight, save, exit
+
+    with Trainer(load_config(GRPO, overrides), callbacks=[interrupt], progress_bars=False) as trainer:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit()
+        steps = trainer.step
+    checkpoint = tmp_path / "checkpoints" / f"step_{steps}" / "actor"
+    assert (checkpoint / "engine").is_dir() and not (checkpoint / "hf").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "actor")
+    assert model.generation_config.temperature == 0.8
