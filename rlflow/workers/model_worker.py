@@ -55,7 +55,6 @@ from rlflow.workers.context import CallContext
 from rlflow.workers.hf_export import complete_hf_export
 from rlflow.workers.interfaces import build_interface, check_calls
 from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION
-from rlflow.workers.logs import configure_logging
 from rlflow.workers.records import CallProfiler, CallRecord, call_error
 from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
@@ -81,7 +80,6 @@ class ModelWorker(Worker):
         if not isinstance(setup, WorkerSetup):
             raise TypeError(f"ModelWorker needs a WorkerSetup, got {type(setup).__name__}")
         check_calls(setup)
-        configure_logging(setup.log_level)  # a Ray worker's messages reach the driver through its stdout
         self.setup = setup
         self.interfaces = {name: build_interface(model, setup) for name, model in setup.models.items()}
         self.residency: Residency | None = None
@@ -333,11 +331,11 @@ class ModelWorker(Worker):
 
         Trainable models: engine shards (weights, optimizer, scheduler; one file per home rank)
         under ``<model>/engine`` and, with ``hf`` (``checkpoint.save_hf``), an HF export with the
-        run's tokenizer and generation config under ``<model>/hf`` (written by the home mesh's rank 0). Frozen models whose weights
-        changed (EMA reference, a reference copied from the actor at RL start): their full
-        weights as ``<model>/weights.safetensors``
-        (HF names, written by the home mesh's rank 0). Every rank: ``worker_rank<r>.pt`` with
-        its RNG states, interface state (rollout counters, KL coefficient) and the names of the
+        run's tokenizer and generation config under ``<model>/hf`` (written by the home mesh's
+        rank 0). Frozen models whose weights changed (EMA reference, a reference copied from the
+        actor at RL start): their full weights as ``<model>/weights.safetensors`` (HF names,
+        written by the home mesh's rank 0). Every rank: ``worker_rank<r>.pt`` with its RNG
+        states, interface state (rollout counters, KL coefficient) and the names of the
         copied models. Collective over each model's home ranks.
         """
         residency = self._residency()

@@ -3,10 +3,10 @@
 Every rank keeps one :class:`CallRecord` per MFC call and per reallocation hook it ran;
 the driver pops them (``ModelWorker.pop_metrics``) and groups them by the training step the
 driver gave the call. Chosen calls at chosen steps run under ``torch.profiler``
-(:class:`CallProfiler`, ``trainer.profile_calls``), each rank writing a Chrome trace. An exception inside a call or hook leaves the worker as a
-:class:`~rlflow.controller.TaskError` whose message names the call, its model and the rank
-(``reward_inf (model reward) on rank 1: ValueError: ...``), with the original exception
-chained.
+(:class:`CallProfiler`, ``trainer.profile_calls``), each rank writing a Chrome trace. An
+exception inside a call or hook leaves the worker as a :class:`~rlflow.controller.TaskError`
+whose message names the call, its model and the rank (``reward_inf (model reward) on rank 1:
+ValueError: ...``), with the original exception chained.
 """
 
 from __future__ import annotations
