@@ -104,6 +104,18 @@ def test_a_local_reward_model_becomes_models_reward(tmp_path, no_ray):
     trainer.close()
 
 
+def test_a_reward_model_object_is_saved_into_the_run(tmp_path, no_ray):
+    save_reward_model(tmp_path / "rm")
+    model = LlamaForSequenceClassification.from_pretrained(tmp_path / "rm")
+    trainer = Trainer(config_in(tmp_path), reward_funcs=[model], train_dataset=ROWS)
+    path = trainer.cfg.models["reward"].path
+    assert (
+        path == str(tmp_path / "run" / "models" / "reward_init")
+        and (tmp_path / "run" / "models" / "reward_init" / "config.json").is_file()
+    )
+    trainer.close()
+
+
 def test_a_hub_id_resolves_offline_from_the_cache(tmp_path, hub_cache, no_ray):
     trainer = Trainer(config_in(tmp_path), reward_funcs="org/tiny-rm", train_dataset=ROWS)
     assert trainer.cfg.models["reward"].path == str(hub_cache)
