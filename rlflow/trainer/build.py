@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,8 @@ from rlflow.trainer.placement import Placement
 from rlflow.trainer.run_dir import TINY_SHAPE_FIELDS
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
+
+logger = logging.getLogger(__name__)
 
 VALUE_ROLES = ("critic", "reward")
 
@@ -345,6 +348,7 @@ def worker_setup(
         keep_copies=kept_copies(cfg, [n for n, m in models.items() if not m.rule_based], placement, use_gpu),
         rollout_engine=cfg.rollout.engine,
         rollout_memory_fraction=cfg.rollout.gpu_memory_utilization,
+        log_level=cfg.logging.level,
     )
 
 
@@ -361,10 +365,10 @@ def kept_copies(
     setting = cfg.placement.keep_copies
     if setting is not None:
         kept = tuple(sorted(models)) if setting else ()
-        print(f"keep_copies={setting} (placement.keep_copies): kept copies of {list(kept)}")
+        logger.info(f"keep_copies={setting} (placement.keep_copies): kept copies of {list(kept)}")
         return kept
     if placement is None or placement.plan is None:
-        print("keep_copies=null: no device plan to price kept copies with; copies are freed after each call")
+        logger.info("keep_copies=null: no device plan to price kept copies with; copies are freed after each call")
         return ()
     problem, plan = placement.problem, placement.plan
     choice = [problem.option_index(i, c.mesh, c.strategy) for i, c in enumerate(plan.calls)]
@@ -386,7 +390,7 @@ def kept_copies(
     kept = tuple(m for m in copies_that_fit(static, memory, problem.device_memory_bytes) if m in models)
     peak = max(peak_bytes_with_kept_copies(static, memory, kept))
     where = "GPU memory" if use_gpu else "CPU workers: the host memory's share of each worker"
-    print(
+    logger.info(
         f"keep_copies=null (planner's memory model): kept copies of {list(kept)}, freed for "
         f"{sorted({c.model for c in memory if c.copy_bytes > 0} - set(kept))}; peak {peak / 2**30:.3f} GiB of "
         f"{problem.device_memory_bytes / 2**30:.3f} GiB per device ({where}; {KEEP_COPY_MARGIN:.0%} kept free)"

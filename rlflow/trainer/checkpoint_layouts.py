@@ -298,7 +298,6 @@ def _model_dir(src: Path, dst: Path, config: Any, saved: ModelLayout, now: Model
         if entry.name != ENGINE_DIR:
             os.symlink(entry.resolve(), dst / entry.name)
     message = f"{src.name}: resharding the checkpoint from {saved.describe()} to {now.describe()}"
-    print(message)
     logger.info(message)
     reshard_engine_dir(src / ENGINE_DIR, dst / ENGINE_DIR, config, now.head, saved.strategy, now.strategy)
 

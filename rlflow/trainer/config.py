@@ -51,6 +51,7 @@ from rlflow.planner.mesh import DeviceMesh
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
 from rlflow.trainer.verl_keys import leaf_keys, verl_hint, verl_value_hint
+from rlflow.workers.logs import LOG_LEVELS
 
 __all__ = [
     "AlgorithmConfig",
@@ -77,6 +78,7 @@ __all__ = [
 MODEL_ROLES = ("actor", "ref", "critic", "reward")
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 DEFAULT_RESPONSE_LEN = 8  # response tokens when neither rollout.max_new_tokens nor data.max_response_len is set
+PROGRESS_MODES = ("auto", "always", "never")  # logging.progress
 
 
 # --- Sections ---
@@ -496,6 +498,14 @@ class LoggingConfig(_Section):
         "when the run directory holds an earlier run that checkpoint.resume does not resume: refuse, replace "
         "(delete its outputs), or new (write to {dir}-2, -3, ...)",
         choices=("refuse", "replace", "new"),
+    )
+    level: str = _f(
+        "info", "level of rlflow's messages (the 'rlflow' logger), in the driver and the workers", choices=LOG_LEVELS
+    )
+    progress: str = _f(
+        "auto",
+        "progress bars (plan search, profile, warm-up, training): auto: when stderr is a terminal; always; never",
+        choices=PROGRESS_MODES,
     )
     console: bool = _f(True, "print one compact line per logged step")
     jsonl: bool = _f(True, "append metrics to {run dir}/metrics.jsonl")

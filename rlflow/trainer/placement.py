@@ -15,6 +15,7 @@ Rule-based reward calls need no device; they run data-parallel over every worker
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +40,8 @@ from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
 from rlflow.workers.setup import PARAM_DTYPE
+
+logger = logging.getLogger(__name__)
 
 GPU_PRESET = "h100-80g"  # used to price a GPU cluster when no profile of it is given
 
@@ -150,7 +153,7 @@ def plan_placement(
     *,
     use_gpu: bool,
     profile: MachineProfile | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Placement:
     """Plans every MFC of ``graph`` according to ``cfg.placement.mode``.
 
@@ -186,7 +189,7 @@ def _choose(
     baselines: list[BaselinePlan],
     generate: list[str],
     cfg: RLFlowConfig,
-    progress: bool,
+    progress: bool | None,
 ) -> ExecutionPlan:
     if mode == "auto":
         shared = get_rollout_engine(cfg.rollout.engine).capabilities.shared_layout
@@ -203,7 +206,7 @@ def _choose(
                 initial_plans=[c for c in seeds if c is not None],
                 progress=progress,
             )
-            print(result.summary())  # how much of the budget the problem needed
+            logger.info(result.summary())  # how much of the budget the problem needed
             if best is None or result.cost < best[1].cost:
                 best = (sub, result)
         sub, result = best
@@ -365,7 +368,7 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
 
 
 def load_profile_for(
-    cfg: RLFlowConfig, use_gpu: bool, run_dir: Path, spec: ModelSpec | None = None
+    cfg: RLFlowConfig, use_gpu: bool, run_dir: Path, spec: ModelSpec | None = None, progress: bool | None = None
 ) -> CachedProfile | None:
     """A profile of this machine at the run's shapes when ``placement.profile`` asks for one (CPU
     only: GPU clusters are priced from the presets), with whole calls of ``spec`` (the actor) when
@@ -374,10 +377,12 @@ def load_profile_for(
     profile the run planned with."""
     if use_gpu or not cfg.placement.profile:
         return None
-    found = cached_profile(profile_shapes(cfg, spec), refresh=not cfg.placement.profile_cache, progress=True)
+    found = cached_profile(profile_shapes(cfg, spec), refresh=not cfg.placement.profile_cache, progress=progress)
     save_profile(found.profile, run_dir / "profile.json")
     if found.cached:
-        print(f"profile: reusing {found.path} (placement.profile_cache=false measures this machine again)")
+        logger.info(f"profile: reusing {found.path} (placement.profile_cache=false measures this machine again)")
     else:
-        print(f"profile: measured in {found.profile.elapsed_s:.1f} s, cached at {found.path} for runs of this shape")
+        logger.info(
+            f"profile: measured in {found.profile.elapsed_s:.1f} s, cached at {found.path} for runs of this shape"
+        )
     return found

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from rlflow.trainer.trainer import FitResult, Trainer
+
+logger = logging.getLogger(__name__)
 
 
 def recipe_args(default_yaml: str | Path, argv: Sequence[str]) -> tuple[str | Path, list[str]]:
@@ -28,7 +31,7 @@ def recipe_args(default_yaml: str | Path, argv: Sequence[str]) -> tuple[str | Pa
 def run_recipe(default_yaml: str | Path, argv: Sequence[str] | None = None) -> FitResult:
     """Trains the recipe ``default_yaml`` with ``key=value`` overrides from ``argv``.
 
-    A first argument without ``=`` replaces the recipe's YAML (:func:`recipe_args`). Prints the
+    A first argument without ``=`` replaces the recipe's YAML (:func:`recipe_args`). Logs the
     held-out score before RL (after the warm-up, if any) and after training.
 
     >>> run_recipe("recipes/grpo_arithmetic.yaml", ["trainer.total_steps=5"])  # doctest: +SKIP
@@ -41,7 +44,7 @@ def run_recipe(default_yaml: str | Path, argv: Sequence[str] | None = None) -> F
     finally:
         trainer.close()
     if result.score_before is not None and result.score_after is not None:
-        print(
+        logger.info(
             f"held-out score of {cfg.experiment_name}: before {result.score_before:.1%} -> "
             f"after {result.score_after:.1%} ({result.steps} steps; run directory {result.run_dir})"
         )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlflow.lazy import LazyModule
 from rlflow.trainer import local_ray
+from rlflow.workers.logs import configure_logging
 
 if TYPE_CHECKING:
     from rlflow.dataflow.algorithms import Algorithm
@@ -135,7 +136,7 @@ class Trainer:
             (returning True stops training), and ``transformers.TrainerCallback`` objects
             (:mod:`rlflow.trainer.callbacks`).
         algorithm: an algorithm name or an ``Algorithm`` record (sets ``algorithm.name``).
-        progress_bars: show progress bars (planner search, steps).
+        progress_bars: show progress bars (plan search, profile, steps); None: as ``logging.progress`` says.
     """
 
     def __init__(
@@ -151,17 +152,19 @@ class Trainer:
         eval_dataset: inputs.DatasetLike | None = None,
         callbacks: Sequence[Any] = (),
         algorithm: str | Algorithm | None = None,
-        progress_bars: bool = True,
+        progress_bars: bool | None = None,
     ) -> None:
         self._created = time.perf_counter()
         # A local Ray starts on a thread while the rest is imported and prepared; launch() takes it over.
         self._ray_start = local_ray.begin_local_ray(config, overrides)
         try:
-            self.progress_bars = progress_bars
             funcs, reward_model = inputs.split_reward_funcs(reward_funcs, reward_weights)
             self.cfg = self._build_config(
                 config, overrides, algorithm, model, tokenizer, train_dataset, eval_dataset, reward_model
             )
+            configure_logging(self.cfg.logging.level)
+            show = trainer_metrics.show_progress(self.cfg.logging.progress)
+            self.progress_bars: bool | None = show if progress_bars is None else progress_bars  # None: on a terminal
             self.run_dir = build.run_dir_of(self.cfg)
             (self.run_dir / "config.yaml").write_text(trainer_config.to_yaml(self.cfg))
             self.reward_funcs = (
@@ -289,7 +292,7 @@ class Trainer:
         specs = trainer_placement.model_specs(self.model_paths, values)
         actor = specs.get("actor", next(iter(specs.values()), None))
         started = time.perf_counter()
-        found = trainer_placement.load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor)
+        found = trainer_placement.load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor, self.progress_bars)
         if found is not None and self.startup is not None:  # None once logged (a relaunch after a restart)
             self._record_startup("profile_s", started)
             self.startup["startup/profile_cached"] = float(found.cached)
@@ -305,10 +308,10 @@ class Trainer:
         self._record_startup("plan_s", started)
         if placement.plan is not None:
             (self.run_dir / "plan.json").write_text(placement.plan.to_json())
-            print(placement.plan.to_table())
+            log.info(placement.plan.to_table())
             for b in placement.baselines:
                 est = "infeasible: " + b.reason if not b.feasible else f"{b.iteration_time_s:.3f} s/iteration"
-                print(f"  baseline {b.name:<10} {est}")
+                log.info(f"  baseline {b.name:<10} {est}")
         return placement
 
     def _record_startup(self, stage: str, started: float) -> None:
@@ -380,7 +383,6 @@ class Trainer:
             f"restart {attempt}/{self.cfg.trainer.max_restarts} at step {self.step}: {type(err).__name__}: {reason}; "
             f"starting the workers again and resuming from {source}"
         )
-        print(message)
         log.warning(message)
         self._stop_workers()
 
@@ -407,7 +409,7 @@ class Trainer:
                 signal.raise_signal(signum)
                 return
             self._signal = signum
-            print(f"{signal.Signals(signum).name}: saving a checkpoint after the step in flight, then exiting")
+            log.warning(f"{signal.Signals(signum).name}: saving a checkpoint after the step in flight, then exiting")
 
         for sig in previous:
             signal.signal(sig, stop)
@@ -431,7 +433,7 @@ class Trainer:
         total, loop = self.cfg.trainer.total_steps, self.cfg.trainer
         started = time.time()
         batches = self._batches()
-        bar = trainer_metrics.progress(total - self.step, "train", disable=not self.progress_bars)
+        bar = trainer_metrics.progress(total - self.step, "train", show=self.progress_bars)
         pending: tuple[int, Submitted] | None = None
         while self.step < total or pending is not None:
             if pending is None:
@@ -495,7 +497,7 @@ class Trainer:
             The held-out score after the last step taken when the warm-up evaluated there, else None.
         """
         w = self.cfg.warmup
-        bar = trainer_metrics.progress(w.steps, "sft warm-up", disable=not self.progress_bars)
+        bar = trainer_metrics.progress(w.steps, "sft warm-up", show=self.progress_bars)
         batches = iter(self._cycle(self.data.warmup))
 
         def submit() -> Submitted:
@@ -528,7 +530,7 @@ class Trainer:
         self.result.warmup_steps = taken
         if losses:
             target = f"; held-out score {score:.3f} reached the target {w.target_score}" if reached else ""
-            print(f"sft warm-up: {taken} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}{target}")
+            log.info(f"sft warm-up: {taken} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}{target}")
         return score
 
     def _warmup_eval(self, taken: int, recent_losses: list[float]) -> float | None:
@@ -558,7 +560,7 @@ class Trainer:
                 continue
             kept = sorted({p for per_rank in self.workers.copy_weights(name, m.init_from) for p in per_rank})
             own = f", keeping its own {', '.join(kept)}" if kept else ""
-            print(f"{name}: copied from {m.init_from} at RL start{own}")
+            log.info(f"{name}: copied from {m.init_from} at RL start{own}")
 
     @staticmethod
     def _cycle(loader):
@@ -679,7 +681,7 @@ class Trainer:
         self.result.warmup_history = [tuple(e) for e in state["extra"].get("warmup_history", [])]
         self.result.warmup_steps = int(state["extra"].get("warmup_steps", 0))
         self.issuer.load(path / AHEAD_DIR, state["extra"].get("rollouts_ahead", []))
-        print(f"resumed from {path} at step {self.step}")
+        log.info(f"resumed from {path} at step {self.step}")
 
     def _load_workers(self, path: Path) -> None:
         """Workers load ``path`` directly when this run's home layouts are the checkpoint's, else

@@ -55,6 +55,7 @@ from rlflow.workers.context import CallContext
 from rlflow.workers.hf_export import complete_hf_export
 from rlflow.workers.interfaces import build_interface, check_calls
 from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION
+from rlflow.workers.logs import configure_logging
 from rlflow.workers.records import CallProfiler, CallRecord, call_error
 from rlflow.workers.residency import Residency
 from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
@@ -80,6 +81,7 @@ class ModelWorker(Worker):
         if not isinstance(setup, WorkerSetup):
             raise TypeError(f"ModelWorker needs a WorkerSetup, got {type(setup).__name__}")
         check_calls(setup)
+        configure_logging(setup.log_level)  # a Ray worker's messages reach the driver through its stdout
         self.setup = setup
         self.interfaces = {name: build_interface(model, setup) for name, model in setup.models.items()}
         self.residency: Residency | None = None

@@ -8,17 +8,20 @@
   means and of the weighted sum (a sample every reward skipped gets 0).
 
 ``zero`` and ``skip`` count the failures: the call logs ``reward_error_fraction`` (failed
-samples over rows; ``reward_inf/reward_error_fraction`` in the metrics) and the worker prints the
+samples over rows; ``reward_inf/reward_error_fraction`` in the metrics) and the worker logs the
 first failure of each call, so that a reward that fails on every sample is seen at once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["REWARD_ERROR_POLICIES", "RewardCallError", "RewardErrors"]
+
+logger = logging.getLogger(__name__)
 
 REWARD_ERROR_POLICIES = ("raise", "zero", "skip")
 _PROMPT_CHARS = 200  # of a prompt quoted in an error
@@ -76,6 +79,8 @@ class RewardErrors:
         return {"reward_error_fraction": self.count / rows if rows else 0.0}
 
     def report(self, call: str) -> None:
-        """Prints how many samples of ``call`` failed and the first failure (nothing when none did)."""
+        """Logs how many samples of ``call`` failed and the first failure (nothing when none did)."""
         if self.count:
-            print(f"{call}: {self.count} reward error(s) scored by reward_errors={self.policy!r}; first: {self.first}")
+            logger.warning(
+                f"{call}: {self.count} reward error(s) scored by reward_errors={self.policy!r}; first: {self.first}"
+            )

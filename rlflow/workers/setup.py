@@ -159,6 +159,7 @@ class WorkerSetup:
             registered; its declarations decide how workers build, keep and feed it.
         rollout_memory_fraction: the share of each device's memory a rollout engine that
             ``holds_memory_fraction`` (vLLM's ``gpu_memory_utilization``) takes while it generates.
+        log_level: the level of the worker's ``rlflow`` logger (``logging.level``).
     """
 
     models: Mapping[str, ModelSetup]
@@ -172,6 +173,7 @@ class WorkerSetup:
     keep_copies: tuple[str, ...] = ()
     rollout_engine: str = "hf"
     rollout_memory_fraction: float = 0.5
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", dict(self.models))

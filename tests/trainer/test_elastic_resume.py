@@ -74,7 +74,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["actor_train/loss"] for r in records if "actor_train/loss" in r}
 
 
-def test_a_checkpoint_resumes_under_other_plans(ray_session, tmp_path, capsys):
+def test_a_checkpoint_resumes_under_other_plans(ray_session, tmp_path, caplog):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
     first = run(run_dir, "trainer.total_steps=2")
@@ -84,11 +84,12 @@ def test_a_checkpoint_resumes_under_other_plans(ray_session, tmp_path, capsys):
     assert saved.worker_ranks == (0,) and (checkpoints / "step_2" / "plan.json").is_file()
     original = tmp_path / "step_2_dp1"
     shutil.copytree(checkpoints / "step_2", original)
-    capsys.readouterr()
+    caplog.clear()
 
     # Resume on two workers, actor trained with dp=2; no step left: the final save is the loaded state.
     second = run(run_dir, "trainer.total_steps=2", "checkpoint.resume=auto", *DP2)
-    out = capsys.readouterr().out
+    out = caplog.text
+    caplog.clear()
     assert second.steps == 2
     assert "actor: resharding the checkpoint from (dp=1, tp=1, pp=1) on ranks [0] to (dp=2, tp=1, pp=1)" in out
     resaved = checkpoints / "step_2"
@@ -107,7 +108,8 @@ def test_a_checkpoint_resumes_under_other_plans(ray_session, tmp_path, capsys):
 
     # Resume the dp=2 checkpoint with the actor trained tensor-parallel, and train on.
     third = run(run_dir, "trainer.total_steps=3", "checkpoint.resume=auto", *TP2)
-    out = capsys.readouterr().out
+    out = caplog.text
+    caplog.clear()
     assert third.steps == 3
     assert "actor: resharding the checkpoint from (dp=2, tp=1, pp=1) on ranks [0, 1] to (dp=1, tp=2, pp=1)" in out
 
@@ -119,7 +121,7 @@ def test_a_checkpoint_resumes_under_other_plans(ray_session, tmp_path, capsys):
         "placement.mode=auto",
         "placement.devices_per_node=2",
     )
-    out = capsys.readouterr().out
+    out = caplog.text
     assert fourth.steps == 4 and f"resumed from {checkpoints / 'step_3'} at step 3" in out
     chosen = read_layouts(checkpoints / "step_4").models["actor"].strategy
     print(f"placement.mode=auto trained the actor with {chosen}")

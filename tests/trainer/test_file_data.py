@@ -8,6 +8,7 @@ and the tokenizer are the task's; everything else comes from the files.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,8 @@ def test_dpo_on_the_task_is_scored_on_its_held_out_problems():
     assert len(data.train.dataset) == 4096 and next(iter(data.train)).batch["input_ids"].shape[0] == 2 * 64
 
 
-def test_a_training_file_without_a_held_out_file_runs_without_a_held_out_score(task_files, capsys):
+def test_a_training_file_without_a_held_out_file_runs_without_a_held_out_score(task_files, caplog):
+    caplog.set_level(logging.INFO, logger="rlflow")
     from rlflow.data.tokenizer import build_char_tokenizer
     from rlflow.trainer.data import build_trainer_data
 
@@ -96,7 +98,7 @@ def test_a_training_file_without_a_held_out_file_runs_without_a_held_out_score(t
     assert cfg.data.task is None and cfg.data.eval_file is None and cfg.data.eval_size > 0
     data = build_trainer_data(cfg, build_char_tokenizer())
     assert data.eval_prompts is None
-    assert capsys.readouterr().out.count("no held-out evaluation") == 1
+    assert caplog.text.count("no held-out evaluation") == 1
     # A warm-up that evaluates has nothing to evaluate on: refused, naming why.
     with pytest.raises(ConfigError, match="no held-out data"):
         load_config(None, [*files, "warmup.steps=2", "warmup.eval_every=1"])

@@ -50,7 +50,7 @@ def kill_worker(trainer: Trainer, rank: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("save_every", [1, 0], ids=["checkpointed", "no_checkpoint"])
-def test_a_killed_worker_is_restarted_and_the_run_finishes(ray_session, tmp_path, capsys, save_every):
+def test_a_killed_worker_is_restarted_and_the_run_finishes(ray_session, tmp_path, caplog, save_every):
     killed: list[int] = []
     holder: dict[str, Trainer] = {}
 
@@ -70,7 +70,7 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(ray_session, tmp_path
     finally:
         trainer.close()
 
-    out = capsys.readouterr().out
+    out = caplog.text
     assert killed == [2] and result.steps == 4
     assert "restart 1/1 at step" in out and "starting the workers again and resuming from" in out
     if save_every:
@@ -88,7 +88,7 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(ray_session, tmp_path
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_sigterm_saves_the_step_in_flight_then_exits(ray_session, tmp_path, capsys):
+def test_sigterm_saves_the_step_in_flight_then_exits(ray_session, tmp_path, caplog):
     def terminate(step: int, metrics: dict) -> None:
         if step == 2 and "actor_train/loss" in metrics:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -106,7 +106,7 @@ def test_sigterm_saves_the_step_in_flight_then_exits(ray_session, tmp_path, caps
     # Step 3 was issued before step 2's metrics came back (overlap): the run ends after it.
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert saved == ["step_3"] and read_trainer_state(tmp_path / "checkpoints" / "step_3")["step"] == 3
-    assert "SIGTERM: stopped at step 3" in capsys.readouterr().out
+    assert "SIGTERM: stopped at step 3" in caplog.text
 
 
 def test_only_a_dead_worker_or_a_failed_collective_is_worth_a_restart():

@@ -88,15 +88,16 @@ def comparable(record: dict[str, float]) -> dict[str, float]:
     }
 
 
-def test_two_steps_plus_a_resumed_run_equal_four_steps(ray_session, tmp_path, capsys):
+def test_two_steps_plus_a_resumed_run_equal_four_steps(ray_session, tmp_path, caplog):
     whole, split = tmp_path / "whole", tmp_path / "split"
     whole_result = run(whole, "trainer.total_steps=4")
-    capsys.readouterr()
+    caplog.clear()
 
     first = run(split, "trainer.total_steps=2")
-    assert first.steps == 2 and "sft warm-up: 2 steps" in capsys.readouterr().out
+    assert first.steps == 2 and "sft warm-up: 2 steps" in caplog.text
+    caplog.clear()
     second = run(split, "trainer.total_steps=4", "checkpoint.resume=auto")
-    out = capsys.readouterr().out
+    out = caplog.text
     assert f"resumed from {split / 'checkpoints' / 'step_2'} at step 2" in out
     assert "sft warm-up" not in out  # the warm-up belongs to the first part only
 

@@ -4,6 +4,7 @@ and the ``startup/*`` breakdown a run logs with its first step."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -84,13 +85,14 @@ def test_an_unreadable_cached_profile_is_measured_again_with_a_warning(measureme
     assert not found.cached and len(measurements) == 2 and load_profile(path) == PROFILE
 
 
-def test_a_run_records_the_profile_it_planned_with_and_says_where_it_came_from(tmp_path, measurements, capsys):
+def test_a_run_records_the_profile_it_planned_with_and_says_where_it_came_from(tmp_path, measurements, caplog):
+    caplog.set_level(logging.INFO, logger="rlflow")
     cfg = load_config(GRPO, [*TINY, "placement.profile=true"])
     runs = [tmp_path / "a", tmp_path / "b"]
     found = [load_profile_for(cfg, False, run, None) for run in runs]
     assert [f.cached for f in found] == [False, True] and len(measurements) == 1
     assert all(load_profile(run / "profile.json") == PROFILE for run in runs)
-    out = capsys.readouterr().out
+    out = caplog.text
     assert f"cached at {found[0].path}" in out and f"reusing {found[0].path}" in out
     assert "placement.profile_cache=false" in out
     remeasure = load_config(GRPO, [*TINY, "placement.profile=true", "placement.profile_cache=false"])
@@ -98,7 +100,8 @@ def test_a_run_records_the_profile_it_planned_with_and_says_where_it_came_from(t
     assert load_profile_for(cfg, True, tmp_path / "d", None) is None  # GPUs: priced from the presets
 
 
-def test_two_cpu_workers_plan_by_evaluating_their_few_plans_and_find_the_full_searchs_plan(capsys):
+def test_two_cpu_workers_plan_by_evaluating_their_few_plans_and_find_the_full_searchs_plan(caplog):
+    caplog.set_level(logging.INFO, logger="rlflow")
     cfg = load_config(GRPO, [*TINY, "placement.mode=auto", "placement.devices_per_node=2"])
     actor = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
     graph = build_dataflow(cfg, rule_reward=True)
@@ -106,7 +109,7 @@ def test_two_cpu_workers_plan_by_evaluating_their_few_plans_and_find_the_full_se
     problem = placement.problem
     quick = plan_search(problem, max_seconds=cfg.placement.search_seconds, seed=cfg.seed, progress=False)
     assert quick.method == "exhaustive" and quick.steps == num_plans(problem) <= 100
-    assert f"every one of {quick.steps} plans" in capsys.readouterr().out  # the planner reports it
+    assert f"every one of {quick.steps} plans" in caplog.text  # the planner reports it
     full = search(problem, max_steps=20_000, seed=cfg.seed, progress=False)  # no early stop
     assert full.steps >= 20_000 and quick.cost == pytest.approx(full.cost, rel=1e-12)
     assert placement.plan.iteration_time_s == pytest.approx(quick.result.iteration_time_s, rel=1e-12)
@@ -114,7 +117,7 @@ def test_two_cpu_workers_plan_by_evaluating_their_few_plans_and_find_the_full_se
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_session, tmp_path, monkeypatch, capsys):
+def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_session, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
     overrides = [*TINY, "warmup.steps=0", "placement.profile=true"]
     first = Trainer(load_config(GRPO, [*overrides, f"logging.dir={tmp_path / 'a'}"]), progress_bars=False)
@@ -129,14 +132,14 @@ def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_
     assert logged.keys() == {*STAGES, "profile_cached", "worker_in_driver"} and all(v >= 0 for v in logged.values())
     assert logged["profile_cached"] == 0.0 and logged["first_step_s"] >= logged["profile_s"]
     assert logged["worker_in_driver"] == 0.0  # this session's Ray is running: auto keeps to Ray workers
-    capsys.readouterr()
+    caplog.clear()
     second = Trainer(load_config(GRPO, [*overrides, f"logging.dir={tmp_path / 'b'}"]), progress_bars=False)
     try:
         second.launch()
         assert second.startup["startup/profile_cached"] == 1.0
     finally:
         second.close()
-    assert "profile: reusing" in capsys.readouterr().out
+    assert "profile: reusing" in caplog.text
     assert (tmp_path / "b" / "profile.json").read_text() == (tmp_path / "a" / "profile.json").read_text()
 
 

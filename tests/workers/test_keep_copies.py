@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from pathlib import Path
 
@@ -235,7 +236,8 @@ def test_kept_tensor_parallel_copy_is_refreshed_after_a_train_step(ray_world, tm
 
 
 # ------------------------------------------------------------------ the config field
-def test_null_keep_copies_follows_the_planners_memory_model(capsys):
+def test_null_keep_copies_follows_the_planners_memory_model(caplog):
+    caplog.set_level(logging.INFO, logger="rlflow")
     from rlflow.planner.model_spec import model_preset
     from rlflow.trainer.build import build_dataflow, kept_copies
     from rlflow.trainer.config import load_config
@@ -250,10 +252,11 @@ def test_null_keep_copies_follows_the_planners_memory_model(capsys):
         return kept_copies(cfg, ["actor", "ref"], placement, use_gpu=True)
 
     assert decide("llama2-7b", []) == ("actor",)  # the ref is resident at home: it has no copy
-    assert "planner's memory model): kept copies of ['actor']" in capsys.readouterr().out
+    assert "planner's memory model): kept copies of ['actor']" in caplog.text
+    caplog.clear()
     # 70B on 8 devices: fp32 master shards, optimizer state and a tp=8 copy leave no room to keep it.
     assert decide("llama2-70b", []) == ()
-    assert "kept copies of [], freed for ['actor']" in capsys.readouterr().out
+    assert "kept copies of [], freed for ['actor']" in caplog.text
     assert decide("llama2-70b", ["placement.keep_copies=true"]) == ("actor", "ref")
     assert decide("llama2-7b", ["placement.keep_copies=false"]) == ()
 

@@ -4,6 +4,7 @@ fraction, for rule rewards and TRL-style reward functions alike."""
 
 from __future__ import annotations
 
+import logging
 import math
 from types import SimpleNamespace
 
@@ -105,7 +106,8 @@ def rollout(answers: list) -> DataProto:
 
 
 @pytest.mark.parametrize(("policy", "mean"), [("zero", 2 / 4), ("skip", 2 / 3)])  # skip: out of the mean
-def test_the_rule_reward_call_scores_counts_and_logs_the_failures(tmp_path, capsys, policy, mean):
+def test_the_rule_reward_call_scores_counts_and_logs_the_failures(tmp_path, caplog, policy, mean):
+    caplog.set_level(logging.INFO, logger="rlflow")
     build_char_tokenizer().save_pretrained(tmp_path)
     model = ModelSetup("reward", "reward", None, reward_fn="numeric_match", reward_errors=policy)
     interface = RuleRewardInterface(model, SimpleNamespace(tokenizer_path=str(tmp_path)))
@@ -116,7 +118,7 @@ def test_the_rule_reward_call_scores_counts_and_logs_the_failures(tmp_path, caps
     assert out.meta_info["score_mean"] == pytest.approx(mean)
     assert out.meta_info["reward_error_fraction"] == 0.25
     assert f"reward_inf: 1 reward error(s) scored by reward_errors={policy!r}; first: reward 'numeric_match'" in (
-        capsys.readouterr().out
+        caplog.text
     )
 
 
