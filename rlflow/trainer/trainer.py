@@ -146,7 +146,7 @@ class Trainer:
         overrides: Sequence[str] = (),
         model: Any = None,
         tokenizer: Any = None,
-        reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
+        reward_funcs: RewardFunc | str | Sequence[RewardFunc | str] | None = None,
         reward_weights: Sequence[float] | None = None,
         train_dataset: inputs.DatasetLike | None = None,
         eval_dataset: inputs.DatasetLike | None = None,
