@@ -130,7 +130,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--search-steps", type=int, help="proposals per chain (with --seed: a reproducible plan)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chains", type=int, help="search chains, one thread each (default: min(4, cores))")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (default: one when stderr is a terminal)"
+    )
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write the plan as JSON")
     g.add_argument(
@@ -249,7 +251,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             max_seconds=args.search_seconds,
             seed=args.seed,
             initial_plans=starts,
-            progress=not args.no_progress,
+            progress=False if args.no_progress else None,
             num_chains=args.chains,
         )
     else:
@@ -259,7 +261,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             num_chains=args.chains,
             seed=args.seed,
             initial_plans=starts,
-            progress=not args.no_progress,
+            progress=False if args.no_progress else None,
         )
     plan = ExecutionPlan.from_choice(problem, found.choice, found.result, name="search")
     print(plan.to_table())

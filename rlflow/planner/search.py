@@ -154,7 +154,7 @@ def plan_search(
     max_seconds: float,
     seed: int = 0,
     initial_plans=(),
-    progress: bool = True,
+    progress: bool | None = None,
     exhaustive_max_plans: int = EXHAUSTIVE_MAX_PLANS,
     patience: int | None = None,
     num_chains: int | None = None,
@@ -195,7 +195,7 @@ def search(
     top_k: int = 5,
     penalty: float = DEFAULT_PENALTY,
     initial_plans=(),
-    progress: bool = True,
+    progress: bool | None = None,
     slice_seconds: float = 0.5,
 ) -> SearchResult:
     """Metropolis–Hastings search for the cheapest plan (see the module docstring).
@@ -216,7 +216,8 @@ def search(
         penalty: cost multiplier of plans that do not fit memory.
         initial_plans: extra start plans (e.g. baselines); chain ``c`` starts from
             ``([greedy] + initial_plans)[c % n]``, and every one of them competes for the result.
-        progress: show a progress bar with the best cost so far.
+        progress: show a progress bar with the best cost so far; ``None``: when stderr is a terminal (a
+            log file gets no carriage returns).
         slice_seconds: how often the progress bar is updated.
     """
     if seconds is None and max_steps is None:
@@ -240,7 +241,12 @@ def search(
 
 
 def _drive(
-    native, seconds: float | None, max_steps: int | None, patience: int | None, slice_seconds: float, progress: bool
+    native,
+    seconds: float | None,
+    max_steps: int | None,
+    patience: int | None,
+    slice_seconds: float,
+    progress: bool | None,
 ) -> tuple[str, int]:
     """Run the chains in slices until the budget is spent or the search converged, updating a
     progress bar between slices; returns why it stopped and the proposals per chain made when
@@ -251,7 +257,8 @@ def _drive(
     chunk = max(1000, (max_steps or 0) // 20, (patience or 0) // 10)
     total = seconds if seconds is not None else max_steps
     best, best_step = native.top()[0][0], 0
-    with tqdm(total=total, disable=not progress, desc="plan search", leave=False) as bar:
+    disable = None if progress is None else not progress  # tqdm: None hides the bar when stderr is no terminal
+    with tqdm(total=total, disable=disable, desc="plan search", leave=False) as bar:
         while True:
             steps = native.min_steps
             left_s = None if seconds is None else seconds - (time.perf_counter() - t0)

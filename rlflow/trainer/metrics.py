@@ -20,9 +20,10 @@ wandb and MLflow are imported only when enabled; enabling one that is not instal
 error at construction, not a silent no-op.
 
 Also here: :func:`call_metrics` (the logged metrics of one step's worker records),
-:func:`progress` (a tqdm bar), :func:`summarise` (statistics of a list of timings),
-:class:`Timings` (per-MFC wall-clock collection) and :func:`timing_table`, which sets the
-planner's estimated time of each MFC next to the measured one.
+:func:`progress` (a tqdm bar, shown as ``logging.progress`` says: :func:`show_progress`),
+:func:`summarise` (statistics of a list of timings), :class:`Timings` (per-MFC wall-clock
+collection) and :func:`timing_table`, which sets the planner's estimated time of each MFC next
+to the measured one.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rlflow.files import write_atomic
-from rlflow.trainer.config import LoggingConfig
+from rlflow.trainer.config import PROGRESS_MODES, LoggingConfig
 
 if TYPE_CHECKING:
     from rlflow.workers.records import CallRecord
@@ -51,6 +52,7 @@ __all__ = [
     "call_metrics",
     "mean_metrics",
     "progress",
+    "show_progress",
     "summarise",
     "timing_rows",
     "timing_table",
@@ -290,17 +292,29 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def progress(total: int, desc: str, *, disable: bool | None = None, **kwargs: Any) -> tqdm:
+def progress(total: int, desc: str, *, show: bool | None = None, **kwargs: Any) -> tqdm:
     """A tqdm progress bar over ``total`` steps.
 
     Args:
         total: number of updates expected.
         desc: label in front of the bar.
-        disable: True hides it; None (default) hides it when stderr is not a terminal, so log
-            files get no carriage-return noise.
+        show: True shows it, False hides it; None (default) shows it only when stderr is a
+            terminal, so log files (``ray job submit``'s) get no carriage-return noise.
         **kwargs: passed to ``tqdm``.
     """
+    disable = None if show is None else not show  # tqdm's None: hidden when its file is no terminal
     return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, **kwargs)
+
+
+def show_progress(mode: str) -> bool | None:
+    """``show`` of :func:`progress` for ``logging.progress``: always True, never False, auto None.
+
+    >>> show_progress("auto") is None, show_progress("never")
+    (True, False)
+    """
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"logging.progress={mode!r}; expected one of {list(PROGRESS_MODES)}")
+    return {"always": True, "never": False, "auto": None}[mode]
 
 
 def mean_metrics(records: Sequence[Mapping[str, float]]) -> dict[str, float]:

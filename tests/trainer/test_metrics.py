@@ -242,8 +242,8 @@ def test_timings_collect_durations_by_name():
 def test_mean_metrics_and_progress():
     assert mean_metrics([{"a": 1, "b": 2.0}, {"a": torch.tensor(3.0)}]) == {"a": 2.0, "b": 2.0}
     out = io.StringIO()
-    with progress(5, "steps", disable=False, file=out) as bar:
+    with progress(5, "steps", show=True, file=out) as bar:
         bar.update(2)
         assert bar.total == 5 and bar.n == 2
     assert "steps" in out.getvalue() and "2/5" in out.getvalue()
-    assert progress(5, "hidden", disable=True).disable
+    assert progress(5, "hidden", show=False).disable
