@@ -33,8 +33,6 @@ from rlflow.workers.rewards import check_ground_truth
 
 logger = logging.getLogger(__name__)
 
-logger = logging.getLogger(__name__)
-
 # Enough training problems that a short run never repeats a prompt within an epoch; a task
 # with fewer distinct training problems (1-digit arithmetic) gives all it has.
 TASK_TRAIN_SIZE = 4096
