@@ -167,3 +167,30 @@ def test_a_run_stopped_by_sigint_leaves_its_final_model_and_save_hf_false_no_che
     assert (checkpoint / "engine").is_dir() and not (checkpoint / "hf").exists()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "actor")
     assert model.generation_config.temperature == 0.8
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # Ray's start, when the session has not started it yet
+def test_two_ray_workers_each_write_the_profile_of_their_share_of_the_call(ray_session, tmp_path):
+    overrides = [
+        *[o for o in TINY if not o.startswith(("placement.mode", "placement.worker_host"))],
+        "placement.mode=colocated",  # every call data-parallel over both workers
+        "placement.worker_host=ray",
+        "placement.devices_per_node=2",
+        "data.batch_size=4",
+        "trainer.total_steps=1",
+        "trainer.eval_before_train=false",
+        "trainer.profile_calls=[actor_gen]",
+        "trainer.profile_steps=[1]",
+        f"logging.dir={tmp_path}",
+    ]
+    with Trainer(load_config(GRPO, overrides), progress_bars=False) as trainer:
+        trainer.fit()
+    profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert profiles == ["step1_actor_gen_rank0.json", "step1_actor_gen_rank1.json"]
+    for name in profiles:
+        events = json.loads((tmp_path / "profiles" / name).read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events)
+    trace = json.loads((tmp_path / "timeline.trace.json").read_text())
+    gen = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "actor_gen"]
+    assert sorted(e["pid"] for e in gen) == [0, 1] and all(e["args"]["dp"] == 2 for e in gen)
