@@ -9,7 +9,7 @@ into the run directory (once, at construction) and returns the config that names
 * :func:`with_model` — a local path, or a ``PreTrainedModel`` saved with ``save_pretrained``;
 * :func:`with_tokenizer` — a local path or a tokenizer object saved likewise; without one, the
   model's directory when it holds a tokenizer;
-* :func:`with_datasets` — a list of dicts, a ``datasets.Dataset`` or a JSONL path, every column
+* :func:`with_datasets` — a list of dicts, a ``datasets.Dataset`` or a data file's path, every column
   kept; a training dataset replaces the synthetic task;
 * :func:`split_reward_funcs` and :func:`with_reward_model` — ``reward_funcs`` as TRL takes it:
   functions, or a reward model given by local path, Hugging Face Hub id or model object, which
@@ -312,7 +312,7 @@ def records_of(dataset: Iterable[Mapping[str, Any]], name: str = "dataset") -> l
     """
     if isinstance(dataset, Mapping) or not isinstance(dataset, Iterable):
         raise TypeError(
-            f"{name}={type(dataset).__name__}; expected a list of dicts, a datasets.Dataset or a JSONL path"
+            f"{name}={type(dataset).__name__}; expected a list of dicts, a datasets.Dataset or a data file's path"
         )
     rows = []
     for i, row in enumerate(dataset):
