@@ -2,7 +2,8 @@
 checkpoint exports with the tokenizer, the measured timeline as a Perfetto / Chrome trace, and the
 torch-profiler traces of the calls asked for.
 
-One tiny GRPO run of two steps, its one worker in the driver (no Ray), checked by every test.
+Most tests check one tiny GRPO run of two steps, its one worker in the driver (no Ray); a run
+stopped by a callback, one stopped by SIGINT and one on two Ray workers have tests of their own.
 """
 
 from __future__ import annotations
