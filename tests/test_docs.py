@@ -202,6 +202,8 @@ def command_problems(tokens: list[str], full: bool) -> list[str]:
 
 
 def _rlflow_problems(args: list[str], full: bool) -> list[str]:
+    if args == ["--version"]:  # the top-level option besides --help
+        return []
     if not args or args[0] not in cli_subcommands():
         return [f"rlflow has no subcommand {args[:1]}; it has {sorted(cli_subcommands())}"]
     if full:
