@@ -99,7 +99,9 @@ class _RowDataset:
             f"{where}: 'prompt' and {column!r} mix a string and messages; give both as one or the other"
         )
 
-    def _fit(self, where: str, context: list[int], target: list[int], what: str, field: str, max_length: int):
+    def _fit(
+        self, where: str, context: list[int], target: list[int], what: str, field: str, max_length: int
+    ) -> tuple[list[int], list[int]]:
         """``context + target`` within ``max_length`` and its loss mask (1 on ``target``)."""
         ids = context + target
         if len(ids) > max_length:
