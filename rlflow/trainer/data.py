@@ -142,8 +142,10 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs |
             whatever columns they name, so held-out rows need no ``answer`` then.
 
     Raises:
-        DatasetFormatError: a row lacks what the reward reads (:func:`check_rows`), or a file is
-            malformed or empty; the message names the file and line.
+        ConfigError: a data file of a format not read here (names ``data.train_file`` or ``data.eval_file``).
+        DatasetFormatError: a row lacks what the reward reads (:func:`check_rows`), a row of no
+            format the algorithm reads, or a file malformed or empty; the message names the file
+            and the line or row.
     """
     dataset_kind, d = cfg.algorithm.record.dataset, cfg.data
     columns: tuple[str, ...] = ()  # the fields of prompt records (RL), passed to reward functions
@@ -206,7 +208,7 @@ def check_rows(dataset: PromptDataset, reward: str | RewardFuncs | None, indices
     :func:`~rlflow.workers.reward_funcs.check_reward_signature`). Nothing for a reward model (``None``).
 
     Raises:
-        DatasetFormatError: naming the row's ``file:line``, the reward and what is missing or malformed.
+        DatasetFormatError: naming where the row is, the reward and what is missing or malformed.
     """
     if reward is None:
         return
