@@ -5,6 +5,10 @@ the workers set the run's level too."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -86,3 +90,32 @@ def test_a_worker_sets_the_runs_level(unconfigured):
     with unconfigured() as rlflow:
         ModelWorker(WorkerSetup(**{**vars(setup), "log_level": "debug"}))
         assert rlflow.level == logging.DEBUG and len(rlflow.handlers) == 1
+
+
+# A Ray worker process of its own (the test session's Ray does not forward worker output).
+RAY_WORKER = textwrap.dedent(
+    """
+    import logging, ray
+    from rlflow.workers.logs import configure_logging
+
+    @ray.remote(num_cpus=1)
+    class Worker:
+        def run(self):
+            configure_logging("info")  # what ModelWorker does with the run's logging.level
+            logging.getLogger("rlflow.workers.reward_errors").info("reward_inf: 1 reward error(s)")
+            logging.getLogger("rlflow.workers.reward_errors").debug("below the level")
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    ray.get(Worker.remote().run.remote())
+    ray.shutdown()  # flushes the forwarded output
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_workers_messages_reach_the_drivers_output():
+    env = dict(os.environ, RAY_DEDUP_LOGS="0")
+    proc = subprocess.run([sys.executable, "-c", RAY_WORKER], env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr  # Ray prefixes the worker's lines with "(Worker pid=...)"
+    assert "reward_inf: 1 reward error(s)" in out and "below the level" not in out
