@@ -13,7 +13,7 @@ into the run directory (once, at construction) and returns the config that names
   kept; a training dataset replaces the synthetic task;
 * :func:`split_reward_funcs` and :func:`with_reward_model` — ``reward_funcs`` as TRL takes it:
   functions, or a reward model given by local path, Hugging Face Hub id or model object, which
-  becomes the run's ``models.reward`` (:func:`check_reward_tokenizer`: it must read the run's tokens);
+  becomes the run's ``models.reward`` (:func:`check_reward_tokenizer`: rlflow's kind must read the run's tokens);
 * :func:`check_reward_source` — one source of rewards for an algorithm that samples responses.
 """
 
@@ -161,9 +161,8 @@ def with_reward_model(cfg: RLFlowConfig, model: Any, run_dir: Path) -> RLFlowCon
 
     A Hub id resolves through ``huggingface_hub`` (its cache; ``HF_HUB_OFFLINE=1`` reads only the
     cache); an object is written to ``<run_dir>/models/reward_init``. The checkpoint is a
-    one-label ``*ForSequenceClassification`` (TRL's reward models) or ``*ForTokenClassification``
-    (rlflow's); both are scored at the last real token of each response
-    (:mod:`rlflow.engine.models`).
+    one-label ``*ForSequenceClassification`` (TRL's reward models, scored on the text as TRL
+    scores them) or ``*ForTokenClassification`` (rlflow's, scored on the rollout's tokens).
 
     Raises:
         ConfigError: ``models.reward`` is configured too; the id is neither a directory nor found
@@ -205,11 +204,11 @@ def _reward_model_dir(model: Any, run_dir: Path) -> str:
 
 
 def check_reward_tokenizer(cfg: RLFlowConfig, tokenizer_path: str) -> None:
-    """A reward model that carries a tokenizer must share the run's vocabulary.
+    """An rlflow reward model (``*ForTokenClassification``) that carries a tokenizer must share the run's.
 
-    rlflow scores the rollout's token ids with the reward model, where TRL decodes the text and
-    tokenizes it again with the reward model's own tokenizer: another vocabulary would read
-    other tokens.
+    Such a model scores the rollout's token ids; another vocabulary would read other tokens. A
+    TRL reward model (``*ForSequenceClassification``) is scored on the text, tokenized again by
+    its own tokenizer (:mod:`rlflow.workers.interfaces.reward`), and may have any.
 
     Raises:
         ConfigError: the reward model's tokenizer maps a token to another id than the run's.
@@ -217,12 +216,13 @@ def check_reward_tokenizer(cfg: RLFlowConfig, tokenizer_path: str) -> None:
     reward = cfg.models.get("reward")
     if reward is None or reward.path is None or not any((Path(reward.path) / f).is_file() for f in _TOKENIZER_FILES):
         return
+    if is_sequence_classification(AutoConfig.from_pretrained(reward.path, local_files_only=True)):
+        return
     if load_tokenizer(reward.path).get_vocab() != load_tokenizer(tokenizer_path).get_vocab():
         raise ConfigError(
             "models.reward.path",
-            f"the tokenizer of {reward.path} differs from the run's ({tokenizer_path}); rlflow scores the "
-            "policy's token ids with the reward model (it does not re-tokenize the text as TRL does), so both "
-            "must share one tokenizer: train with the reward model's tokenizer, or a reward model of the policy's",
+            f"the tokenizer of {reward.path} differs from the run's ({tokenizer_path}); this reward model "
+            "(token classification) scores the policy's token ids, so both must share one tokenizer",
         )
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from huggingface_hub import constants
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaForTokenClassification
 
 from rlflow.data.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from rlflow.trainer import ConfigError, Trainer, build
@@ -124,10 +124,19 @@ def test_a_hub_id_resolves_offline_from_the_cache(tmp_path, hub_cache, no_ray):
         Trainer(config_in(tmp_path), reward_funcs="org/absent", train_dataset=ROWS)
 
 
-def test_a_reward_model_with_another_tokenizer_is_refused(tmp_path, no_ray):
-    save_reward_model(tmp_path / "rm", build_char_tokenizer(alphabet=DEFAULT_ALPHABET[::-1]))
+def test_only_a_token_classification_reward_model_must_share_the_runs_tokenizer(tmp_path, no_ray):
+    other = build_char_tokenizer(alphabet=DEFAULT_ALPHABET[::-1])
+    save_reward_model(tmp_path / "trl_rm", other)  # TRL's kind: scored on the text, re-tokenized by its own
+    trainer = Trainer(config_in(tmp_path), reward_funcs=str(tmp_path / "trl_rm"), train_dataset=ROWS)
+    assert trainer.cfg.models["reward"].path == str(tmp_path / "trl_rm")
+    trainer.close()
+
+    config = LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1)  # fmt: skip
+    LlamaForTokenClassification(config).save_pretrained(tmp_path / "rlflow_rm")  # rlflow's kind: reads token ids
+    other.save_pretrained(tmp_path / "rlflow_rm")
     with pytest.raises(ConfigError, match="models.reward.path: the tokenizer of .* differs from the run's"):
-        Trainer(config_in(tmp_path), reward_funcs=str(tmp_path / "rm"), train_dataset=ROWS)
+        Trainer(config_in(tmp_path), reward_funcs=str(tmp_path / "rlflow_rm"), train_dataset=ROWS)
 
 
 def test_a_causal_lm_is_no_reward_model(tmp_path, no_ray):
@@ -148,3 +157,13 @@ def test_a_grpo_run_is_scored_by_a_reward_model_given_by_id(tmp_path, hub_cache)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     scores = [r["reward_inf/score_mean"] for r in records if "reward_inf/score_mean" in r]
     assert len(scores) == 2 and all(math.isfinite(s) and s != 0.0 for s in scores)  # the model's scores
+
+
+@pytest.mark.timeout(180)
+def test_a_grpo_run_is_scored_by_a_reward_model_of_another_tokenizer(tmp_path):
+    save_reward_model(tmp_path / "rm", build_char_tokenizer(alphabet=DEFAULT_ALPHABET[::-1]))
+    with Trainer(config_in(tmp_path), reward_funcs=str(tmp_path / "rm"), train_dataset=ROWS, progress_bars=False) as t:
+        assert t.fit().steps == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["reward_inf/score_mean"] for r in records if "reward_inf/score_mean" in r]
+    assert len(scores) == 2 and all(math.isfinite(s) and s != 0.0 for s in scores)

@@ -2,7 +2,10 @@
 
 * :class:`RewardModelInterface` — ``rewards`` ``(N,)`` is the model's value at each row's
   last real token; its train step (algorithm ``rm``) is the Bradley–Terry loss over
-  (chosen, rejected) pairs, rows ``2i`` and ``2i+1``.
+  (chosen, rejected) pairs, rows ``2i`` and ``2i+1``. A TRL reward model (loaded from a
+  ``*ForSequenceClassification`` checkpoint) is scored as TRL's ``GRPOTrainer`` scores it: on
+  the text — the row's prompt and the decoded completion, through the reward tokenizer's chat
+  template for a conversational row — tokenized again by its own tokenizer (:func:`reward_texts`).
 * :class:`RuleRewardInterface` — decodes each row's prompt (real tokens outside the
   response) and response (``response_mask``) with the run's tokenizer and scores them with
   the registered rule (``rlflow.workers.rewards``) against the ``answers`` column, or with
@@ -15,11 +18,14 @@
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoConfig
 
 from rlflow.data.tokenizer import load_tokenizer
+from rlflow.engine.models import is_sequence_classification
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, tensors_of
 from rlflow.workers.interfaces.actor import pair_columns
@@ -32,7 +38,7 @@ from rlflow.workers.rewards import compute_rule_rewards, nan_mean
 if TYPE_CHECKING:
     from rlflow.engine.train_engine import TrainEngine
 
-__all__ = ["RewardModelInterface", "RuleRewardInterface", "decode_rollout"]
+__all__ = ["RewardModelInterface", "RuleRewardInterface", "decode_rollout", "reward_texts"]
 
 
 def _with_score_mean(rewards: torch.Tensor, errors: RewardErrors | None = None) -> DataProto:
@@ -52,9 +58,40 @@ class RewardModelInterface(ModelInterface):
     role = "reward"
     objectives = ("rm",)
 
+    @cached_property
+    def scores_text(self) -> bool:
+        """Whether the model is a TRL reward model, scored on its own tokenization of the text."""
+        return is_sequence_classification(AutoConfig.from_pretrained(self.model.path, local_files_only=True))
+
+    @cached_property
+    def tokenizer(self):
+        """The run's tokenizer (it decodes the rollout)."""
+        return load_tokenizer(self.setup.tokenizer_path)
+
+    @cached_property
+    def reward_tokenizer(self):
+        """The reward model's own tokenizer; the run's when its directory holds none."""
+        own = any((Path(self.model.path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        return load_tokenizer(self.model.path) if own else self.tokenizer
+
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
-        out = engine.forward(tensors_of(data, ("input_ids", "attention_mask")))
+        batch = self._text_batch(data) if self.scores_text else tensors_of(data, ("input_ids", "attention_mask"))
+        out = engine.forward(batch)
         return None if out is None else _with_score_mean(out["rewards"])
+
+    def _text_batch(self, data: DataProto) -> dict[str, torch.Tensor]:
+        """The rows' text tokenized by the reward tokenizer: right padding, no special tokens added (as TRL)."""
+        prompts, completions = decode_rollout(
+            self.tokenizer, **tensors_of(data, ("input_ids", "attention_mask", "response_mask"))
+        )
+        rows = data.non_tensor_batch.get("columns")
+        if rows is not None:  # the dataset's prompts, as TRL reads them (message lists included)
+            prompts = [row["prompt"] for row in rows]
+        texts = reward_texts(self.reward_tokenizer, prompts, completions)
+        encoded = self.reward_tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
     def train_step(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
         batch = tensors_of(data, ("input_ids", "attention_mask"))
@@ -70,6 +107,24 @@ def decode_rollout(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Ten
     ]
     responses = [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(input_ids, response)]
     return prompts, responses
+
+
+def reward_texts(tokenizer, prompts: list[Any], completions: list[str]) -> list[str]:
+    """What TRL's ``GRPOTrainer`` hands a reward model: ``prompt + completion`` for a text prompt;
+    for a message list, the conversation with the completion as the assistant's turn, rendered by
+    ``tokenizer``'s chat template.
+
+    >>> reward_texts(None, ["1+1="], ["2"])
+    ['1+1=2']
+    """
+    texts = []
+    for prompt, completion in zip(prompts, completions):
+        if is_conversation(prompt):
+            messages, reply = as_conversation(prompt, completion)
+            texts.append(tokenizer.apply_chat_template(messages + reply, tokenize=False))
+        else:
+            texts.append(prompt + completion)
+    return texts
 
 
 class RuleRewardInterface(ModelInterface):
