@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,9 +31,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlflow.parallel.tensor_parallel import check_tp_degree
 from rlflow.strategy import ParallelStrategy
 
-__all__ = ["MESH_AXES", "ParallelDims", "apply_ac", "apply_fsdp", "mixed_precision_dtype"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "MESH_AXES",
+    "ParallelDims",
+    "apply_ac",
+    "apply_fsdp",
+    "cpu_computes_bf16",
+    "mixed_precision_dtype",
+    "resolve_compute_dtype",
+]
 
 MESH_AXES = ("pp", "dp", "tp")
+
+# A model's compute precision (``models.<role>.dtype``). No float16: training in it needs loss
+# scaling, which the engine does not do, and CPUs compute it without native matmuls.
+COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# /proc/cpuinfo flags of a CPU that multiplies bf16 natively (AVX512-BF16 dot products, AMX tiles).
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,45 @@ def mixed_precision_dtype(device: torch.device, mixed_precision: str) -> torch.d
     if mixed_precision == "fp32":
         return torch.float32
     raise ValueError(f"mixed_precision={mixed_precision!r}; expected 'auto', 'bf16' or 'fp32'")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This host's CPU feature flags (``/proc/cpuinfo``); empty where the file is absent (not Linux)."""
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return frozenset()
+    for line in path.read_text().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this host's CPU computes bf16 natively (``avx512_bf16`` or ``amx_bf16``).
+
+    Without them torch still runs bf16 on the CPU, but by converting to fp32 around each
+    product: slower than fp32 itself, so ``auto`` keeps fp32 there.
+    """
+    return bool(cpu_flags() & BF16_CPU_FLAGS)
+
+
+def resolve_compute_dtype(name: str, device_type: str) -> torch.dtype:
+    """The compute dtype a model's ``dtype`` setting asks for on ``device_type`` workers.
+
+    ``"auto"`` is bf16 on CUDA, on a CPU bf16 where it computes it natively
+    (:func:`cpu_computes_bf16`, this host's flags), else fp32; ``"float32"`` and ``"bfloat16"``
+    are themselves.
+
+    >>> resolve_compute_dtype("auto", "cuda"), resolve_compute_dtype("float32", "cuda")
+    (torch.bfloat16, torch.float32)
+    """
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={name!r}; expected one of {list(COMPUTE_DTYPES)}")
+    if name != "auto":
+        return COMPUTE_DTYPES[name]
+    if device_type == "cuda" or (device_type == "cpu" and cpu_computes_bf16()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def _layers(stage: nn.Module) -> list[nn.Module]:

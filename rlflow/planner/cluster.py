@@ -110,10 +110,10 @@ class Precision:
     rlflow keeps fp32 master weights everywhere (``rlflow.workers.residency.PARAM_DTYPE``): the
     home shards, the reallocated copies and the reshard wire format are fp32, FSDP reduces the
     gradients in fp32 into fp32 shards, and AdamW keeps two fp32 moments. The training engine
-    computes in bf16 on CUDA and in fp32 on CPU (``mixed_precision="auto"``): FSDP all-gathers
-    the weights in that dtype, and activations and the KV cache of a forward are in it. The HF
-    rollout engine runs the fp32 copy it is given (weights, activations and KV cache in fp32);
-    vLLM runs bf16. Log-softmax and entropies are computed on fp32 logits.
+    computes in the model's compute dtype (``models.<role>.dtype``): FSDP all-gathers the
+    weights in that dtype, and activations and the KV cache of a forward are in it. The HF
+    rollout engine runs a copy in that dtype too (weights, activations and KV cache); vLLM runs
+    bf16. Log-softmax and entropies are computed on fp32 logits.
 
     Attributes:
         compute_bytes: the training engine's compute dtype (activations, FSDP-gathered weights).
@@ -155,8 +155,9 @@ class Precision:
 
 
 # The engines' dtypes by device kind. GPUs: bf16 compute, and bf16 generation — vLLM's, the
-# rollout engine for GPU runs (the HF sampler's fp32 copy: ``with_precision(rollout_bytes=4)``).
-# CPU workers: fp32 everything (the HF sampler runs the fp32 copy).
+# rollout engine for GPU runs; a run prices its actor's dtype with ``with_precision`` instead
+# (rlflow.trainer.placement.planning_cluster). CPU workers: fp32 everything, as their profile
+# times its layers in fp32.
 GPU_PRECISION = Precision(compute_bytes=2, rollout_bytes=2)
 CPU_PRECISION = Precision(compute_bytes=4)
 

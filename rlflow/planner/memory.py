@@ -8,7 +8,8 @@ model's weights on such a layout are its fp32 master shards: ``param_bytes * P_s
 A trained model adds its fp32 gradient shards and AdamW's two fp32 moments:
 ``(grad_bytes + optimizer_bytes) * P_stage / (tp * dp)`` — 16 bytes per parameter in all, on CPU
 and GPU alike. A generation runs on a dp-replicated tensor-parallel copy in the generation dtype
-(bf16 for vLLM on GPUs; the HF sampler runs the fp32 copy): ``generate_bytes * P_stage / tp``.
+(bf16 for vLLM on GPUs; the HF sampler's copy is in the model's compute dtype):
+``generate_bytes * P_stage / tp``.
 
 Dynamic (during one call, weights excluded): the KV cache of a generation, the activations a
 training micro-batch saves for backward (or, with gradient checkpointing, only each layer's

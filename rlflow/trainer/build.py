@@ -23,6 +23,7 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
+from rlflow.engine.parallelize import resolve_compute_dtype
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.files import write_atomic
 from rlflow.planner.cluster import local_devices_per_node, local_gpus
@@ -210,10 +211,12 @@ def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
         rule_based_reward=rule_reward,
         use_ref="ref" in cfg.required_models(),  # a KL term reads it; without one it is not built
         ref_ema_eta=algo.ema_eta,
-        recompute_old_logp=algo.recomputes_old_logp(cfg.rollout, cfg.placement.use_gpu),
+        recompute_old_logp=algo.recomputes_old_logp(cfg.rollout, cfg.placement.use_gpu, cfg.model_dtype("actor")),
     )
     graph = algo.record.graph(options)
-    graph.graph["old_logp_mismatch"] = algo.old_logp_mismatch(cfg.rollout, cfg.placement.use_gpu)
+    graph.graph["old_logp_mismatch"] = algo.old_logp_mismatch(
+        cfg.rollout, cfg.placement.use_gpu, cfg.model_dtype("actor")
+    )
     return graph
 
 
@@ -257,9 +260,17 @@ def _all_ranks(cfg: RLFlowConfig) -> tuple[int, ...]:
 
 
 def model_setups(
-    cfg: RLFlowConfig, paths: Mapping[str, str], calls: Mapping[str, CallPlacement], reward_fn: str | None
+    cfg: RLFlowConfig,
+    paths: Mapping[str, str],
+    calls: Mapping[str, CallPlacement],
+    reward_fn: str | None,
+    use_gpu: bool = False,
 ) -> dict[str, ModelSetup]:
-    """One :class:`ModelSetup` per model the calls use; a rule-based reward has no weights."""
+    """One :class:`ModelSetup` per model the calls use; a rule-based reward has no weights.
+
+    Each model's ``dtype`` is resolved here, once, for GPU or CPU workers (``auto`` reads this
+    host's CPU flags), so that every worker computes in the same precision.
+    """
     trained = {c.mfc.model_name for c in calls.values() if c.mfc.is_train}
     rule = {"role": "reward", "path": None, "reward_fn": reward_fn, "reward_errors": cfg.algorithm.reward_errors}
     setups = {}
@@ -283,6 +294,7 @@ def model_setups(
             gradient_checkpointing=m.gradient_checkpointing,
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
+            compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu"),
         )
     return setups
 
@@ -335,7 +347,7 @@ def worker_setup(
     workers on GPUs when ``use_gpu``) decides ``keep_copies`` when ``placement.keep_copies`` is
     null (:func:`kept_copies`)."""
     sample, evaluate = sampling_params(cfg, load_tokenizer(tokenizer_path).eos_token_id)
-    models = model_setups(cfg, paths, calls, reward_fn)
+    models = model_setups(cfg, paths, calls, reward_fn, use_gpu)
     return WorkerSetup(
         models=models,
         mfcs={name: c.mfc for name, c in calls.items()},

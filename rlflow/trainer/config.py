@@ -123,40 +123,42 @@ class AlgorithmConfig(_Section, AlgorithmParams):
         if conflict is not None:
             raise ConfigError(conflict[0], f"{getattr(self, conflict[0])!r}: {conflict[1]}")
 
-    def old_logp_mismatch(self, rollout: RolloutConfig, use_gpu: bool | None) -> tuple[str, ...]:
+    def old_logp_mismatch(
+        self, rollout: RolloutConfig, use_gpu: bool | None, actor_dtype: str = "float32"
+    ) -> tuple[str, ...]:
         """Why the rollout's log-probs may differ from the trainer's: what ``recompute_old_logp: null`` reads.
 
         A rollout engine that generates with its own model code (any ``layout_style`` but ``"hf"``:
-        vLLM's kernels), a rollout dtype other than the training compute dtype (bf16 on GPUs, fp32
-        on CPU workers; ``use_gpu`` null: this host's GPUs, as ``placement.devices_per_node``
-        assumes), or a filtered sampling distribution (``top_p < 1``, ``top_k > 0``: vLLM reports
-        the filtered log-probs). Empty for an algorithm that samples nothing.
+        vLLM's kernels), a rollout dtype other than the training compute dtype (the actor's
+        ``models.actor.dtype`` given as ``actor_dtype``, ``auto`` resolved for GPU or CPU workers;
+        the built-in sampler computes in it too; ``use_gpu`` null: this host's GPUs, as
+        ``placement.devices_per_node`` assumes), or a filtered sampling distribution (``top_p < 1``,
+        ``top_k > 0``: vLLM reports the filtered log-probs). Empty for an algorithm that samples nothing.
         """
         if not self.record.samples_responses:
             return ()
         import torch
 
-        from rlflow.engine.parallelize import mixed_precision_dtype
-        from rlflow.workers.setup import PARAM_DTYPE
+        from rlflow.engine.parallelize import resolve_compute_dtype
 
         engine = get_rollout_engine(rollout.engine)
         reasons = []
         if engine.layout_style != "hf":
             reasons.append(f"rollout.engine={rollout.engine!r} generates with its own kernels")
         gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
-        rollout_dtype = engine.weight_dtype or PARAM_DTYPE
-        train_dtype = mixed_precision_dtype(torch.device("cuda" if gpu else "cpu"), "auto")
+        train_dtype = resolve_compute_dtype(actor_dtype, "cuda" if gpu else "cpu")
+        rollout_dtype = engine.weight_dtype or train_dtype
         if rollout_dtype != train_dtype:
             reasons.append(f"the rollout runs in {rollout_dtype}, training in {train_dtype}")
         if rollout.top_p < 1.0 or rollout.top_k > 0:
             reasons.append(f"sampling is filtered (rollout.top_p={rollout.top_p:g}, top_k={rollout.top_k})")
         return tuple(reasons)
 
-    def recomputes_old_logp(self, rollout: RolloutConfig, use_gpu: bool | None) -> bool:
+    def recomputes_old_logp(self, rollout: RolloutConfig, use_gpu: bool | None, actor_dtype: str = "float32") -> bool:
         """``recompute_old_logp``, or when null whether :meth:`old_logp_mismatch` finds a reason."""
         if self.recompute_old_logp is not None:
             return self.recompute_old_logp
-        return bool(self.old_logp_mismatch(rollout, use_gpu))
+        return bool(self.old_logp_mismatch(rollout, use_gpu, actor_dtype))
 
 
 @dataclass(kw_only=True)
@@ -178,7 +180,12 @@ class ModelConfig(_Section):
     num_kv_heads: int = _f(4, "tiny model: key/value heads (grouped-query attention)", ge=1)
     intermediate_size: int = _f(512, "tiny model: MLP width", ge=1)
     tie_word_embeddings: bool = _f(True, "tiny model: share the embedding and LM-head weights")
-    dtype: str = _f("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f(
+        "float32",
+        "compute precision of its training, inference and generation (master weights and optimizer state stay "
+        "float32); auto: bfloat16 on GPUs and on CPUs with avx512_bf16 or amx_bf16, else float32",
+        choices=("auto", "float32", "bfloat16"),
+    )
     trainable: bool | None = _f(None, "null: actor and critic train (and reward under rm); ref never trains")
     lr: float = _f(1e-5, "peak learning rate", gt=0.0)
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay", ge=0.0)
@@ -619,6 +626,10 @@ class RLFlowConfig(_Section):
             reward_model="reward" in self.models and algo.reward_fn is None,
         )
 
+    def model_dtype(self, role: str) -> str:
+        """``models.<role>.dtype`` as set (``auto`` unresolved); ``float32`` for a model not configured."""
+        return self.models[role].dtype if role in self.models else "float32"
+
     def _check_models(self) -> None:
         for role, model in self.models.items():
             if role not in MODEL_ROLES:
@@ -668,7 +679,9 @@ class RLFlowConfig(_Section):
                 raise ConfigError(
                     "algorithm.reward_fn", f"{algo.reward_fn!r} and models.reward both give rewards; keep one"
                 )
-        if algo.tis_cap is not None and not algo.recomputes_old_logp(self.rollout, self.placement.use_gpu):
+        if algo.tis_cap is not None and not algo.recomputes_old_logp(
+            self.rollout, self.placement.use_gpu, self.model_dtype("actor")
+        ):
             raise ConfigError(
                 "algorithm.tis_cap",
                 f"{algo.tis_cap} weighs the rollout's log-probs against recomputed ones, but recompute_old_logp="
@@ -753,9 +766,10 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     base = OmegaConf.structured(RLFlowConfig)
     if "models" in raw:
         base.models = {}
-    merged = _merge(base, raw, origin)
+    given = [*leaf_keys(OmegaConf.to_container(raw)), *(o.partition("=")[0].strip() for o in overrides)]
+    merged = _merge(base, raw, origin, given)
     for override in overrides:
-        merged = _merge(merged, _parse_override(override), f"override {override!r}")
+        merged = _merge(merged, _parse_override(override), f"override {override!r}", given)
     data = OmegaConf.to_container(merged, resolve=True)
     try:
         return _build(RLFlowConfig, data, "")
@@ -805,15 +819,16 @@ def _parse_override(override: str) -> DictConfig:
         raise ConfigError(key, f"cannot parse the value: {err}", f"override {override!r}") from None
 
 
-def _merge(base: DictConfig, update: DictConfig, origin: str | None) -> DictConfig:
-    """``OmegaConf.merge`` with its key and type errors turned into :class:`ConfigError`."""
+def _merge(base: DictConfig, update: DictConfig, origin: str | None, given: Sequence[str] = ()) -> DictConfig:
+    """``OmegaConf.merge`` with its key and type errors turned into :class:`ConfigError`; ``given``: every
+    key the config sets (an unknown verl key's error lists the others)."""
     try:
         return OmegaConf.merge(base, update)
     except OmegaConfBaseException as err:
         key, parent = err.full_key or "?", err.object_type
         declared = {f.name: f.type for f in dataclasses.fields(parent)} if dataclasses.is_dataclass(parent) else {}
         if isinstance(err, ConfigKeyError):
-            verl = verl_hint(key, leaf_keys(OmegaConf.to_container(update)))
+            verl = verl_hint(key, leaf_keys(OmegaConf.to_container(update)), given)
             if verl is not None:  # a verl user's key: name rlflow's
                 raise ConfigError(*verl, origin) from None
             raise ConfigError(key, f"unknown key; valid keys here: {list(declared)}", origin) from None

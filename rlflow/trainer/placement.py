@@ -24,6 +24,7 @@ import networkx as nx
 from transformers import AutoConfig
 
 from rlflow.dataflow import mfcs_of
+from rlflow.engine.parallelize import resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
@@ -39,7 +40,6 @@ from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
-from rlflow.workers.setup import PARAM_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +93,20 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
     """The cluster the planner prices: CPU workers priced from ``profile`` (else this host's
     profile, else its hardware rates, cached unless ``placement.profile_cache`` is false), or
     GPUs of the preset type as the configured rollout engine runs on them (its dtype, its share
-    of memory, and no per-layer decode dispatch for an engine that replays a CUDA graph)."""
+    of memory, and no per-layer decode dispatch for an engine that replays a CUDA graph), computing
+    in the actor's ``models.actor.dtype`` (one precision for every model: the cluster holds one).
+    CPU workers are priced at the profile's float32 rates whatever the dtype."""
     p = cfg.placement
     if use_gpu:
         cluster = cluster_preset(GPU_PRESET, p.num_nodes, p.devices_per_node)
         # The engine generates in its own dtype (vLLM: bf16) or in that of the copy it is given
-        # (the HF sampler: fp32); one that holds a share of the memory while it generates (vLLM:
-        # weights and KV cache) is charged that share.
+        # (the HF sampler: the model's compute dtype); one that holds a share of the memory while it
+        # generates (vLLM: weights and KV cache) is charged that share.
         engine = get_rollout_engine(cfg.rollout.engine)
-        cluster = cluster.with_precision(rollout_bytes=(engine.weight_dtype or PARAM_DTYPE).itemsize)
+        compute = resolve_compute_dtype(cfg.model_dtype("actor"), "cuda")
+        cluster = cluster.with_precision(
+            compute_bytes=compute.itemsize, rollout_bytes=(engine.weight_dtype or compute).itemsize
+        )
         if engine.holds_memory_fraction:
             cluster = replace(cluster, rollout_memory_fraction=cfg.rollout.gpu_memory_utilization)
         if engine.capabilities.graph_decode:  # its decode step is one graph replay: no launch per layer

@@ -12,7 +12,8 @@ reshards, offload, EMA); this module builds the engines around the modules it ma
   ``TrainEngine`` stage for a forward (FSDP layout), or for a rollout the engine registered as
   ``WorkerSetup.rollout_engine``, built by its ``build()``; the manager writes the home weights
   into its ``weight_target()`` (a tensor-parallel HF model for the built-in sampler, views into
-  vLLM's own fused parameters for vLLM) on the layout of its ``layout_style``. What happens
+  vLLM's own fused parameters for vLLM) on the layout of its ``layout_style``, in the model's
+  compute dtype (``ModelSetup.compute_dtype``; forward copies keep fp32 masters). What happens
   between calls follows the engine's declarations (:class:`~rlflow.engine.rollout.RolloutEngine`),
   never its name: a ``per_call`` engine is freed after its call unless the model is in
   ``WorkerSetup.keep_copies``; a ``per_process`` one is kept, and one that ``can_sleep`` sleeps
@@ -171,6 +172,8 @@ class Residency:
         return EngineConfig(
             optim=model.optim if train else None,
             gradient_checkpointing=model.gradient_checkpointing and train,
+            # fp32 masters, computed in the model's dtype (FSDP2 casts what it gathers)
+            mixed_precision="bf16" if model.compute_dtype == torch.bfloat16 else "fp32",
             device=self.device.type,
             **split,
         )
@@ -212,7 +215,8 @@ class Residency:
             config=hosted.config,
             device_mesh=groups.mesh,
             device=self.device,
-            dtype=PARAM_DTYPE,
+            # The copy is held in the compute dtype (its KV cache too); the reshard casts the fp32 wire into it.
+            dtype=hosted.setup.compute_dtype,
             pad_token_id=hosted.config.pad_token_id,
             seed=self.setup.seed,
             memory_fraction=self.setup.rollout_memory_fraction,

@@ -42,13 +42,15 @@ from rlflow.workers.reward_errors import REWARD_ERROR_POLICIES
 if TYPE_CHECKING:
     from rlflow.workers.reward_funcs import RewardFuncs
 
-__all__ = ["MODEL_ROLES", "PARAM_DTYPE", "CallLayout", "ModelSetup", "WorkerSetup"]
+__all__ = ["COMPUTE_DTYPES", "MODEL_ROLES", "PARAM_DTYPE", "CallLayout", "ModelSetup", "WorkerSetup"]
 
 MODEL_ROLES = ("actor", "critic", "ref", "reward")
 
 # Master weights, copies and the reshard wire format are fp32 (the engines' compute dtype is separate).
 # Here, not in rlflow.workers.residency, so that the driver reads it without the engines' imports.
 PARAM_DTYPE = torch.float32
+# What a model may compute in (ModelSetup.compute_dtype): the resolved choices of models.<role>.dtype.
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ class ModelSetup:
             ``skip`` (:mod:`rlflow.workers.reward_errors`).
         value_head: the model is ``AutoModelForTokenClassification`` with one label (critic,
             reward model); a causal-LM ``path`` then gets a fresh zero-initialised head.
+        compute_dtype: what its forwards, backwards and generations compute in: ``torch.float32``
+            or ``torch.bfloat16`` (``models.<role>.dtype``, ``auto`` resolved by the driver so that
+            every worker of a run computes alike). Master weights, gradients' reduction and
+            optimizer state stay in :data:`PARAM_DTYPE` either way.
     """
 
     name: str
@@ -108,9 +114,12 @@ class ModelSetup:
     reward_fn: str | RewardFuncs | None = None
     reward_errors: str = "raise"
     value_head: bool = False
+    compute_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"{where}: compute_dtype={self.compute_dtype}, expected one of {COMPUTE_DTYPES}")
         if self.role not in MODEL_ROLES:
             raise ValueError(f"{where}: role={self.role!r}, expected one of {MODEL_ROLES}")
         if self.reward_fn is not None and (self.role != "reward" or self.path is not None):

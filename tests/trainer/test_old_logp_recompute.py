@@ -74,7 +74,7 @@ def engines(monkeypatch):
         (["placement.use_gpu=false"], []),  # the built-in sampler in fp32 on CPU workers: today's graph
         (["placement.use_gpu=false", "rollout.top_p=0.9"], ["sampling is filtered (rollout.top_p=0.9, top_k=0)"]),
         (["placement.use_gpu=false", "rollout.top_k=5"], ["sampling is filtered (rollout.top_p=1, top_k=5)"]),
-        (["placement.use_gpu=true"], ["the rollout runs in torch.float32, training in torch.bfloat16"]),
+        (["placement.use_gpu=true"], []),  # the built-in sampler computes in the actor's dtype (float32)
         (
             ["placement.use_gpu=false", "rollout.engine=hf_bf16"],
             ["the rollout runs in torch.bfloat16, training in torch.float32"],

@@ -184,7 +184,8 @@ class RolloutBuild:
         config: the model's HF config.
         device_mesh: this call's torch mesh with dims ``("pp", "dp", "tp")``; None for one process.
         device: this rank's device.
-        dtype: the dtype of the worker's weight copies (the reshard writes tensors of it).
+        dtype: the model's compute dtype (``models.<role>.dtype``): the copy's weights, and the
+            generation's activations and KV cache, are held in it (the reshard casts into it).
         pad_token_id: written after a row's stop token; None: the config's, else 0.
         seed: the run's base seed.
         memory_fraction: the share of each device's memory an engine that

@@ -37,6 +37,13 @@ even if their logits differ in the last bit, and all of them stop at the same st
 number of collectives). Under pp > 1 each rank holds one pipeline stage and the stages pass
 activations every decode step over micro-batches of prompts (:mod:`~rlflow.engine.rollout.pipelined`),
 drawing the same noise as pp = 1. Greedy decoding gives the same tokens under every (dp, tp, pp).
+
+**Precision.** The sampler computes in the dtype of the module it is given — the workers build
+it in the model's compute dtype (``models.<role>.dtype``), so the KV cache is in that dtype too.
+Its logits are turned to float32 before the token choice and the log-probs (softmax and
+log-softmax over the vocabulary in float32, as the training engine's log-probs are), so a bf16
+rollout reports float32 ``old_logp``. The C++ decode step runs float32 only: a bf16 model
+decodes with the torch lean decoder.
 """
 
 from __future__ import annotations

@@ -71,6 +71,9 @@ def native_decode_blocker(model: nn.Module, num_rows: int) -> str | None:
     if getattr(model, "items", None) is not None:
         return "a pipeline stage (the native step runs whole models)"
     param = next(model.parameters())
+    # Its kernels read and write float32 (weights, KV buffers, logits); a bf16 copy
+    # (models.<role>.dtype) decodes with the torch twin instead, whose matmuls run in bf16 on
+    # CPUs that have bf16 instructions, rather than converting every weight at each step.
     if param.device.type != "cpu" or param.dtype != torch.float32:
         return f"weights are {param.dtype} on {param.device.type} (the native step runs float32 on the CPU)"
     config = _text_config(model)

@@ -1,0 +1,163 @@
+"""``models.<role>.dtype`` is the model's compute precision: its choices, ``auto`` resolved once by the
+driver from the device and this host's CPU flags, the old-log-prob recompute following it, and a
+driver-hosted GRPO run in bf16 that trains, samples in bf16 and checkpoints fp32 masters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_run_dir import GRPO, TINY
+
+import rlflow.engine.parallelize as parallelize
+from rlflow.dataflow import algorithm_mfcs
+from rlflow.engine.parallelize import resolve_compute_dtype
+from rlflow.engine.rollout import HFRolloutEngine, hf_sampler, register_rollout_engine
+from rlflow.engine.rollout import base as rollout_base
+from rlflow.engine.rollout.fast_decode import FastDecoder
+from rlflow.engine.train_engine import TrainEngine
+from rlflow.strategy import ParallelStrategy
+from rlflow.trainer import ConfigError, Trainer, load_config
+from rlflow.trainer.build import build_dataflow, model_setups
+from rlflow.trainer.placement import planning_cluster
+from rlflow.trainer.runner import CallPlacement
+
+NATIVE_BF16 = frozenset({"fpu", "avx512f", "avx512_bf16"})
+AMX = frozenset({"fpu", "amx_tile", "amx_bf16"})
+AVX2_ONLY = frozenset({"fpu", "avx", "avx2", "fma"})
+
+
+def test_dtype_takes_auto_float32_or_bfloat16_and_names_the_field_otherwise():
+    assert load_config(None, []).models["actor"].dtype == "float32"  # the default
+    for value in ("auto", "float32", "bfloat16"):
+        assert load_config(None, [f"models.actor.dtype={value}"]).models["actor"].dtype == value
+    for bad in ("float16", "fp32"):
+        with pytest.raises(ConfigError, match="models.actor.dtype") as err:
+            load_config(None, [f"models.actor.dtype={bad}"])
+        assert err.value.key == "models.actor.dtype"
+        assert "bfloat16" in str(err.value) and "auto" in str(err.value)  # the allowed values
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "expected"),
+    [
+        (NATIVE_BF16, "cpu", torch.bfloat16),
+        (AMX, "cpu", torch.bfloat16),
+        (AVX2_ONLY, "cpu", torch.float32),
+        (frozenset(), "cpu", torch.float32),  # no /proc/cpuinfo
+        (AVX2_ONLY, "cuda", torch.bfloat16),
+    ],
+)
+def test_auto_is_bf16_on_gpus_and_on_cpus_that_compute_it_natively(monkeypatch, flags, device, expected):
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: flags)
+    assert resolve_compute_dtype("auto", device) == expected
+    assert resolve_compute_dtype("float32", device) == torch.float32  # explicit names are what they say
+    assert resolve_compute_dtype("bfloat16", device) == torch.bfloat16
+
+
+def _setups(overrides: list[str], use_gpu: bool, tmp_path: Path) -> dict:
+    """The driver's ModelSetups of a GRPO plan with a reference model, on one worker."""
+    cfg = load_config(None, ["algorithm.kl_coef=0.1", *overrides])
+    one = ParallelStrategy()
+    mfcs = algorithm_mfcs("grpo", rule_based_reward=True, use_ref=True)
+    calls = {m.name: CallPlacement(m, (0,), one) for m in mfcs}
+    paths = {"actor": str(tmp_path), "ref": str(tmp_path)}
+    return model_setups(cfg, paths, calls, "arithmetic", use_gpu=use_gpu)
+
+
+def test_the_driver_resolves_each_models_dtype_for_its_workers(monkeypatch, tmp_path):
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
+    auto = ["models.actor.dtype=auto", "models.ref.init=tiny", "models.ref.dtype=float32"]
+    setups = _setups(auto, use_gpu=False, tmp_path=tmp_path)
+    assert (setups["actor"].compute_dtype, setups["ref"].compute_dtype) == (torch.bfloat16, torch.float32)
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: AVX2_ONLY)
+    assert _setups(auto, use_gpu=False, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
+    assert _setups(auto, use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.bfloat16
+    assert _setups(["models.ref.init=tiny"], use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
+
+
+class FP32Sampler(HFRolloutEngine):
+    """The built-in sampler declaring that it generates in float32 whatever the copy's dtype."""
+
+    weight_dtype = torch.float32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reasons"),
+    [
+        # the built-in sampler computes in the actor's dtype: the same numerics as training
+        (["placement.use_gpu=false", "models.actor.dtype=bfloat16"], []),
+        (["placement.use_gpu=true"], []),  # float32 on GPUs too
+        (["placement.use_gpu=true", "models.actor.dtype=auto"], []),
+        (
+            ["placement.use_gpu=false", "models.actor.dtype=bfloat16", "rollout.engine=fp32_sampler"],
+            ["the rollout runs in torch.float32, training in torch.bfloat16"],
+        ),
+        (["placement.use_gpu=false", "models.actor.dtype=float32", "rollout.engine=fp32_sampler"], []),
+    ],
+)
+def test_the_recompute_follows_the_actors_dtype(monkeypatch, overrides, reasons):
+    monkeypatch.setattr(rollout_base, "_ENGINES", dict(rollout_base._ENGINES))
+    register_rollout_engine("fp32_sampler")(FP32Sampler)
+    graph = build_dataflow(load_config(None, overrides), rule_reward=True)
+    assert list(graph.graph["old_logp_mismatch"]) == reasons
+    assert ("actor_inf" in graph) == bool(reasons)
+
+
+@pytest.mark.timeout(300)
+def test_a_bf16_run_trains_and_samples_in_bf16_and_checkpoints_fp32_masters(tmp_path, monkeypatch):
+    training: list[torch.dtype] = []
+    real_init = TrainEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+
+        def hook(module, inputs, output):
+            if torch.is_grad_enabled():  # a training forward
+                training.append((output[0] if isinstance(output, tuple) else output).dtype)
+
+        self.stage.model.layers["0"].register_forward_hook(hook)
+
+    decoders, real_decoder = [], hf_sampler._decoder
+
+    def recording_decoder(*args, **kwargs):
+        decoders.append(real_decoder(*args, **kwargs))
+        return decoders[-1]
+
+    monkeypatch.setattr(TrainEngine, "__init__", recording_init)
+    monkeypatch.setattr(hf_sampler, "_decoder", recording_decoder)
+    run = tmp_path / "run"
+    overrides = [*TINY, f"logging.dir={run}", "models.actor.dtype=bfloat16", "placement.use_gpu=false"]
+    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+        assert trainer.fit().steps == 1
+        assert trainer.workers.driver_hosted
+        assert trainer.setup.models["actor"].compute_dtype == torch.bfloat16
+        assert "actor_inf" not in trainer.graph  # both sides compute in bf16: no recompute
+
+    assert training and set(training) == {torch.bfloat16}
+    assert decoders and all(type(d) is FastDecoder and d._k[0].dtype == torch.bfloat16 for d in decoders)
+    step = run / "checkpoints" / "step_1" / "actor"
+    state = torch.load(step / "engine" / "rank00000.pt", weights_only=False)
+    assert {t.dtype for t in state["params"].values()} == {torch.float32}
+    moments = [v for s in state["optim"]["state"].values() for k, v in s.items() if k.startswith("exp_avg")]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+    assert {t.dtype for t in load_file(step / "hf" / "model.safetensors").values()} == {torch.float32}
+    record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("actor_train/loss" in r for r in record)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "compute_bytes", "rollout_bytes"),
+    [
+        ([], 4, 4),  # float32: training and the built-in sampler
+        (["models.actor.dtype=bfloat16"], 2, 2),
+        (["models.actor.dtype=auto"], 2, 2),  # bf16 on GPUs
+        (["rollout.engine=vllm"], 4, 2),  # vLLM generates in bf16 whatever the actor computes in
+    ],
+)
+def test_gpu_plans_price_the_actors_compute_dtype(overrides, compute_bytes, rollout_bytes):
+    cluster = planning_cluster(load_config(GRPO, overrides), use_gpu=True, profile=None)
+    assert (cluster.precision.compute_bytes, cluster.precision.generate_bytes) == (compute_bytes, rollout_bytes)
