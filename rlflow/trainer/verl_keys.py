@@ -168,27 +168,36 @@ VERL_SECTIONS = (
 )
 
 
-def verl_hint(unknown: str, keys: Iterable[str]) -> tuple[str, str] | None:
+def verl_hint(unknown: str, keys: Iterable[str], given: Iterable[str] = ()) -> tuple[str, str] | None:
     """``(key, problem)`` for an unknown key that is verl's: the first of ``keys`` that is a known
     verl key at or under ``unknown`` and the rlflow key to use, else ``unknown`` itself when it is a
-    verl section; None for other keys.
+    verl section; None for other keys. The problem also names the rlflow keys of the other verl
+    keys among ``given``, so that a verl config is converted in one go.
 
     ``keys`` are the dotted keys set by one YAML file or override: OmegaConf names only the first
-    key it does not know (``actor_rollout_ref`` for ``actor_rollout_ref.rollout.n``).
+    key it does not know (``actor_rollout_ref`` for ``actor_rollout_ref.rollout.n``); ``given``
+    are those of the whole config (the file and every override).
 
     >>> verl_hint("actor_rollout_ref", ["seed", "actor_rollout_ref.rollout.n"])
     ('actor_rollout_ref.rollout.n', "a verl key; rlflow's is algorithm.n_samples")
+    >>> verl_hint("trainer.save_freq", ["trainer.save_freq"], ["trainer.save_freq", "data.train_batch_size"])[1]
+    "a verl key; rlflow's is checkpoint.every_n_steps (never is 0 in rlflow, -1 in verl); other verl keys given: data.train_batch_size (rlflow: data.batch_size)"
     """
-    for key in keys:
-        entry = _BY_KEY.get(key)
-        if entry is not None and (key == unknown or key.startswith(unknown + ".")):
-            return key, f"a verl key; rlflow's is {entry.rlflow}" + (f" ({entry.note})" if entry.note else "")
-    if unknown in VERL_SECTIONS:
-        return (
+    found = next((k for k in keys if k in _BY_KEY and (k == unknown or k.startswith(unknown + "."))), None)
+    if found is not None:
+        entry = _BY_KEY[found]
+        problem = f"a verl key; rlflow's is {entry.rlflow}" + (f" ({entry.note})" if entry.note else "")
+    elif unknown in VERL_SECTIONS:
+        found, problem = (
             unknown,
-            "a verl section; rlflow's keys for verl's are listed in docs/configuration.md (Coming from verl)",
+            "a verl section; rlflow's keys for verl's are in docs/configuration.md (Coming from verl)",
         )
-    return None
+    else:
+        return None
+    others = [k for k in dict.fromkeys(given) if k in _BY_KEY and k != found]
+    if others:
+        problem += "; other verl keys given: " + ", ".join(f"{k} (rlflow: {_BY_KEY[k].rlflow})" for k in others)
+    return found, problem
 
 
 def verl_value_hint(key: str, value: Any) -> str | None:

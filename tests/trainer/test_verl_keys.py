@@ -65,6 +65,18 @@ def test_a_verl_yaml_names_its_verl_key_and_the_file(tmp_path):
     assert info.value.source == f"in {path}"
 
 
+def test_the_error_names_every_verl_key_given_so_a_verl_config_converts_in_one_go(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text("data:\n  max_prompt_length: 64\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["trainer.total_steps=3", "trainer.test_freq=5", "actor_rollout_ref.actor.optim.lr=1e-6"])
+    assert info.value.key == "data.max_prompt_length"
+    assert info.value.problem == (
+        "a verl key; rlflow's is data.max_prompt_len; other verl keys given: trainer.test_freq (rlflow: "
+        "trainer.eval_every), actor_rollout_ref.actor.optim.lr (rlflow: models.actor.lr)"
+    )
+
+
 def test_other_unknown_keys_still_list_the_valid_keys():
     with pytest.raises(ConfigError, match=r"^data.train_batch: unknown key; valid keys here: \['task'"):
         load_config(None, ["data.train_batch=3"])
