@@ -766,9 +766,10 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides:
     base = OmegaConf.structured(RLFlowConfig)
     if "models" in raw:
         base.models = {}
-    merged = _merge(base, raw, origin)
+    given = [*leaf_keys(OmegaConf.to_container(raw)), *(o.partition("=")[0].strip() for o in overrides)]
+    merged = _merge(base, raw, origin, given)
     for override in overrides:
-        merged = _merge(merged, _parse_override(override), f"override {override!r}")
+        merged = _merge(merged, _parse_override(override), f"override {override!r}", given)
     data = OmegaConf.to_container(merged, resolve=True)
     try:
         return _build(RLFlowConfig, data, "")
@@ -818,15 +819,16 @@ def _parse_override(override: str) -> DictConfig:
         raise ConfigError(key, f"cannot parse the value: {err}", f"override {override!r}") from None
 
 
-def _merge(base: DictConfig, update: DictConfig, origin: str | None) -> DictConfig:
-    """``OmegaConf.merge`` with its key and type errors turned into :class:`ConfigError`."""
+def _merge(base: DictConfig, update: DictConfig, origin: str | None, given: Sequence[str] = ()) -> DictConfig:
+    """``OmegaConf.merge`` with its key and type errors turned into :class:`ConfigError`; ``given``: every
+    key the config sets (an unknown verl key's error lists the others)."""
     try:
         return OmegaConf.merge(base, update)
     except OmegaConfBaseException as err:
         key, parent = err.full_key or "?", err.object_type
         declared = {f.name: f.type for f in dataclasses.fields(parent)} if dataclasses.is_dataclass(parent) else {}
         if isinstance(err, ConfigKeyError):
-            verl = verl_hint(key, leaf_keys(OmegaConf.to_container(update)))
+            verl = verl_hint(key, leaf_keys(OmegaConf.to_container(update)), given)
             if verl is not None:  # a verl user's key: name rlflow's
                 raise ConfigError(*verl, origin) from None
             raise ConfigError(key, f"unknown key; valid keys here: {list(declared)}", origin) from None
