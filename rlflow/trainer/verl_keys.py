@@ -180,8 +180,9 @@ def verl_hint(unknown: str, keys: Iterable[str], given: Iterable[str] = ()) -> t
 
     >>> verl_hint("actor_rollout_ref", ["seed", "actor_rollout_ref.rollout.n"])
     ('actor_rollout_ref.rollout.n', "a verl key; rlflow's is algorithm.n_samples")
-    >>> verl_hint("trainer.save_freq", ["trainer.save_freq"], ["trainer.save_freq", "data.train_batch_size"])[1]
-    "a verl key; rlflow's is checkpoint.every_n_steps (never is 0 in rlflow, -1 in verl); other verl keys given: data.train_batch_size (rlflow: data.batch_size)"
+    >>> _, problem = verl_hint("trainer.nnodes", ["trainer.nnodes"], ["trainer.nnodes", "data.train_batch_size"])
+    >>> problem
+    "a verl key; rlflow's is placement.num_nodes; other verl keys given: data.train_batch_size (rlflow: data.batch_size)"
     """
     found = next((k for k in keys if k in _BY_KEY and (k == unknown or k.startswith(unknown + "."))), None)
     if found is not None:

@@ -43,8 +43,8 @@ def _declared(key: str) -> bool:
         ("actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.lr: a verl key; rlflow's is "),
         (
             "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-            "ppo_mini_batch_size: a verl key; rlflow's is algorithm.n_minibatches (verl counts prompts per mini-batch, rlflow counts mini-batches: "
-            "n_minibatches = data.batch_size / ppo_mini_batch_size)",
+            "ppo_mini_batch_size: a verl key; rlflow's is algorithm.n_minibatches (verl counts prompts per "
+            "mini-batch, rlflow counts mini-batches: n_minibatches = data.batch_size / ppo_mini_batch_size)",
         ),
         ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref: a verl section; rlflow's keys for verl's are"),
     ],
