@@ -90,9 +90,9 @@ _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 # Names other libraries give other losses: refused, never registered, with what to choose instead.
 AMBIGUOUS_POLICY_LOSSES = {
     "vanilla": (
-        "'vanilla' names two losses: verl's is PPO's clipped surrogate, rlflow's 'ppo' (with algorithm.dual_clip_c=3 for "
-        "verl's default dual clip); the unclipped importance-weighted gradient -A * pi / pi_old is rlflow's "
-        "'unclipped'"
+        "'vanilla' names two losses: verl's is PPO's clipped surrogate, rlflow's 'ppo' (with "
+        "algorithm.dual_clip_c=3 for verl's default dual clip); the unclipped importance-weighted gradient "
+        "-A * pi / pi_old is rlflow's 'unclipped'"
     ),
 }
 
