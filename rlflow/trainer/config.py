@@ -497,7 +497,7 @@ class LoopConfig(_Section):
 
 @dataclass(kw_only=True)
 class LoggingConfig(_Section):
-    """Where metrics go."""
+    """Where metrics go, and how rlflow's messages and progress bars show."""
 
     dir: str | None = _f(None, "run directory; null: runs/{experiment_name}")
     if_exists: str = _f(
