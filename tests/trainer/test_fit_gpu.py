@@ -1,6 +1,7 @@
 """Whole runs on one CUDA device with the built-in sampler (no vLLM): GRPO, and PPO with a critic
 and a reference model sharing the GPU, through Ray workers, a NCCL process group of one, bf16
-compute, and a resume from a checkpoint written on the GPU.
+compute for the actor (``models.actor.dtype``: its training and its sampler; the critic and the
+reference in float32), and a resume from a checkpoint written on the GPU.
 
 Each run is short; what they check is that the GPU path works end to end and that the calls
 really ran on the device (their CUDA peak memory is logged), not that they learn.
@@ -26,7 +27,8 @@ SMALL = [
     "placement.use_gpu=true", "placement.devices_per_node=1", "trainer.eval_every=0",
     "trainer.eval_before_train=false", "warmup.steps=0", "data.batch_size=4", "data.eval_size=8",
     "algorithm.n_samples=2", "models.actor.hidden_size=64", "models.actor.num_layers=2",
-    "models.actor.intermediate_size=128", "logging.console=false", "logging.tensorboard=false",
+    "models.actor.intermediate_size=128", "models.actor.dtype=bfloat16", "logging.console=false",
+    "logging.tensorboard=false",
 ]  # fmt: skip
 
 
