@@ -96,7 +96,7 @@ A100_DECODE_TP_STEP_S = (METASEQ_GRAPH_TOKEN_S / METASEQ_LAYERS - _METASEQ_WEIGH
 # (vLLM; ``RolloutCapabilities.graph_decode``) is priced with neither.
 HOPPER_DECODE_LAYER_DISPATCH_S = 0.249e-3
 HOPPER_DECODE_STEP_DISPATCH_S = 0.367e-3
-# fp32 matmuls (the built-in sampler's fp32 copy; torch leaves TF32 off) run on the CUDA cores at the
+# fp32 matmuls (a float32 model: models.<role>.dtype; torch leaves TF32 off) run on the CUDA cores at the
 # datasheets' fp32 peak: A100 19.5, H100 and H200 SXM 67 TFLOP/s. On the H200 an fp32 product sustained
 # the same share of its peak as a bf16 one did of its own (docs/benchmarks.md, "GPU overheads"): the
 # presets' matmul efficiency serves both.
@@ -121,8 +121,7 @@ class Precision:
         grad_bytes: sharded gradients (reduce dtype).
         optimizer_bytes: optimizer state per parameter (AdamW: two fp32 moments).
         logit_bytes: logits as the log-softmax reads them.
-        rollout_bytes: weights, activations and KV cache of a generation; ``None``: ``param_bytes``
-            (the HF rollout engine runs the fp32 copy).
+        rollout_bytes: weights, activations and KV cache of a generation; ``None``: ``param_bytes``.
 
     >>> Precision().train_bytes_per_param, Precision().generate_bytes, GPU_PRECISION.generate_bytes
     (16, 4, 2)
@@ -278,7 +277,7 @@ class ClusterSpec:
 
     def with_precision(self, **dtypes: int | None) -> ClusterSpec:
         """The same hardware with some dtypes changed, e.g. ``with_precision(rollout_bytes=4)`` for
-        the HF sampler on GPUs (it runs the fp32 copy it is given)."""
+        the HF sampler on GPUs generating in float32 (``models.actor.dtype``)."""
         return replace(self, precision=replace(self.precision, **dtypes))
 
     def with_shape(self, num_nodes: int, devices_per_node: int | None = None) -> ClusterSpec:
