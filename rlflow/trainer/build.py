@@ -140,10 +140,16 @@ def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) ->
 
 
 def _checked_vocab(name: str, path: str, vocab: int, tokenizer_path: str) -> str:
-    """``path``, once its embedding holds every token id of the tokenizer (a mismatch fails here, not in a worker)."""
+    """``path``, once its embedding holds every token id of the tokenizer (a mismatch fails here, not in a worker).
+
+    A sequence-classification reward model is exempt: it scores the text, tokenized again by its
+    own tokenizer (:mod:`rlflow.workers.interfaces.reward`), never the run's token ids.
+    """
     config = Path(path) / "config.json"
-    size = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
-    if size is not None and size < vocab:
+    hf = json.loads(config.read_text()) if config.is_file() else {}
+    size = hf.get("vocab_size")
+    own_tokenizer = any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or [])
+    if size is not None and size < vocab and not own_tokenizer:
         raise ConfigError(
             f"models.{name}.path",
             f"{path}: vocab_size={size} < the {vocab} tokens of the tokenizer {tokenizer_path}; "

@@ -139,6 +139,15 @@ def test_only_a_token_classification_reward_model_must_share_the_runs_tokenizer(
         Trainer(config_in(tmp_path), reward_funcs=str(tmp_path / "rlflow_rm"), train_dataset=ROWS)
 
 
+def test_a_trl_reward_model_with_a_smaller_vocabulary_than_the_run_is_accepted(tmp_path, no_ray):
+    small = build_char_tokenizer(alphabet="0123456789+=")  # its own tokenizer: fewer ids than the run's
+    assert len(small) < len(build_char_tokenizer())
+    save_reward_model(tmp_path / "small_rm", small)
+    trainer = Trainer(config_in(tmp_path), reward_funcs=str(tmp_path / "small_rm"), train_dataset=ROWS)
+    assert trainer.cfg.models["reward"].path == str(tmp_path / "small_rm")
+    trainer.close()
+
+
 def test_a_causal_lm_is_no_reward_model(tmp_path, no_ray):
     from rlflow.data.tiny_models import build_tiny_model
 
