@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # CPU machines get the CPU build of torch first; the package itself only asks for torch>=2.6.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test test-gpu test-vllm test-all lint format bench demo clean
+.PHONY: install test test-gpu test-vllm test-min-versions test-all lint format bench demo clean
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,37 @@ test-vllm: install $(VLLM_STAMP)
 		echo "# $$t: $$(( $$(date +%s) - start )) s"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "# vLLM tests failed:$$failed"; exit 1; fi
+
+# The min-versions job: every dependency at the lower bound pyproject.toml declares for it (runtime
+# and the wandb/mlflow extras; constraints/min-versions.txt pins each), in a venv of its own, and a
+# fast subset of the tests that exercises each of them. torch is the CPU build TORCH_CPU, not torch's
+# floor: PyPI's older torch wheels are CUDA builds of several GB. rlflow goes on the path through a
+# .pth file as in test-vllm: the same Python and torch load the rlflow/_C_*.so that `install` built.
+# Rebuilt when the constraints or pyproject.toml change.
+MIN_VENV ?= .venv-min
+MIN_PY := $(MIN_VENV)/bin/python
+MIN_CONSTRAINTS := constraints/min-versions.txt
+MIN_DEPS := import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print(' '.join(p['dependencies'] + x['wandb'] + x['mlflow']))
+MIN_TESTS := tests/test_protocol.py tests/algos tests/data tests/dataflow tests/families/test_families.py \
+	tests/trainer/test_config.py tests/trainer/test_metrics.py tests/trainer/test_checkpoint.py \
+	tests/trainer/test_python_inputs.py tests/planner/test_timeline.py \
+	tests/engine/test_models.py tests/engine/test_packing.py tests/engine/test_packing_attention.py \
+	tests/engine/test_train_engine_units.py tests/engine/test_native_decode.py tests/engine/test_rollout_sampler.py \
+	tests/controller/test_worker_group.py tests/controller/test_dispatch.py \
+	"tests/trainer/test_algorithms_fit.py::test_fit_trains_every_model_of_the_algorithm[ppo]"
+
+$(MIN_VENV)/.installed: $(MIN_CONSTRAINTS) pyproject.toml
+	rm -rf $(MIN_VENV)
+	python3 -m venv $(MIN_VENV)
+	$(MIN_PY) -m pip install -q --upgrade pip
+	$(MIN_PY) -m pip install -q -c $(MIN_CONSTRAINTS) $(TORCH_CPU) pytest pytest-timeout $$($(MIN_PY) -c "$(MIN_DEPS)")
+	echo "$(CURDIR)" > "$$($(MIN_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rlflow.pth"
+	$(MIN_PY) -m pip check
+	touch $@
+
+test-min-versions: install $(MIN_VENV)/.installed
+	@echo "# installed: $$($(MIN_PY) -m pip freeze -r $(MIN_CONSTRAINTS) | sed '/^## The following/,$$d' | grep -v '^#' | tr '\n' ' ')"
+	$(MIN_PY) -m pytest -m "not gpu and not slow" -q -p no:cacheprovider $(MIN_TESTS)
 
 test-all: install
 	$(PY) -m pytest -q
