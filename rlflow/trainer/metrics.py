@@ -236,7 +236,8 @@ def _require(package: str, flag: str) -> Any:
         return importlib.import_module(package)
     except ImportError:
         raise ImportError(
-            f"{flag} is true but the {package!r} package is not installed; `pip install {package}` or set {flag}=false"
+            f"{flag} is true but the {package!r} package is not installed; "
+            f"`pip install 'rlflow[{package}]'` or set {flag}=false"
         ) from None
 
 
