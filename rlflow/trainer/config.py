@@ -517,8 +517,8 @@ class LoggingConfig(_Section):
     console: bool = _f(True, "print one compact line per logged step")
     jsonl: bool = _f(True, "append metrics to {run dir}/metrics.jsonl")
     tensorboard: bool = _f(True, "write TensorBoard events to {run dir}/tensorboard")
-    wandb: bool = _f(False, "log to Weights & Biases (needs the wandb package)")
-    mlflow: bool = _f(False, "log to MLflow (needs the mlflow package)")
+    wandb: bool = _f(False, "log to Weights & Biases (the wandb extra: pip install 'rlflow[wandb]')")
+    mlflow: bool = _f(False, "log to MLflow (the mlflow extra: pip install 'rlflow[mlflow]')")
     project: str = _f("rlflow", "wandb project / mlflow experiment name")
 
 
