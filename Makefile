@@ -105,8 +105,9 @@ format: install
 bench: install
 	$(PY) -m benchmarks.run $(BENCH)
 
+# A demo run again does not touch the earlier one: it writes to runs/grpo_arithmetic-2, -3, ...
 demo: install
-	$(PY) recipes/grpo_arithmetic.py
+	$(PY) recipes/grpo_arithmetic.py logging.if_exists=new
 
 clean:
 	rm -rf build *.egg-info rlflow/_C_*.so
