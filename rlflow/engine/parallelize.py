@@ -20,9 +20,11 @@ by applying, in this order:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +40,7 @@ __all__ = [
     "apply_ac",
     "apply_fsdp",
     "cpu_computes_bf16",
+    "layer_matmul_params",
     "mixed_precision_dtype",
     "resolve_compute_dtype",
 ]
@@ -49,6 +52,9 @@ MESH_AXES = ("pp", "dp", "tp")
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # /proc/cpuinfo flags of a CPU that multiplies bf16 natively (AVX512-BF16 dot products, AMX tiles).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# ``auto`` computes in bf16 on such a CPU only for decoder layers at least this large (multiplying
+# parameters per layer): below it a step is per-op overhead (see resolve_compute_dtype).
+CPU_BF16_MIN_LAYER_PARAMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -110,12 +116,28 @@ def cpu_computes_bf16() -> bool:
     return bool(cpu_flags() & BF16_CPU_FLAGS)
 
 
-def resolve_compute_dtype(name: str, device_type: str) -> torch.dtype:
+def layer_matmul_params(config: Mapping[str, Any]) -> int | None:
+    """Parameters one decoder layer multiplies every token by (attention projections and MLP), from an
+    HF config's entries; None when the config does not say (no ``hidden_size``)."""
+    hidden = config.get("hidden_size")
+    if not hidden:
+        return None
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    mlp = config.get("intermediate_size") or 4 * hidden
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * mlp
+
+
+def resolve_compute_dtype(name: str, device_type: str, layer_params: int | None = None) -> torch.dtype:
     """The compute dtype a model's ``dtype`` setting asks for on ``device_type`` workers.
 
-    ``"auto"`` is bf16 on CUDA, on a CPU bf16 where it computes it natively
-    (:func:`cpu_computes_bf16`, this host's flags), else fp32; ``"float32"`` and ``"bfloat16"``
-    are themselves.
+    ``"auto"`` is bf16 on CUDA; on a CPU bf16 where it computes it natively
+    (:func:`cpu_computes_bf16`, this host's flags) for a model whose decoder layers hold at least
+    ``CPU_BF16_MIN_LAYER_PARAMS`` multiplying parameters (``layer_params``), else fp32: a small
+    layer's time is per-op overhead, which bf16 does not shrink, and its decode steps would lose the
+    fp32-only C++ step (docs/benchmarks.md, "Precision", measures both sides). ``"float32"`` and
+    ``"bfloat16"`` are themselves.
 
     >>> resolve_compute_dtype("auto", "cuda"), resolve_compute_dtype("float32", "cuda")
     (torch.bfloat16, torch.float32)
@@ -124,7 +146,10 @@ def resolve_compute_dtype(name: str, device_type: str) -> torch.dtype:
         raise ValueError(f"dtype={name!r}; expected one of {list(COMPUTE_DTYPES)}")
     if name != "auto":
         return COMPUTE_DTYPES[name]
-    if device_type == "cuda" or (device_type == "cpu" and cpu_computes_bf16()):
+    if device_type == "cuda":
+        return torch.bfloat16
+    large = layer_params is not None and layer_params >= CPU_BF16_MIN_LAYER_PARAMS
+    if device_type == "cpu" and large and cpu_computes_bf16():
         return torch.bfloat16
     return torch.float32
 

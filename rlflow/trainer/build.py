@@ -23,7 +23,7 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
-from rlflow.engine.parallelize import resolve_compute_dtype
+from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.files import write_atomic
 from rlflow.planner.cluster import local_devices_per_node, local_gpus
@@ -300,9 +300,15 @@ def model_setups(
             gradient_checkpointing=m.gradient_checkpointing,
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
-            compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu"),
+            compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu", _layer_params(paths[name])),
         )
     return setups
+
+
+def _layer_params(path: str) -> int | None:
+    """Multiplying parameters of one decoder layer of the model at ``path`` (what ``dtype: auto`` weighs on CPUs)."""
+    config = Path(path) / "config.json"
+    return layer_matmul_params(json.loads(config.read_text())) if config.is_file() else None
 
 
 def _optim(cfg: RLFlowConfig, m: ModelConfig) -> OptimConfig:

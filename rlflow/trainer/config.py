@@ -181,9 +181,10 @@ class ModelConfig(_Section):
     intermediate_size: int = _f(512, "tiny model: MLP width", ge=1)
     tie_word_embeddings: bool = _f(True, "tiny model: share the embedding and LM-head weights")
     dtype: str = _f(
-        "float32",
+        "auto",
         "compute precision of its training, inference and generation (master weights and optimizer state stay "
-        "float32); auto: bfloat16 on GPUs and on CPUs with avx512_bf16 or amx_bf16, else float32",
+        "float32); auto: bfloat16 on GPUs, and on CPUs with avx512_bf16 or amx_bf16 for decoder layers of at "
+        "least 2^20 multiplying parameters; else float32",
         choices=("auto", "float32", "bfloat16"),
     )
     trainable: bool | None = _f(None, "null: actor and critic train (and reward under rm); ref never trains")

@@ -31,7 +31,7 @@ AVX2_ONLY = frozenset({"fpu", "avx", "avx2", "fma"})
 
 
 def test_dtype_takes_auto_float32_or_bfloat16_and_names_the_field_otherwise():
-    assert load_config(None, []).models["actor"].dtype == "float32"  # the default
+    assert load_config(None, []).models["actor"].dtype == "auto"  # the default
     for value in ("auto", "float32", "bfloat16"):
         assert load_config(None, [f"models.actor.dtype={value}"]).models["actor"].dtype == value
     for bad in ("float16", "fp32"):
@@ -41,21 +41,38 @@ def test_dtype_takes_auto_float32_or_bfloat16_and_names_the_field_otherwise():
         assert "bfloat16" in str(err.value) and "auto" in str(err.value)  # the allowed values
 
 
+# Decoder layers of issue 25's compute-bound model (width 512, MLP 1024) and of the main job (width 128).
+LARGE = parallelize.layer_matmul_params({"hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 1024})
+SMALL = parallelize.layer_matmul_params({"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512})
+
+
 @pytest.mark.parametrize(
-    ("flags", "device", "expected"),
+    ("flags", "device", "layer_params", "expected"),
     [
-        (NATIVE_BF16, "cpu", torch.bfloat16),
-        (AMX, "cpu", torch.bfloat16),
-        (AVX2_ONLY, "cpu", torch.float32),
-        (frozenset(), "cpu", torch.float32),  # no /proc/cpuinfo
-        (AVX2_ONLY, "cuda", torch.bfloat16),
+        (NATIVE_BF16, "cpu", LARGE, torch.bfloat16),
+        (AMX, "cpu", LARGE, torch.bfloat16),
+        (NATIVE_BF16, "cpu", SMALL, torch.float32),  # per-op overhead: bf16 does not pay
+        (NATIVE_BF16, "cpu", None, torch.float32),  # size unknown
+        (AVX2_ONLY, "cpu", LARGE, torch.float32),
+        (frozenset(), "cpu", LARGE, torch.float32),  # no /proc/cpuinfo
+        (AVX2_ONLY, "cuda", SMALL, torch.bfloat16),
     ],
 )
-def test_auto_is_bf16_on_gpus_and_on_cpus_that_compute_it_natively(monkeypatch, flags, device, expected):
+def test_auto_is_bf16_on_gpus_and_for_large_layers_on_cpus_that_compute_it_natively(
+    monkeypatch, flags, device, layer_params, expected
+):
     monkeypatch.setattr(parallelize, "cpu_flags", lambda: flags)
-    assert resolve_compute_dtype("auto", device) == expected
-    assert resolve_compute_dtype("float32", device) == torch.float32  # explicit names are what they say
-    assert resolve_compute_dtype("bfloat16", device) == torch.bfloat16
+    assert resolve_compute_dtype("auto", device, layer_params) == expected
+    assert resolve_compute_dtype("float32", device, layer_params) == torch.float32  # explicit names are what they say
+    assert resolve_compute_dtype("bfloat16", device, layer_params) == torch.bfloat16
+
+
+def test_layer_params_count_the_projections_and_the_mlp():
+    assert SMALL < parallelize.CPU_BF16_MIN_LAYER_PARAMS <= LARGE
+    assert LARGE == 4 * 512 * 512 + 3 * 512 * 1024
+    gqa = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 1024}
+    assert parallelize.layer_matmul_params(gqa) == 2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1024
+    assert parallelize.layer_matmul_params({}) is None
 
 
 def _setups(overrides: list[str], use_gpu: bool, tmp_path: Path) -> dict:
@@ -70,13 +87,18 @@ def _setups(overrides: list[str], use_gpu: bool, tmp_path: Path) -> dict:
 
 def test_the_driver_resolves_each_models_dtype_for_its_workers(monkeypatch, tmp_path):
     monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 512, "intermediate_size": 1024}))
     auto = ["models.actor.dtype=auto", "models.ref.init=tiny", "models.ref.dtype=float32"]
     setups = _setups(auto, use_gpu=False, tmp_path=tmp_path)
     assert (setups["actor"].compute_dtype, setups["ref"].compute_dtype) == (torch.bfloat16, torch.float32)
     monkeypatch.setattr(parallelize, "cpu_flags", lambda: AVX2_ONLY)
     assert _setups(auto, use_gpu=False, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
     assert _setups(auto, use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.bfloat16
-    assert _setups(["models.ref.init=tiny"], use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
+    explicit = ["models.ref.init=tiny", "models.actor.dtype=float32"]
+    assert _setups(explicit, use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 128, "intermediate_size": 512}))
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
+    assert _setups(auto, use_gpu=False, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32  # small layers
 
 
 class FP32Sampler(HFRolloutEngine):
@@ -90,7 +112,7 @@ class FP32Sampler(HFRolloutEngine):
     [
         # the built-in sampler computes in the actor's dtype: the same numerics as training
         (["placement.use_gpu=false", "models.actor.dtype=bfloat16"], []),
-        (["placement.use_gpu=true"], []),  # float32 on GPUs too
+        (["placement.use_gpu=true"], []),  # the default (auto): bf16 on GPUs, the sampler too
         (["placement.use_gpu=true", "models.actor.dtype=auto"], []),
         (
             ["placement.use_gpu=false", "models.actor.dtype=bfloat16", "rollout.engine=fp32_sampler"],
@@ -152,10 +174,10 @@ def test_a_bf16_run_trains_and_samples_in_bf16_and_checkpoints_fp32_masters(tmp_
 @pytest.mark.parametrize(
     ("overrides", "compute_bytes", "rollout_bytes"),
     [
-        ([], 4, 4),  # float32: training and the built-in sampler
+        ([], 2, 2),  # the default, auto: bf16 on GPUs, training and the built-in sampler
+        (["models.actor.dtype=float32"], 4, 4),
         (["models.actor.dtype=bfloat16"], 2, 2),
-        (["models.actor.dtype=auto"], 2, 2),  # bf16 on GPUs
-        (["rollout.engine=vllm"], 4, 2),  # vLLM generates in bf16 whatever the actor computes in
+        (["models.actor.dtype=float32", "rollout.engine=vllm"], 4, 2),  # vLLM generates in bf16 whatever the actor does
     ],
 )
 def test_gpu_plans_price_the_actors_compute_dtype(overrides, compute_bytes, rollout_bytes):
