@@ -8,13 +8,13 @@ import json
 import math
 
 import pytest
-import torch
 from huggingface_hub import constants
 from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaForTokenClassification
 
 from rlflow.data.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from rlflow.trainer import ConfigError, Trainer, build
 from rlflow.trainer.inputs import split_reward_funcs
+from tests.workers.worker_helpers import save_sequence_classifier
 
 ROWS = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)]
 SMALL = {
@@ -34,23 +34,7 @@ SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
 def save_reward_model(path, tokenizer=None) -> None:
     """A tiny one-label LlamaForSequenceClassification (TRL's reward-model kind) with ``tokenizer``."""
-    tokenizer = tokenizer or build_char_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)  # scores far from zero
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_sequence_classifier(path, tokenizer or build_char_tokenizer())
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import torch
 from transformers import (
     AutoModelForSequenceClassification,
     LlamaConfig,
-    LlamaForSequenceClassification,
     LlamaForTokenClassification,
 )
+from worker_helpers import save_sequence_classifier
 
 from rlflow.data.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from rlflow.dataflow import MFCDef
@@ -53,26 +53,6 @@ def chat_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     tokenizer = build_char_tokenizer(alphabet=alphabet)
     tokenizer.chat_template = TEMPLATE
     return tokenizer
-
-
-def save_sequence_classifier(path, tokenizer) -> None:
-    """A tiny one-label LlamaForSequenceClassification with a head far from zero, and ``tokenizer``."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 def rollout(tokenizer) -> DataProto:

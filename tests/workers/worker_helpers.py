@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
@@ -50,3 +51,24 @@ def prompt_batch(tokenizer_dir: str, prompts=PROMPTS, answers=ANSWERS) -> DataPr
 
 def eos_id(tokenizer_dir: str) -> int:
     return load_tokenizer(tokenizer_dir).eos_token_id
+
+
+def save_sequence_classifier(path, tokenizer) -> None:
+    """A tiny one-label LlamaForSequenceClassification (TRL's reward-model kind) with a head far from
+    zero (scores far from zero), and ``tokenizer``, saved in ``path``."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
