@@ -18,8 +18,8 @@ from rlflow.algos import (
     ppo_policy_loss,
     register_policy_loss,
     sft_loss,
-    value_loss,
     unclipped_policy_loss,
+    value_loss,
 )
 
 
