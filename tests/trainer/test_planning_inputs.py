@@ -17,10 +17,13 @@ def test_workload_micro_batches_follow_the_models_token_budget() -> None:
 
 
 def test_gpu_generation_is_priced_in_the_engines_dtype() -> None:
-    hf = planning_cluster(load_config(GRPO), use_gpu=True, profile=None)
-    vllm = planning_cluster(load_config(GRPO, ["rollout.engine=vllm"]), use_gpu=True, profile=None)
-    assert hf.precision.rollout_bytes == 4  # the HF sampler runs the fp32 copy
-    assert vllm.precision.rollout_bytes == 2  # vLLM generates in bf16
+    fp32 = ["models.actor.dtype=float32"]
+    hf = planning_cluster(load_config(GRPO, fp32), use_gpu=True, profile=None)
+    vllm = planning_cluster(load_config(GRPO, [*fp32, "rollout.engine=vllm"]), use_gpu=True, profile=None)
+    assert hf.precision.rollout_bytes == 4  # the HF sampler runs a copy in the actor's dtype
+    assert vllm.precision.rollout_bytes == 2  # vLLM generates in bf16 whatever the actor computes in
+    auto = planning_cluster(load_config(GRPO), use_gpu=True, profile=None)
+    assert auto.precision.rollout_bytes == 2  # the default on GPUs: bf16
 
 
 # ----------------------------------------------------------------- calls tied to one layout
