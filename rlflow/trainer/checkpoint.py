@@ -32,6 +32,7 @@ from rlflow.trainer.config import CheckpointConfig
 __all__ = [
     "CheckpointManager",
     "capture_rng_state",
+    "complete_checkpoints",
     "final_dir",
     "read_json",
     "read_trainer_state",
@@ -115,12 +116,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints (with ``meta.json``), oldest step first."""
-        found = []
-        for path in self.directory.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match and (path / META_FILE).is_file():
-                found.append((int(match.group(1)), path))
-        return [path for _, path in sorted(found)]
+        return complete_checkpoints(self.directory)
 
     def latest(self) -> Path | None:
         """The complete checkpoint with the highest step, or None."""
@@ -168,6 +164,20 @@ class CheckpointManager:
     def read_meta(path: str | Path) -> dict[str, Any]:
         """The ``meta.json`` of a checkpoint directory."""
         return read_json(Path(path) / META_FILE)
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """The complete checkpoints (``step_<N>`` with ``meta.json``) in ``directory``, oldest step first;
+    none when it does not exist. Reads only: no manager (which creates the directory) needed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / META_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -18,13 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlflow.trainer.checkpoint import META_FILE, CheckpointManager
+from rlflow.trainer.checkpoint import META_FILE, CheckpointManager, complete_checkpoints, final_dir
 from rlflow.trainer.config import ConfigError, RLFlowConfig
 
 logger = logging.getLogger(__name__)
 
-# What a run writes in its directory (checkpoints are found in the checkpoint directory).
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "final")
+# What a run writes in its directory (checkpoints and final models: where their settings put them).
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard")
 # Caches a run builds from its config (tiny models, value-head copies); rebuilt when the config changes.
 RUN_CACHES = ("models",)
 # The fields of a tiny model's config that decide its parameter shapes.
@@ -55,9 +55,9 @@ def model_identities(cfg: RLFlowConfig) -> dict[str, dict[str, Any]]:
 
 
 def earlier_outputs(cfg: RLFlowConfig) -> list[Path]:
-    """What an earlier run left in ``cfg``'s run directory and checkpoint directory."""
-    found = [cfg.run_dir / name for name in RUN_OUTPUTS if _non_empty(cfg.run_dir / name)]
-    return found + _checkpoints(cfg.checkpoint_dir)
+    """What an earlier run left in ``cfg``'s run directory, checkpoint directory and final-model directory."""
+    places = [cfg.run_dir / name for name in RUN_OUTPUTS] + [final_dir(cfg.checkpoint, cfg.run_dir)]
+    return [p for p in places if _non_empty(p)] + complete_checkpoints(cfg.checkpoint_dir)
 
 
 def claim_run_dir(cfg: RLFlowConfig) -> RLFlowConfig:
@@ -90,7 +90,7 @@ def claim_run_dir(cfg: RLFlowConfig) -> RLFlowConfig:
             _remove(path)
         logger.info("replaced the earlier run in %s (logging.if_exists=replace)", run_dir)
         return cfg
-    if cfg.checkpoint.dir is not None and _checkpoints(cfg.checkpoint_dir):
+    if cfg.checkpoint.dir is not None and complete_checkpoints(cfg.checkpoint_dir):
         raise ConfigError(
             "checkpoint.dir",
             f"{cfg.checkpoint.dir} holds an earlier run's checkpoints and logging.if_exists=new moves only the run "
@@ -132,20 +132,12 @@ def _resumed_checkpoint(cfg: RLFlowConfig) -> Path | None:
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume == "auto":
-        found = _checkpoints(cfg.checkpoint_dir)
+        found = complete_checkpoints(cfg.checkpoint_dir)
         return found[-1] if found else None
     try:
         return CheckpointManager(cfg.checkpoint, cfg.run_dir).resolve_resume()
     except FileNotFoundError as err:
         raise ConfigError("checkpoint.resume", str(err)) from None
-
-
-def _checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest step first (as :class:`CheckpointManager` lists them)."""
-    if not directory.is_dir():
-        return []
-    steps = [(int(p.name[5:]), p) for p in directory.glob("step_*") if p.name[5:].isdigit()]
-    return [p for _, p in sorted(steps) if (p / META_FILE).is_file()]
 
 
 def _free_sibling(cfg: RLFlowConfig) -> RLFlowConfig:
