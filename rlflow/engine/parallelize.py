@@ -20,6 +20,7 @@ by applying, in this order:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -96,6 +97,7 @@ def mixed_precision_dtype(device: torch.device, mixed_precision: str) -> torch.d
     raise ValueError(f"mixed_precision={mixed_precision!r}; expected 'auto', 'bf16' or 'fp32'")
 
 
+@functools.cache  # the host's flags do not change; every model's dtype reads them
 def cpu_flags() -> frozenset[str]:
     """This host's CPU feature flags (``/proc/cpuinfo``); empty where the file is absent (not Linux)."""
     path = Path("/proc/cpuinfo")

@@ -261,4 +261,14 @@ def test_spawned_profile_processes_work_from_a_script_without_a_main_guard(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("script body ran") == 1
     assert "latency" in done.stdout
-    assert sys.modules["__main__"].__name__ == "__main__"
+
+
+def test_the_main_module_is_hidden_only_while_children_start():
+    from rlflow.rendezvous import main_module_hidden
+
+    main = sys.modules["__main__"]
+    with main_module_hidden():
+        stand_in = sys.modules["__main__"]
+        assert stand_in is not main and getattr(stand_in, "__file__", None) is None
+        assert getattr(stand_in, "__spec__", None) is None  # nothing for spawn to re-import
+    assert sys.modules["__main__"] is main
