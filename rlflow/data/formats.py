@@ -33,13 +33,13 @@ PREFERENCE_COLUMNS = "; a preference row holds 'chosen' and 'rejected', and 'pro
 
 
 def is_messages(value: Any) -> bool:
-    """A non-empty list of ``{"role", "content"}`` dicts.
+    """A non-empty list (or tuple) of ``{"role", "content"}`` dicts: a conversation, as TRL tells them.
 
     >>> is_messages([{"role": "user", "content": "2+2?"}]), is_messages("2+2?")
     (True, False)
     """
     return (
-        isinstance(value, list)
+        isinstance(value, (list, tuple))
         and bool(value)
         and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
     )

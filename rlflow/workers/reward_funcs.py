@@ -46,7 +46,6 @@ __all__ = [
     "RewardFuncs",
     "as_conversation",
     "check_reward_signature",
-    "is_conversation",
     "pack_reward_funcs",
     "required_columns",
     "score_completions",
@@ -302,19 +301,6 @@ def trainer_state(step: int, max_steps: int | None) -> TrainerState:
     (3, 10)
     """
     return TrainerState(global_step=step, max_steps=max_steps if max_steps is not None else 0)
-
-
-def is_conversation(prompt: Any) -> bool:
-    """Whether ``prompt`` is a list of chat messages (dicts with ``role`` and ``content``), as TRL tells them.
-
-    >>> is_conversation([{"role": "user", "content": "1+1="}]), is_conversation("1+1=")
-    (True, False)
-    """
-    return (
-        isinstance(prompt, (list, tuple))
-        and bool(prompt)
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)
-    )
 
 
 def as_conversation(prompt: list[Mapping[str, Any]], text: str) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:

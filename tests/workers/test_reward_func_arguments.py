@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import TrainerState
 
+from rlflow.data.formats import is_messages
 from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.dataflow import MFCDef
 from rlflow.dataflow.algorithms import ROLLOUT_KEYS
@@ -19,7 +20,6 @@ from rlflow.workers.interfaces.reward import RuleRewardInterface
 from rlflow.workers.reward_errors import RewardErrors
 from rlflow.workers.reward_funcs import (
     check_reward_signature,
-    is_conversation,
     pack_reward_funcs,
     required_columns,
     score_completions,
@@ -139,4 +139,4 @@ def test_the_reward_call_hands_conversations_ids_and_its_step(tmp_path):
 
 @pytest.mark.parametrize("prompt", [[], [{"role": "user"}], ["1+1="], "1+1="])
 def test_only_lists_of_role_and_content_messages_are_conversations(prompt):
-    assert not is_conversation(prompt)
+    assert not is_messages(prompt)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig
 
+from rlflow.data.formats import is_messages
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.engine.models import is_sequence_classification
 from rlflow.protocol import DataProto
@@ -32,7 +33,7 @@ from rlflow.workers.interfaces.actor import pair_columns
 from rlflow.workers.interfaces.base import ModelInterface, train_epochs
 from rlflow.workers.losses import reward_model_loss_fn
 from rlflow.workers.reward_errors import RewardErrors
-from rlflow.workers.reward_funcs import RewardFuncs, as_conversation, is_conversation, score_completions
+from rlflow.workers.reward_funcs import RewardFuncs, as_conversation, score_completions
 from rlflow.workers.rewards import compute_rule_rewards, nan_mean
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def reward_texts(tokenizer, prompts: list[Any], completions: list[str]) -> list[
     """
     texts = []
     for prompt, completion in zip(prompts, completions):
-        if is_conversation(prompt):
+        if is_messages(prompt):
             messages, reply = as_conversation(prompt, completion)
             texts.append(tokenizer.apply_chat_template(messages + reply, tokenize=False))
         else:
@@ -174,7 +175,7 @@ def _score_with_funcs(
     names = list(dict.fromkeys(k for row in rows for k in row))
     columns = {k: [row.get(k) for row in rows] for k in names if k != "prompt"}
     pairs = [
-        as_conversation(row["prompt"], text) if is_conversation(row["prompt"]) else (row["prompt"], text)
+        as_conversation(row["prompt"], text) if is_messages(row["prompt"]) else (row["prompt"], text)
         for row, text in zip(rows, texts)
     ]
     prompts, completions = [p for p, _ in pairs], [c for _, c in pairs]
