@@ -2,7 +2,8 @@
 
 A run writes its metrics, TensorBoard events, checkpoints and final model under ``logging.dir``
 (default ``runs/{experiment_name}``). A new run whose directory already holds an earlier run's
-outputs resumes it when ``checkpoint.resume`` finds a checkpoint; otherwise
+outputs resumes it when ``checkpoint.resume`` finds a checkpoint (with ``auto`` and no complete
+checkpoint nor final model, the earlier attempt starts over: its logged steps are dropped); otherwise
 ``logging.if_exists`` decides: ``refuse`` (a ConfigError before any work), ``replace`` (the
 earlier outputs are deleted) or ``new`` (this run takes ``{dir}-2``, ``-3``, ...). A resumed
 checkpoint must hold the models this config describes: each checkpoint records its models'
@@ -77,13 +78,20 @@ def claim_run_dir(cfg: RLFlowConfig) -> RLFlowConfig:
         return cfg
     policy, run_dir = cfg.logging.if_exists, cfg.run_dir
     listed = ", ".join(str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p) for p in outputs)
+    if cfg.checkpoint.resume == "auto" and final_dir(cfg.checkpoint, run_dir) not in outputs:
+        # An attempt of this run that died before its first complete checkpoint: resuming it is
+        # starting over, and the steps it logged are logged again (as a restart from step 0 does).
+        for path in outputs:
+            _remove(path)
+        logger.warning("%s holds no complete checkpoint; checkpoint.resume=auto starts over (dropped: %s)", run_dir, listed)
+        return cfg
     if policy == "refuse":
         key = "logging.dir" if cfg.logging.dir else "experiment_name"
+        resume = "resume it with checkpoint.resume=auto, " if complete_checkpoints(cfg.checkpoint_dir) else ""
         raise ConfigError(
             key,
-            f"{run_dir} already holds an earlier run ({listed}); resume it with checkpoint.resume=auto, "
-            f"name another {key}, or set logging.if_exists=replace (deletes it) or logging.if_exists=new "
-            f"(a new directory beside it)",
+            f"{run_dir} already holds an earlier run ({listed}); {resume}name another {key}, or set "
+            f"logging.if_exists=replace (deletes it) or logging.if_exists=new (a new directory beside it)",
         )
     if policy == "replace":
         for path in outputs + [run_dir / name for name in RUN_CACHES]:

@@ -4,6 +4,7 @@ with the models it was trained with; the models a run builds follow its config (
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,16 @@ def test_the_models_a_run_builds_follow_its_seed_and_shape(tmp_path):
     assert (tmp_path / "models" / "actor" / "model.safetensors").stat().st_mtime_ns == stamp  # kept, not rebuilt
     assert any(not torch.equal(first[k], v) for k, v in built("seed=3").items())
     assert built("models.actor.hidden_size=64")["model.embed_tokens.weight"].shape[1] == 64
+
+
+def test_resume_auto_starts_over_a_run_that_died_before_its_first_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    fit(run)
+    shutil.rmtree(run / "checkpoints")  # as a run killed before its first checkpoint completed leaves it
+    shutil.rmtree(run / "final")
+    with pytest.raises(ConfigError, match="already holds an earlier run") as err:
+        Trainer(GRPO, overrides=[*TINY, f"logging.dir={run}"], progress_bars=False)
+    assert "checkpoint.resume=auto" not in str(err.value)  # nothing there to resume
+    trainer = fit(run, "checkpoint.resume=auto")
+    assert trainer.run_dir == run
+    assert steps_logged(run) == [1]  # its steps once, not after the dead attempt's
