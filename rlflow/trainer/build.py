@@ -337,7 +337,9 @@ def sampling_params(cfg: RLFlowConfig, eos_token_id: int | None) -> tuple[Sampli
     stop = () if eos_token_id is None else (eos_token_id,)
     common = {"max_new_tokens": r.max_new_tokens or cfg.data.max_response_len, "seed": cfg.seed, "stop_token_ids": stop}
     n = cfg.algorithm.n_samples if cfg.algorithm.record.samples_responses else 1
-    sample = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=n, **common)
+    sample = SamplingParams(
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=n, min_new_tokens=r.min_new_tokens, **common
+    )
     evaluate = (
         SamplingParams(greedy=True, **common)
         if r.eval_greedy

@@ -293,6 +293,9 @@ class RolloutConfig(_Section):
     max_new_tokens: int | None = _f(
         None, "response tokens sampled; null: data.max_response_len (8 when both are null)", ge=1
     )
+    min_new_tokens: int = _f(
+        0, "rollouts: the EOS is kept out of the choice of a response's first this many tokens (evaluation: not)", ge=0
+    )
     eval_greedy: bool = _f(True, "evaluate with greedy decoding (else with the sampling settings)")
     gpu_memory_utilization: float = _f(
         0.5, "vllm: share of each GPU's memory vLLM takes while generating (weights + KV cache)", gt=0.0, le=1.0
@@ -584,6 +587,10 @@ class RLFlowConfig(_Section):
         if new_tokens > limit:
             raise ConfigError("rollout.max_new_tokens", f"{new_tokens} > data.max_response_len={limit}")
         self.rollout.max_new_tokens, self.data.max_response_len = new_tokens, limit
+        if self.rollout.min_new_tokens > new_tokens:
+            raise ConfigError(
+                "rollout.min_new_tokens", f"{self.rollout.min_new_tokens} > rollout.max_new_tokens={new_tokens}"
+            )
         engine = get_rollout_engine(self.rollout.engine)
         if self.placement.use_gpu is False and not engine.supports_device("cpu"):
             on_cpu = [n for n in list_rollout_engines() if get_rollout_engine(n).supports_device("cpu")]

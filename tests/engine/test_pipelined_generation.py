@@ -51,6 +51,7 @@ def _cases(stops: tuple[int, ...]) -> dict[str, SamplingParams]:
         "stop": replace(GREEDY, stop_token_ids=stops),
         "sampled": SAMPLED,
         "sampled_stop": replace(SAMPLED, stop_token_ids=stops),
+        "sampled_stop_min": replace(SAMPLED, stop_token_ids=stops, min_new_tokens=3),
     }
 
 

@@ -169,6 +169,33 @@ def test_sampler_equals_full_recompute_reference(arch, with_stops, sampling, fas
         assert len(set(out["response_mask"].sum(1).tolist())) > 2
 
 
+@pytest.mark.parametrize(
+    "decoder", [{}, {"native_decode": False}, {"fast_decode": False}], ids=["native", "lean", "hf_modules"]
+)
+def test_min_new_tokens_keeps_the_stops_out_of_the_first_tokens(model, decoder):
+    ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6], seed=2)
+    stops = _stops_hit_early(model, ids, mask)
+    engine = HFRolloutEngine(model, **decoder)
+    free = engine.generate((ids, mask), SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=stops))
+    assert (free["response_mask"].sum(1) < 4).any(), "test needs rows that stop within 4 tokens"
+    params = SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=stops, min_new_tokens=4)
+    out = engine.generate((ids, mask), params)
+    assert out["response_mask"][:, :4].all() and not torch.isin(out["responses"][:, :4], torch.tensor(stops)).any()
+    # greedy over the tokens left: each of the first 4 is the best non-stop token of a full forward
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"],
+            use_cache=False,
+        ).logits[:, ids.shape[1] - 1 : -1].float()  # fmt: skip
+    masked = logits.index_fill(-1, torch.tensor(stops), float("-inf"))
+    assert torch.equal(out["responses"][:, :4], masked[:, :4].argmax(-1))
+    # old_logp is the model's own (unmasked) log-prob of each chosen token, as training recomputes it
+    expected = logits.log_softmax(-1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1) * out["response_mask"]
+    torch.testing.assert_close(out["old_logp"], expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="min_new_tokens=11"):
+        SamplingParams(max_new_tokens=10, min_new_tokens=11)
+
+
 def test_outputs_can_be_trained_on(model, engine):
     # The sampler decodes in inference mode; its outputs must still be ordinary tensors, or a
     # training forward that saves them for backward (the embedding's indices) would fail.

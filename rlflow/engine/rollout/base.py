@@ -89,6 +89,9 @@ class SamplingParams:
         n: samples per prompt.
         max_new_tokens: response length ``R``.
         stop_token_ids: a row finishes after emitting one of these (it is kept in the response).
+        min_new_tokens: the stop tokens are kept out of the choice of a row's first this many
+            tokens (HF's ``min_new_tokens``, vLLM's ``min_tokens``); ``old_logp`` stays the
+            model's own log-prob of the chosen token, which training recomputes.
         greedy: take the argmax instead of sampling; temperature/top-p/top-k are then ignored
             and ``old_logp`` is at temperature 1.
         seed: makes sampling reproducible; engines derive a per-dp-rank seed from it. None
@@ -101,6 +104,7 @@ class SamplingParams:
     n: int = 1
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = field(default=())
+    min_new_tokens: int = 0
     greedy: bool = False
     seed: int | None = None
 
@@ -115,6 +119,10 @@ class SamplingParams:
             raise ValueError(f"n={self.n} samples per prompt must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens={self.max_new_tokens}]"
+            )
         stop = tuple(int(t) for t in self.stop_token_ids)
         if any(t < 0 for t in stop):
             raise ValueError(f"stop_token_ids={stop} must be non-negative token ids")

@@ -315,8 +315,16 @@ def _decode(
     temperature = 1.0 if params.greedy else params.temperature
     decoder = _decoder(model, num_rows, input_ids.shape[1] + max_new, max_new, tp_group, fast_decode, native_decode)
     logits = decoder.prefill(input_ids, attention_mask, params.n)
+    start = min(params.min_new_tokens, max_new) if params.stop_token_ids else 0
+    if start:
+        logits = _decode_unstoppable(decoder, logits, params, generator, tp_group, responses, old_logp, start)
+        response_mask[:, :start] = 1
+        if start == max_new:
+            return
     if native_decode and native_sampling_blocker(logits, params, tp_group) is None:
-        _native_sampling_loop(decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp)
+        _native_sampling_loop(
+            decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp, start
+        )  # fmt: skip
         return
     if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
         for step in range(max_new):
@@ -332,7 +340,7 @@ def _decode(
     stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
     rows = torch.arange(num_rows, device=device)  # output row of each decoding row
     alive = torch.ones(num_rows, dtype=torch.bool, device=device)
-    for step in range(max_new):
+    for step in range(start, max_new):
         tokens = _choose_synced(logits, params, generator, tp_group)
         # Finished rows not yet pruned keep decoding; their outputs stay pad / 0 here.
         responses[rows, step] = torch.where(alive, tokens, pad_token_id)
@@ -345,7 +353,24 @@ def _decode(
         logits, rows, alive = _advance(decoder, tokens, rows, alive, num_alive, step)
 
 
-def _native_sampling_loop(decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp) -> None:
+def _decode_unstoppable(decoder, logits, params, generator, tp_group, responses, old_logp, steps: int):
+    """The first ``steps`` tokens of every row (``min_new_tokens``), the stop tokens kept out of the
+    choice; ``old_logp`` is the model's log-prob of each token, unmasked. The next logits."""
+    temperature = 1.0 if params.greedy else params.temperature
+    stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
+    for step in range(steps):
+        tokens = _choose_synced(logits.index_fill(-1, stop_ids, float("-inf")), params, generator, tp_group)
+        responses[:, step] = tokens
+        old_logp[:, step] = token_logprobs(logits, tokens, temperature)
+        if step == params.max_new_tokens - 1:
+            break
+        logits = decoder.step(tokens, step)
+    return logits
+
+
+def _native_sampling_loop(
+    decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp, start: int = 0
+) -> None:  # fmt: skip
     """The decoding loop above with each step's choice, outputs and stop checks in one C++ call
     (:func:`~rlflow.engine.rollout.native_decode.sample_step`): the same draws from ``generator``,
     the same tokens, outputs and pruning."""
@@ -353,7 +378,7 @@ def _native_sampling_loop(decoder, logits, params, pad_token_id, generator, resp
     stop_ids = np.asarray(params.stop_token_ids, dtype=np.int64)
     rows = torch.arange(num_rows)  # output row of each decoding row
     alive = torch.ones(num_rows, dtype=torch.bool)
-    for step in range(max_new):
+    for step in range(start, max_new):
         tokens, num_alive = sample_step(logits, params, generator, stop_ids, alive, rows, step, pad_token_id,
                                         responses, response_mask, old_logp)  # fmt: skip
         if num_alive == 0 or step == max_new - 1:

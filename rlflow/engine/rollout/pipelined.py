@@ -391,7 +391,8 @@ class _Schedule:
         if not pipe.last:
             pipe.send(out, pipe.rank + 1)
             return
-        tokens = self._choose(out, mb)
+        choice = out.index_fill(-1, self.stop_ids, float("-inf")) if rnd < self.params.min_new_tokens else out
+        tokens = self._choose(choice, mb)
         self._record(mb, rnd, tokens, out, responses, response_mask, old_logp)
         if rnd < self.params.max_new_tokens - 1:
             message = torch.stack([tokens, mb.alive.long()]) if self.stops else tokens

@@ -184,6 +184,7 @@ def to_vllm_sampling_params(params: SamplingParams, *, seed: int | None) -> Any:
         top_p=1.0 if params.greedy else params.top_p,
         top_k=-1 if params.greedy or params.top_k == 0 else params.top_k,
         max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=True,
         logprobs=0,  # only the sampled token's log-prob
