@@ -22,10 +22,11 @@ against samples seen per task in the output directory.
 
     python -m benchmarks.run trl
 
-Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main``), ``RLFLOW_BENCH_TRL_TINY_STEPS`` (150),
-``RLFLOW_BENCH_TRL_MAIN_STEPS`` (30), ``RLFLOW_BENCH_TRL_REPEATS`` (1),
+Environment: ``RLFLOW_BENCH_TRL_TASKS`` (``tiny,main,compute``), ``RLFLOW_BENCH_TRL_TINY_STEPS`` (150),
+``RLFLOW_BENCH_TRL_MAIN_STEPS`` (30), ``RLFLOW_BENCH_TRL_COMPUTE_STEPS`` (12), ``RLFLOW_BENCH_TRL_REPEATS`` (1),
 ``RLFLOW_BENCH_TRL_THREADS`` (``1,2``: TRL's torch thread counts; on a busy machine a 2-thread
-process spin-waits for its second core, so ``1`` there),
+process spin-waits for its second core, so ``1`` there), ``RLFLOW_BENCH_TRL_PRECISIONS``
+(``fp32,bf16``: TRL in float32 and with HF Trainer's ``bf16=True``; each with each thread count),
 ``RLFLOW_BENCH_TRL_WARM_START_STEPS`` (0: random initial weights; N: both start from the model
 after N supervised steps on the task's answers, :func:`warm_start`),
 ``RLFLOW_BENCH_TRL_LR`` (the task's: both sides' learning rate; a warm-started tiny model
@@ -72,7 +73,7 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
 
 
 def _env_tasks() -> list[str]:
-    names = [n.strip() for n in os.environ.get("RLFLOW_BENCH_TRL_TASKS", "tiny,main").split(",") if n.strip()]
+    names = [n.strip() for n in os.environ.get("RLFLOW_BENCH_TRL_TASKS", "tiny,main,compute").split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         raise ValueError(f"RLFLOW_BENCH_TRL_TASKS={names}: expected names among {sorted(TASKS)}")
@@ -266,6 +267,14 @@ def run_side(side: str, spec: dict[str, Any], threads: int, workdir: Path, label
     figures["versions"] = {k: v for k, v in versions.items() if k != "event"}
     if startup is not None:
         figures["rlflow_startup"] = {k: v for k, v in startup.items() if k != "event"}
+    calls = [e["calls"] for e in events if e["event"] == "step" and e.get("calls")][1:]  # step 1 not timed
+    if calls:
+        names = sorted(set().union(*calls))
+        figures["call_s_median"] = {n: round(_median([c[n] for c in calls if n in c]), 4) for n in names}
+    for kind in ("plan", "precision"):
+        found = next((e for e in events if e["event"] == kind), None)
+        if found is not None:
+            figures[kind] = {k: v for k, v in found.items() if k != "event"}
     figures["load_average_1m_before"] = round(load[0], 2)
     figures["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     return figures
@@ -348,6 +357,90 @@ def task_record(task: str, spec: dict, runs: dict[str, list[dict]], notes: list[
     return record
 
 
+def machine_peaks() -> dict[str, float]:
+    """This machine's limits (benchmarks/bench_precision.py's measurements): the 2048² matmul's
+    FLOP/s on both cores in fp32 and bf16, and one thread's copy bandwidth (bytes/s)."""
+    import torch
+
+    from benchmarks.bench_precision import _copy_bytes_per_s, _matmul_flops
+
+    threads = torch.get_num_threads()
+    try:
+        peaks = {
+            f"matmul_flops_{p}": _matmul_flops(d, 2) for p, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        }
+        peaks["copy_bytes_per_s_1thread"] = _copy_bytes_per_s()
+    finally:
+        torch.set_num_threads(threads)
+    return peaks
+
+
+def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float]) -> dict | None:
+    """rlflow's actor calls on a fixed-length task against the machine's limits, or None (lengths vary).
+
+    FLOPs count the matmuls (layers' projections and the LM head) of every row's prompt
+    (``max_prompt_len`` tokens, an upper bound) and response: ``2·N`` per token for generation and
+    inference, ``6·N`` for a training step. A decode step reads every generation worker's
+    weights and the KV cache of its rows (at the mean context); its seconds are the generation
+    call's over the new tokens (prefill included, so an upper bound).
+    """
+    if spec.get("min_new_tokens", 0) != spec["max_new_tokens"] or "call_s_median" not in figures:
+        return None
+    config = json.loads((Path(spec["model_dir"]) / "config.json").read_text())
+    h, layers, mlp, vocab = (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["intermediate_size"],
+        config["vocab_size"],
+    )
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    n_matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * mlp) + vocab * h
+    rows, new = spec["num_prompts"] * spec["n_samples"], spec["max_new_tokens"]
+    tokens = rows * (spec["max_prompt_len"] + new)
+    precision = figures.get("precision", {}).get("actor", "float32")
+    peak = peaks["matmul_flops_bf16" if precision == "bfloat16" else "matmul_flops_fp32"]
+    itemsize = 2 if precision == "bfloat16" else 4
+    plan = figures.get("plan", {}).get("calls", {})
+    record = {"name": f"trl_{task}_limits", "task": task, "precision": precision, "plan": plan, "calls": {}}
+    for call, seconds in figures["call_s_median"].items():
+        per_token = 6 if call.endswith("_train") else 2 if call.endswith(("_gen", "_inf")) else None
+        if not call.startswith("actor_") or per_token is None or seconds <= 0:  # the actor's calls only
+            continue
+        flops = per_token * n_matmul * tokens
+        entry = {"seconds": seconds, "gflop": round(flops / 1e9, 1), "gflop_per_s": round(flops / seconds / 1e9, 1)}
+        entry["share_of_matmul_peak_2threads"] = round(flops / seconds / peak, 3)
+        if call.endswith("_gen"):
+            workers = _dp_of(plan.get(call, ""))
+            weights = (n_matmul + (0 if config.get("tie_word_embeddings") else vocab * h)) * itemsize * workers
+            cache = 2 * layers * kv * itemsize * rows * (spec["max_prompt_len"] + new / 2)
+            step_s = seconds / new
+            entry.update(
+                decode_step_ms=round(step_s * 1e3, 3),
+                decode_bytes_per_step=int(weights + cache),
+                decode_gb_per_s=round((weights + cache) / step_s / 1e9, 2),
+                share_of_copy_bandwidth_1thread=round(
+                    (weights + cache) / step_s / peaks["copy_bytes_per_s_1thread"], 3
+                ),
+            )
+        record["calls"][call] = entry
+    record["peaks"] = {
+        "matmul_gflop_per_s_2threads": {p: round(peaks[f"matmul_flops_{p}"] / 1e9, 1) for p in ("fp32", "bf16")},
+        "copy_gb_per_s_1thread": round(peaks["copy_bytes_per_s_1thread"] / 1e9, 1),
+    }
+    record["units"] = {"share": "achieved / measured limit; FLOPs of the matmuls only (limits_record)"}
+    return record
+
+
+def _dp_of(strategy: str) -> int:
+    """The dp degree of a strategy's text (``(dp=2,tp=1,pp=1)``); 1 when absent."""
+    for part in strategy.strip("()").split(","):
+        key, _, value = part.partition("=")
+        if key.strip() == "dp" and value.strip().isdigit():
+            return int(value)
+    return 1
+
+
 def plot_rewards(task: str, runs: dict[str, list[dict]], path: Path) -> None:
     """Reward per step against samples seen, each run smoothed over a tenth of its steps."""
     import matplotlib
@@ -384,14 +477,30 @@ def _env_trl_threads() -> list[int]:
     return threads
 
 
-def _variants(spec: dict, trl_threads: list[int]) -> tuple[list[tuple[str, str, int, dict]], list[str]]:
+def _env_trl_precisions() -> list[str]:
+    raw = os.environ.get("RLFLOW_BENCH_TRL_PRECISIONS", "fp32,bf16")
+    precisions = [p.strip() for p in raw.split(",") if p.strip()]
+    if not precisions or any(p not in ("fp32", "bf16") for p in precisions):
+        raise ValueError(f"RLFLOW_BENCH_TRL_PRECISIONS={raw!r}: expected fp32, bf16 or both")
+    return precisions
+
+
+def _variants(
+    spec: dict, trl_threads: list[int], trl_precisions: list[str] = ("fp32", "bf16")
+) -> tuple[list[tuple[str, str, int, dict]], list[str]]:  # fmt: skip
     """``(label, side, threads, extra spec)`` of each run of a task, interleaved in this order."""
-    trl = [(f"trl_{t}thread{'s' if t > 1 else ''}", "trl", t, {}) for t in trl_threads]
+    trl = [
+        (f"trl_{t}thread{'s' if t > 1 else ''}{'' if p == 'fp32' else '_' + p}", "trl", t, {"precision": p})
+        for p in trl_precisions
+        for t in trl_threads
+    ]
     variants = [*trl[:1], ("rlflow", "rlflow", 1, {}), *trl[1:]]
     refusal = policy_lag_refusal(spec)
     notes = []
     if trl_threads != [1, 2]:
         notes.append(f"TRL ran with {trl_threads} torch threads (RLFLOW_BENCH_TRL_THREADS), not with 1 and 2")
+    if list(trl_precisions) != ["fp32", "bf16"]:
+        notes.append(f"TRL ran in {list(trl_precisions)} (RLFLOW_BENCH_TRL_PRECISIONS), not in fp32 and bf16")
     if refusal is None:
         variants.append(("rlflow_lag1", "rlflow", 1, {"policy_lag": 1}))
     else:
@@ -406,8 +515,10 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
     repeats = repeats or _env_int("RLFLOW_BENCH_TRL_REPEATS", 1)
     out = Path(os.environ.get("RLFLOW_BENCH_TRL_OUT", ROOT / "outputs" / "bench_trl"))
     out.mkdir(parents=True, exist_ok=True)
-    trl_threads = _env_trl_threads()
+    trl_threads, trl_precisions = _env_trl_threads(), _env_trl_precisions()
     trl_python()  # before any timing: the first call may install
+    fixed_length = [t for t in tasks if TASKS[t].get("min_new_tokens", 0) == TASKS[t]["max_new_tokens"]]
+    peaks = machine_peaks() if fixed_length else {}
     records = []
     for task in tasks:
         # the figures need 2 steps: the first one is not timed
@@ -424,7 +535,7 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
             seed=_env_int("RLFLOW_BENCH_TRL_SEED", TASKS[task]["seed"], minimum=0),
             model_seed=_env_int("RLFLOW_BENCH_TRL_MODEL_SEED", None, minimum=0),  # type: ignore[arg-type]
         )
-        variants, notes = _variants(spec, trl_threads)
+        variants, notes = _variants(spec, trl_threads, trl_precisions)
         runs: dict[str, list[dict]] = {label: [] for label, *_ in variants}
         for repeat in range(repeats):
             for label, side, threads, extra in variants:
@@ -440,6 +551,10 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
         plot = out / f"reward_vs_samples_{task}.png"
         plot_rewards(task, runs, plot)
         records.append(task_record(task, spec, runs, notes, str(plot)))
+        if task in fixed_length:
+            limits = limits_record(task, spec, runs["rlflow"][-1], peaks)
+            if limits is not None:
+                records.append(limits)
     return records
 
 

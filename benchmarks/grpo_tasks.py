@@ -62,6 +62,26 @@ TASKS: dict[str, dict[str, Any]] = {
         "clip_high": 0.28,
         "steps": 30,
     },
+    # Where compute matters: a 21M-parameter Llama (8 layers of width 512), 2 prompts x 8
+    # completions of exactly 128 tokens (the EOS is kept out of the choice until then, on both
+    # sides), so that each step's matmuls, not its overheads, set the time.
+    "compute": {
+        **_COMMON,
+        "hidden_size": 512,
+        "num_layers": 8,
+        "num_heads": 8,
+        "num_kv_heads": 8,
+        "intermediate_size": 1024,
+        "tie_word_embeddings": True,
+        "num_prompts": 2,
+        "n_samples": 8,
+        "max_new_tokens": 128,
+        "min_new_tokens": 128,
+        "lr": 1e-4,
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "steps": 12,
+    },
 }
 
 
@@ -116,7 +136,12 @@ def rlflow_config(spec: dict[str, Any], run_dir: str, policy_lag: int | None = N
             "max_response_len": spec["max_new_tokens"],
             "eval_size": 0,
         },
-        "rollout": {"engine": "hf", "temperature": spec["temperature"], "max_new_tokens": spec["max_new_tokens"]},
+        "rollout": {
+            "engine": "hf",
+            "temperature": spec["temperature"],
+            "max_new_tokens": spec["max_new_tokens"],
+            "min_new_tokens": spec.get("min_new_tokens", 0),
+        },
         "warmup": {"steps": 0},
         "placement": {"devices_per_node": 2},
         "trainer": {"total_steps": spec["steps"], "eval_every": 0, "eval_before_train": False, "log_every": 1},

@@ -7,7 +7,9 @@ The twin of ``benchmarks/trl_grpo.py``: the same spec, the same event lines. The
 ``algorithm.policy_lag`` when the spec names it). ``train_begin`` is written when
 ``Trainer.launch()`` returns (Ray, planning and workers are up and the first step is issued
 next); each ``step`` when rlflow logs that step, with the mean rule reward of its completions.
-The ``startup`` event carries rlflow's own ``startup/*`` seconds.
+The ``startup`` event carries rlflow's own ``startup/*`` seconds; each ``step`` its calls' seconds
+(``calls``); after the run, ``plan`` (each call's strategy) and ``precision`` (the actor's
+compute dtype as resolved on this machine).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from benchmarks.grpo_tasks import rlflow_config  # noqa: E402
 
 _REWARD_KEYS = ("reward_inf/score_mean", "actor_train/score_mean")
+
+
+def _compute_dtype(trainer, role: str) -> str:
+    """The precision ``models.<role>.dtype`` resolved to on this machine (``auto``: by CPU and layer size)."""
+    from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
+
+    path = Path(trainer.cfg.models[role].path) / "config.json"
+    layer = layer_matmul_params(json.loads(path.read_text()))
+    return str(resolve_compute_dtype(trainer.cfg.models[role].dtype, "cpu", layer)).removeprefix("torch.")
 
 
 def main(spec_path: str, events_path: str) -> int:
@@ -49,7 +60,8 @@ def main(spec_path: str, events_path: str) -> int:
             reward = next((metrics[k] for k in _REWARD_KEYS if k in metrics), None)
             if reward is not None:
                 rows = metrics.get("actor_gen/rows", completions)
-                write("step", step=step, t_end=now, reward=float(reward), completions=int(rows))
+                calls = {k[5:]: round(v, 4) for k, v in metrics.items() if k.startswith("time/") and k.count("/") == 1}
+                write("step", step=step, t_end=now, reward=float(reward), completions=int(rows), calls=calls)
 
         write(
             "versions",
@@ -64,6 +76,10 @@ def main(spec_path: str, events_path: str) -> int:
             trainer.launch()
             write("train_begin", t=time.time())
             result = trainer.fit()
+            plan = trainer.placement.plan
+            if plan is not None:
+                write("plan", calls={c.name: str(c.strategy) for c in plan.calls})
+            write("precision", actor=_compute_dtype(trainer, "actor"))
         write("done", t=time.time(), steps=result.steps)
     return 0
 

@@ -88,7 +88,9 @@ def grpo_config_kwargs(spec: dict[str, Any], output_dir: str) -> dict[str, Any]:
     """``GRPOConfig`` keyword arguments of a task spec (field names of TRL 1.x).
 
     One generation per optimizer step, one update per generation, no KL, no reference model,
-    a constant learning rate, float32 on the CPU, nothing saved or reported.
+    a constant learning rate, on the CPU in float32 or, with ``spec["precision"] == "bf16"``,
+    HF Trainer's ``bf16=True`` (autocast); ``min_new_tokens`` reaches ``generate``; nothing
+    saved or reported.
 
     >>> kw = grpo_config_kwargs({"num_prompts": 2, "n_samples": 8, "max_new_tokens": 32, "lr": 1e-3,
     ...     "clip_low": 0.2, "clip_high": 0.2, "steps": 10, "seed": 0, "grad_clip": 1.0, "temperature": 1.0}, "/tmp/x")
@@ -121,9 +123,10 @@ def grpo_config_kwargs(spec: dict[str, Any], output_dir: str) -> dict[str, Any]:
         "warmup_steps": 0,
         "weight_decay": 0.0,
         "max_grad_norm": spec["grad_clip"],
-        # the CPU, float32, nothing on the side
+        "generation_kwargs": {"min_new_tokens": spec["min_new_tokens"]} if spec.get("min_new_tokens") else None,
+        # the CPU, float32 or bf16 autocast, nothing on the side
         "use_cpu": True,
-        "bf16": False,
+        "bf16": spec.get("precision", "fp32") == "bf16",
         "fp16": False,
         "use_vllm": False,
         "report_to": "none",

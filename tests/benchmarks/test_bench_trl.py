@@ -112,6 +112,10 @@ def test_both_sides_get_the_same_settings(task, tmp_path):
     assert trl["seed"] == cfg.seed
     assert not (trl["bf16"] or trl["fp16"] or trl["use_vllm"]) and trl["use_cpu"]
     assert trl["save_strategy"] == "no" and trl["report_to"] == "none"
+    # both sides keep the EOS out of the same number of first tokens (the compute task: all of them)
+    assert (trl["generation_kwargs"] or {}).get("min_new_tokens", 0) == cfg.rollout.min_new_tokens
+    assert cfg.rollout.min_new_tokens == spec.get("min_new_tokens", 0)
+    assert grpo_config_kwargs({**spec, "precision": "bf16"}, str(tmp_path / "trl"))["bf16"]
 
 
 def test_rlflow_side_reads_the_shared_model_and_task(tmp_path):
@@ -157,15 +161,17 @@ def test_policy_lag_refusal_names_the_configs_error(monkeypatch):
     refusal = bench_trl.policy_lag_refusal({})
     assert refusal is not None and "lag_x" in refusal
     variants, notes = bench_trl._variants({}, [1, 2])
-    assert [(label, threads) for label, _, threads, _ in variants] == [
-        ("trl_1thread", 1),
-        ("rlflow", 1),
-        ("trl_2threads", 2),
+    assert [(label, threads, extra) for label, _, threads, extra in variants] == [
+        ("trl_1thread", 1, {"precision": "fp32"}),
+        ("rlflow", 1, {}),
+        ("trl_2threads", 2, {"precision": "fp32"}),
+        ("trl_1thread_bf16", 1, {"precision": "bf16"}),
+        ("trl_2threads_bf16", 2, {"precision": "bf16"}),
     ]
     assert len(notes) == 1 and "rlflow_lag1 skipped" in notes[0] and "lag_x" in notes[0]
-    variants, notes = bench_trl._variants({}, [1])
-    assert [label for label, *_ in variants] == ["trl_1thread", "rlflow"]
-    assert "not with 1 and 2" in notes[0]
+    variants, notes = bench_trl._variants({}, [1], ["bf16"])
+    assert [label for label, *_ in variants] == ["trl_1thread_bf16", "rlflow"]
+    assert "not with 1 and 2" in notes[0] and "not in fp32 and bf16" in notes[1]
 
 
 def test_env_settings_are_checked(monkeypatch):
@@ -178,6 +184,9 @@ def test_env_settings_are_checked(monkeypatch):
     monkeypatch.setenv("RLFLOW_BENCH_TRL_THREADS", "1,x")
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_THREADS='1,x'"):
         bench_trl._env_trl_threads()
+    monkeypatch.setenv("RLFLOW_BENCH_TRL_PRECISIONS", "fp32,fp16")
+    with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_PRECISIONS='fp32,fp16'"):
+        bench_trl._env_trl_precisions()
     monkeypatch.setenv("RLFLOW_BENCH_TRL_WARM_START_STEPS", "-1")
     with pytest.raises(ValueError, match="RLFLOW_BENCH_TRL_WARM_START_STEPS=-1 must be >= 0"):
         bench_trl._env_int("RLFLOW_BENCH_TRL_WARM_START_STEPS", 0, minimum=0)
@@ -281,3 +290,31 @@ def test_warm_start_learns_the_answers_and_is_reproducible():
     (losses, weights), (again, weights_again) = trained(), trained()
     assert len(losses) == 25 and losses[-1] < 0.8 * losses[0]  # 4.6 (about ln(vocab)) -> 3.5 when written
     assert losses == again and all(np.array_equal(weights[k], weights_again[k]) for k in weights)
+
+
+def test_limits_record_prices_the_calls_of_a_fixed_length_task(tmp_path):
+    config = {
+        "hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16, "vocab_size": 10,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = {**TASKS["compute"], "model_dir": str(tmp_path), "num_prompts": 1, "n_samples": 2, "max_prompt_len": 4}
+    spec.update(max_new_tokens=6, min_new_tokens=6)
+    figures = {
+        "call_s_median": {"actor_gen": 0.5, "actor_train": 2.0, "reward_inf": 0.1},
+        "plan": {"calls": {"actor_gen": "(dp=2,tp=1,pp=1)"}},
+        "precision": {"actor": "bfloat16"},
+    }
+    peaks = {"matmul_flops_fp32": 1e9, "matmul_flops_bf16": 4e9, "copy_bytes_per_s_1thread": 1e9}
+    record = bench_trl.limits_record("compute", spec, figures, peaks)
+    n = 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16) + 10 * 8  # layers' projections (kv width 4) + LM head
+    tokens = 2 * (4 + 6)
+    train = record["calls"]["actor_train"]
+    assert train["gflop"] == round(6 * n * tokens / 1e9, 1)
+    assert train["share_of_matmul_peak_2threads"] == round(6 * n * tokens / 2.0 / 4e9, 3)  # the bf16 peak
+    gen = record["calls"]["actor_gen"]
+    weights, cache = n * 2 * 2, 2 * 2 * 4 * 2 * 2 * (4 + 3)  # two dp workers' bf16 weights; K and V at context 7
+    assert gen["decode_bytes_per_step"] == weights + cache and gen["decode_step_ms"] == round(0.5 / 6 * 1e3, 3)
+    assert "reward_inf" not in record["calls"] and record["peaks"]["matmul_gflop_per_s_2threads"]["bf16"] == 4.0
+    # lengths that vary (an EOS may end a response early) are not priced
+    assert bench_trl.limits_record("compute", {**spec, "min_new_tokens": 0}, figures, peaks) is None
