@@ -83,7 +83,9 @@ def claim_run_dir(cfg: RLFlowConfig) -> RLFlowConfig:
         # starting over, and the steps it logged are logged again (as a restart from step 0 does).
         for path in outputs:
             _remove(path)
-        logger.warning("%s holds no complete checkpoint; checkpoint.resume=auto starts over (dropped: %s)", run_dir, listed)
+        logger.warning(
+            "%s holds no complete checkpoint; checkpoint.resume=auto starts over (dropped: %s)", run_dir, listed
+        )
         return cfg
     if policy == "refuse":
         key = "logging.dir" if cfg.logging.dir else "experiment_name"
