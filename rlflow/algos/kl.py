@@ -7,6 +7,10 @@ The estimators approximate ``KL(pi || pi_ref)`` from samples of ``pi`` (Schulman
 - ``k1 = -log r``: unbiased, high variance, can be negative per token;
 - ``k2 = (log r)^2 / 2``: biased, low variance, non-negative;
 - ``k3 = (r - 1) - log r``: unbiased, low variance, non-negative.
+
+``k1+`` and ``k3+`` are straight-through variants for the KL loss (verl's ``k3+``): the value of
+``k1`` / ``k3`` with the gradient of ``k2``, whose expected gradient under samples of ``pi`` is
+the gradient of ``KL(pi || pi_ref)`` (those of ``k1`` and ``k3`` are not).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ __all__ = [
     "kl_loss",
 ]
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+")
 
 # exp() of a log-ratio beyond ±20 overflows fp16 and dominates any batch; such tokens are
 # clamped rather than allowed to produce inf.
@@ -42,7 +46,8 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor
     Args:
         logp: ``(B, T)`` log-prob of the sampled tokens under the policy.
         ref_logp: ``(B, T)`` log-prob of the same tokens under the reference.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"``, or ``"k1+"`` / ``"k3+"`` (value of ``k1`` / ``k3``,
+            gradient of ``k2``).
 
     Returns:
         ``(B, T)`` estimates (not masked).
@@ -55,6 +60,10 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor
     """
     if logp.shape != ref_logp.shape:
         raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} must have the same shape")
+    if estimator in ("k1+", "k3+"):
+        value = kl_estimate(logp, ref_logp, estimator[:-1]).detach()
+        k2 = kl_estimate(logp, ref_logp, "k2")
+        return k2 - k2.detach() + value  # straight-through: forward value, k2's gradient
     log_ratio = logp - ref_logp  # log pi - log pi_ref
     if estimator == "k1":
         return log_ratio  # k1 = log pi - log pi_ref

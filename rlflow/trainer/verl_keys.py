@@ -85,7 +85,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "the opposite: use_kl_loss true is kl_in_reward false (with algorithm.kl_coef > 0)",
     ),
     VerlKey(f"{_A}.kl_loss_coef", "algorithm.kl_coef", "with algorithm.kl_in_reward false"),
-    VerlKey(f"{_A}.kl_loss_type", "algorithm.kl_estimator", "kl is k1, mse is k2, low_var_kl is k3"),
+    VerlKey(
+        f"{_A}.kl_loss_type", "algorithm.kl_estimator", "kl is k1, mse is k2, low_var_kl is k3, low_var_kl+ is k3+"
+    ),
     VerlKey("actor_rollout_ref.model.path", "models.actor.path", "with models.actor.init: path (a local HF directory)"),
     VerlKey("actor_rollout_ref.model.enable_gradient_checkpointing", "models.actor.gradient_checkpointing"),
     # --- critic and reward model
@@ -109,7 +111,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("algorithm.kl_ctrl.horizon", "algorithm.kl_horizon"),
     VerlKey("algorithm.kl_ctrl.type", "algorithm.kl_target", "fixed: kl_target null; adaptive: kl_target set"),
     VerlKey("algorithm.use_kl_in_reward", "algorithm.kl_in_reward"),
-    VerlKey("algorithm.kl_penalty", "algorithm.kl_estimator", "kl is k1, mse is k2, low_var_kl is k3"),
+    VerlKey(
+        "algorithm.kl_penalty", "algorithm.kl_estimator", "kl is k1, mse is k2, low_var_kl is k3, low_var_kl+ is k3+"
+    ),
     VerlKey("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
     # --- trainer
     VerlKey("trainer.total_training_steps", "trainer.total_steps"),

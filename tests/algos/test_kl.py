@@ -23,7 +23,9 @@ def test_estimators_by_hand():
     torch.testing.assert_close(kl_estimate(logp, ref_logp, "k2"), torch.tensor([[0.5, 0.0]]))
     # k3 with log(ref/pi) = -1: e^-1 - 1 + 1.
     torch.testing.assert_close(kl_estimate(logp, ref_logp, "k3"), torch.tensor([[math.exp(-1.0), 0.0]]))
-    with pytest.raises(ValueError, match="unknown KL estimator 'k4'; expected one of \\('k1', 'k2', 'k3'\\)"):
+    with pytest.raises(
+        ValueError, match="unknown KL estimator 'k4'; expected one of \\('k1', 'k2', 'k3', 'k1\\+', 'k3\\+'\\)"
+    ):
         kl_estimate(logp, ref_logp, "k4")
 
 
@@ -79,3 +81,19 @@ def test_fixed_controller_and_builder():
         build_kl_controller("adaptive", 0.1)
     with pytest.raises(ValueError, match="unknown KL controller kind 'pid'"):
         build_kl_controller("pid", 0.1)
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "k3+"])
+def test_straight_through_estimators_have_the_value_of_k1_k3_and_the_gradient_of_k2(estimator):
+    logp = torch.tensor([[-1.0, -0.5, -3.0]], requires_grad=True)
+    ref_logp = torch.tensor([[-2.0, -0.5, -1.0]])
+    value = kl_estimate(logp, ref_logp, estimator)
+    torch.testing.assert_close(value, kl_estimate(logp, ref_logp, estimator[:-1]))
+    # k2 = (log pi - log pi_ref)^2 / 2 has gradient log pi - log pi_ref: 1, 0, -2.
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([[1.0, 0.0, -2.0]]))
+    # k3's own gradient is 1 - pi_ref/pi: 1 - e^-1 for the first token, unlike k3+'s.
+    (k3_grad,) = torch.autograd.grad(kl_estimate(logp, ref_logp, "k3").sum(), logp)
+    assert float(k3_grad[0, 0]) == pytest.approx(1 - math.exp(-1.0))
+    loss = kl_loss(logp, ref_logp, torch.tensor([[1, 1, 0]]), estimator=estimator)
+    torch.testing.assert_close(loss, kl_estimate(logp, ref_logp, estimator)[0, :2].mean())
