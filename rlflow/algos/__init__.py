@@ -32,9 +32,11 @@ from rlflow.algos.losses import (
     agg_loss,
     behaviour_weights,
     bradley_terry_loss,
+    cispo_policy_loss,
     dpo_loss,
     entropy_bonus,
     get_policy_loss,
+    gspo_policy_loss,
     list_policy_losses,
     logp_mismatch,
     ppo_policy_loss,
@@ -43,6 +45,7 @@ from rlflow.algos.losses import (
     unclipped_policy_loss,
     value_loss,
 )
+from rlflow.algos.mismatch import SEQ_RATIO_FORMS, mismatch_weights, sequence_log_ratio
 from rlflow.algos.packed_gae import gae_packed, gae_packed_torch, has_cpp_gae
 from rlflow.algos.utils import (
     entropy_from_logits,
@@ -56,6 +59,7 @@ from rlflow.algos.utils import (
 __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "SEQ_RATIO_FORMS",
     "AdaptiveKLController",
     "DPOLossOutput",
     "FixedKLController",
@@ -66,6 +70,7 @@ __all__ = [
     "apply_kl_penalty",
     "bradley_terry_loss",
     "build_kl_controller",
+    "cispo_policy_loss",
     "compute_advantages",
     "discounted_returns",
     "dpo_loss",
@@ -76,6 +81,7 @@ __all__ = [
     "gae_packed_torch",
     "get_adv_estimator",
     "get_policy_loss",
+    "gspo_policy_loss",
     "grpo_advantages",
     "has_cpp_gae",
     "kl_estimate",
@@ -88,12 +94,14 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_weights",
     "ppo_policy_loss",
     "register_adv_estimator",
     "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "sequence_log_ratio",
     "sft_loss",
     "unclipped_policy_loss",
     "value_loss",

@@ -8,7 +8,8 @@ a :class:`PolicyLossOutput`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -25,9 +26,11 @@ __all__ = [
     "agg_loss",
     "behaviour_weights",
     "bradley_terry_loss",
+    "cispo_policy_loss",
     "dpo_loss",
     "entropy_bonus",
     "get_policy_loss",
+    "gspo_policy_loss",
     "list_policy_losses",
     "logp_mismatch",
     "ppo_policy_loss",
@@ -83,6 +86,8 @@ class PolicyLossOutput(NamedTuple):
     clip_fraction: Tensor  # () share of tokens where the ratio clip is active
     approx_kl: Tensor  # () k3 estimate of KL(pi_old || pi) over the masked tokens
     dual_clip_fraction: Tensor  # () share of tokens where the dual clip (A < 0) is active
+    # further statistics of a loss (detached scalars), logged under their names
+    metrics: Mapping[str, Tensor] = MappingProxyType({})
 
 
 PolicyLossFn = Callable[..., PolicyLossOutput]
@@ -208,6 +213,114 @@ def unclipped_policy_loss(
     approx_kl = masked_mean((ratio - 1.0) - log_ratio, response_mask).detach()
     zero = loss.new_zeros(())
     return PolicyLossOutput(loss, zero, approx_kl, zero)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025): PPO's clip on a sequence-level, length-normalised ratio.
+
+    ``s_i = exp(mean_t(log pi - log pi_old))`` over sequence ``i``'s response tokens; in the
+    GSPO-token form each token carries ``s_it = sg(s_i) * pi_t / sg(pi_t)`` (value ``s_i``,
+    gradient ``s_i * grad log pi_t``), and the per-token loss is
+    ``max(-A_t * s_it, -A_t * clip(s_it, 1 - low, 1 + high))``. With one advantage per sequence
+    and ``seq-mean-token-mean`` (the paper's mean over sequences) it is GSPO itself.
+
+    Args:
+        log_prob: ``(B, T)`` log-probs under the policy being trained (carries gradient).
+        old_log_prob: ``(B, T)`` log-probs under the policy that sampled the tokens.
+        advantages: ``(B, T)`` advantage per token.
+        response_mask: ``(B, T)`` 1 on response tokens.
+        clip_ratio_low: lower clip of the sequence ratio (the paper uses 3e-4).
+        clip_ratio_high: upper clip (the paper: 4e-4); ``None`` uses ``clip_ratio_low``.
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        A :class:`PolicyLossOutput`; ``clip_fraction`` counts tokens (of clipped sequences),
+        ``metrics`` holds ``seq_ratio_mean`` / ``seq_ratio_min`` / ``seq_ratio_max`` and
+        ``seq_clip_fraction`` over the sequences with response tokens.
+
+    >>> out = gspo_policy_loss(torch.log(torch.tensor([[2.0, 0.5]])), torch.zeros(1, 2), torch.ones(1, 2),
+    ...                        torch.ones(1, 2))
+    >>> out.loss, out.metrics["seq_ratio_mean"]  # s = exp((log 2 + log 0.5) / 2) = 1
+    (tensor(-1.), tensor(1.))
+    """
+    clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (B, T)
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # (B,) log s_i
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)  # value log s_i
+    seq_ratio = token_log_ratio.exp()  # (B, T) s_it
+    unclipped = -advantages * seq_ratio
+    clipped = -advantages * seq_ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    is_clipped = (clipped > unclipped).float()
+    has_tokens = mask.sum(dim=-1) > 0  # (B,)
+    s = seq_log_ratio.detach().exp()[has_tokens]
+    seq_clipped = (is_clipped * mask).amax(dim=-1)[has_tokens] if mask.numel() else s
+    zero = s.new_zeros(())
+    metrics = {
+        "seq_ratio_mean": s.mean() if s.numel() else zero,
+        "seq_ratio_min": s.min() if s.numel() else zero,
+        "seq_ratio_max": s.max() if s.numel() else zero,
+        "seq_clip_fraction": seq_clipped.mean() if s.numel() else zero,
+    }
+    approx_kl = masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask).detach()
+    clip_fraction = masked_mean(is_clipped, mask).detach()
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode)
+    return PolicyLossOutput(loss, clip_fraction, approx_kl, torch.zeros_like(clip_fraction), metrics)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance ratio.
+
+    The per-token loss is ``-sg(clip(r_t, 1 - low, 1 + high)) * A_t * log pi_t`` with
+    ``r_t = pi_t / pi_old_t``: a clipped token still carries gradient (its weight is bounded),
+    where PPO's clip drops it.
+
+    Args:
+        log_prob: ``(B, T)`` log-probs under the policy being trained (carries gradient).
+        old_log_prob: ``(B, T)`` log-probs under the policy that sampled the tokens.
+        advantages: ``(B, T)`` advantage per token.
+        response_mask: ``(B, T)`` 1 on response tokens.
+        clip_ratio_low: the weight is kept above ``1 - clip_ratio_low``.
+        clip_ratio_high: the weight is kept below ``1 + clip_ratio_high``; ``None`` uses ``clip_ratio_low``.
+        loss_agg_mode: see :func:`agg_loss`.
+
+    Returns:
+        A :class:`PolicyLossOutput`; ``clip_fraction`` is the share of tokens whose weight was
+        clipped, ``metrics`` holds ``is_weight_mean`` (after clipping).
+
+    >>> out = cispo_policy_loss(torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]])),
+    ...                         torch.ones(1, 1), torch.ones(1, 1))
+    >>> out.loss, out.clip_fraction  # r = 2 clipped to 1.2: -1.2 * 1 * log 0.5
+    (tensor(0.8318), tensor(1.))
+    """
+    clip_ratio_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    log_ratio = (log_prob - old_log_prob).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()  # (B, T), no gradient
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = agg_loss(-weight * advantages * log_prob, response_mask, loss_agg_mode)
+    clip_fraction = masked_mean((weight != ratio).float(), response_mask)
+    approx_kl = masked_mean((ratio - 1.0) - log_ratio, response_mask)
+    metrics = {"is_weight_mean": masked_mean(weight, response_mask)}
+    return PolicyLossOutput(loss, clip_fraction, approx_kl, torch.zeros_like(clip_fraction), metrics)
 
 
 def behaviour_weights(

@@ -19,14 +19,24 @@ from typing import Any
 from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
 from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
+from rlflow.algos.mismatch import SEQ_RATIO_FORMS
 from rlflow.dataflow.algorithms import DEFAULT_REF_EMA_ETA, get_algorithm, list_algorithms
 from rlflow.fields import declared_field
 
-__all__ = ["BEHAVIOUR_CORRECTIONS", "DPO_LOSSES", "AlgorithmParams", "estimator_reads"]
+__all__ = ["BEHAVIOUR_CORRECTIONS", "DPO_LOSSES", "MISMATCH_OPTIONS", "AlgorithmParams", "estimator_reads"]
 
 DPO_LOSSES = ("sigmoid", "ipo")
 # How the policy loss treats rollouts from older weights (``policy_lag``): see AlgorithmParams.behaviour_correction.
 BEHAVIOUR_CORRECTIONS = ("auto", "none", "decoupled")
+# The corrections of the rollout engine's log-probs against recomputed ones (on-policy, off when null).
+MISMATCH_OPTIONS = (
+    "tis_cap",
+    "seq_tis_cap",
+    "seq_mask_low",
+    "seq_mask_high",
+    "token_mask_low",
+    "token_mask_high",
+)
 
 
 def estimator_reads(estimator: str | None, key: str) -> bool:
@@ -110,6 +120,39 @@ class AlgorithmParams:
         "importance weight against the rollout engine's log-probs (TIS); null: off",
         gt=0.0,
     )
+    seq_tis_cap: float | None = declared_field(
+        None,
+        "with recomputed log-probs: weight each sequence by min(s, seq_tis_cap), s its importance ratio "
+        "pi_old / pi_rollout (seq_is_ratio); sequence-level TIS; null: off",
+        gt=0.0,
+    )
+    seq_is_ratio: str = declared_field(
+        "geometric_mean",
+        "a sequence's importance ratio s for seq_tis_cap and seq_mask_*: geometric_mean (exp of the mean token "
+        "log-ratio) or product (the sequence's likelihood ratio)",
+        choices=SEQ_RATIO_FORMS,
+    )
+    seq_mask_low: float | None = declared_field(
+        None,
+        "with recomputed log-probs: drop (weight 0) each sequence whose ratio s is below this (masked IS); null: off",
+        ge=0.0,
+        lt=1.0,
+    )
+    seq_mask_high: float | None = declared_field(
+        None, "with recomputed log-probs: drop each sequence whose ratio s is above this (masked IS); null: off", gt=1.0
+    )
+    token_mask_low: float | None = declared_field(
+        None,
+        "with recomputed log-probs: drop (weight 0) each token whose ratio pi_old / pi_rollout is below this "
+        "(IcePop-style band); null: off",
+        ge=0.0,
+        lt=1.0,
+    )
+    token_mask_high: float | None = declared_field(
+        None,
+        "with recomputed log-probs: drop each token whose ratio pi_old / pi_rollout is above this; null: off",
+        gt=1.0,
+    )
 
     def __post_init__(self) -> None:
         for f in fields(AlgorithmParams):
@@ -126,7 +169,18 @@ class AlgorithmParams:
                 "the decoupled correction (policy_lag > 0) already weights each token by min(pi_prox / pi_rollout, "
                 "is_cap), against the recomputed log-probs when there are; set is_cap instead",
             )
+        mismatch = self.mismatch_options()
+        if mismatch and self.resolved_behaviour_correction == "decoupled":
+            return (
+                next(iter(mismatch)),
+                "the mismatch corrections weigh on-policy rollouts against recomputed log-probs; the decoupled "
+                "correction (policy_lag > 0) weighs by pi_prox / pi_rollout instead (is_cap)",
+            )
         return None
+
+    def mismatch_options(self) -> dict[str, float]:
+        """The mismatch corrections set (:data:`MISMATCH_OPTIONS` that are not null), by field name."""
+        return {k: getattr(self, k) for k in MISMATCH_OPTIONS if getattr(self, k) is not None}
 
     @property
     def resolved_adv_estimator(self) -> str | None:

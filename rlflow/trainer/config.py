@@ -551,12 +551,12 @@ class RLFlowConfig(_Section):
                 raise ConfigError(
                     "algorithm.reward_fn", f"{algo.reward_fn!r} and models.reward both give rewards; keep one"
                 )
-        if algo.tis_cap is not None and not algo.recomputes_old_logp(
-            self.rollout, self.placement.use_gpu, self.model_dtype("actor")
-        ):
+        mismatch = algo.mismatch_options()
+        if mismatch and not algo.recomputes_old_logp(self.rollout, self.placement.use_gpu, self.model_dtype("actor")):
+            key, value = next(iter(mismatch.items()))
             raise ConfigError(
-                "algorithm.tis_cap",
-                f"{algo.tis_cap} weighs the rollout's log-probs against recomputed ones, but recompute_old_logp="
+                f"algorithm.{key}",
+                f"{value} weighs the rollout's log-probs against recomputed ones, but recompute_old_logp="
                 f"{str(algo.recompute_old_logp).lower() if algo.recompute_old_logp is not None else 'null'} "
                 "recomputes none here; set algorithm.recompute_old_logp=true",
             )

@@ -29,6 +29,7 @@ from rlflow.algos import (
     get_policy_loss,
     kl_loss,
     masked_mean,
+    mismatch_weights,
     sft_loss,
     value_loss,
 )
@@ -65,7 +66,9 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
     decoupled correction weights by ``min(pi_prox / pi_rollout, is_cap)`` with the recomputed
     log-probs as the proximal ones, and otherwise ``tis_cap`` (when set) weights each token by
     ``min(pi_old / pi_rollout, tis_cap)`` — one truncated importance weight
-    (:func:`~rlflow.algos.behaviour_weights`) in both.
+    (:func:`~rlflow.algos.behaviour_weights`) in both — and the sequence-level weight and masks
+    (``seq_tis_cap``, ``seq_mask_*``, ``token_mask_*``: :func:`~rlflow.algos.mismatch_weights`)
+    multiply into it.
 
     Batch keys: ``response_mask``, ``old_logp``, ``advantages`` (all ``(b, t)``), ``ref_logp``,
     ``rollout_logp``, ``prox_logp``.
@@ -82,6 +85,7 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
     )
     use_kl_loss = not algo.kl_in_reward and kl_coef > 0
     decoupled = algo.behaviour_correction == "decoupled"
+    mismatch = {k: v for k, v in algo.mismatch_options().items() if k != "tis_cap"}
 
     def loss_fn(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
         mask = batch["response_mask"]
@@ -97,10 +101,18 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
             prox = batch.get("prox_logp", old_logp if recomputed else log_prob.detach())
             weight, correction = behaviour_weights(prox, behaviour, mask, algo.is_cap)
             old_logp, advantages = prox, advantages * weight
-        elif recomputed and algo.tis_cap is not None:
+        elif recomputed and (algo.tis_cap is not None or mismatch):
             # On-policy TIS: the ratio stays around the recomputed log-probs; each token is weighted
-            # by how much likelier the trainer finds it than the rollout engine did, truncated.
-            weight, correction = behaviour_weights(old_logp, batch["rollout_logp"], mask, algo.tis_cap)
+            # by how much likelier the trainer finds it than the rollout engine did, truncated; the
+            # sequence-level weight and the masks multiply into the same weight.
+            weight = mask.float()
+            if algo.tis_cap is not None:
+                weight, correction = behaviour_weights(old_logp, batch["rollout_logp"], mask, algo.tis_cap)
+            if mismatch:
+                more, extra = mismatch_weights(
+                    old_logp, batch["rollout_logp"], mask, seq_ratio=algo.seq_is_ratio, **mismatch
+                )
+                weight, correction = weight * more, {**correction, **extra}
             advantages = advantages * weight
         out = policy(log_prob, old_logp, advantages, mask, **options)
         entropy = agg_loss(outputs["entropy"], mask, algo.loss_agg_mode)
@@ -111,6 +123,7 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
             "dual_clip_fraction": float(out.dual_clip_fraction),
             "approx_kl": float(out.approx_kl),
             "entropy": float(entropy.detach()),
+            **{k: float(v) for k, v in out.metrics.items()},
             **correction,
         }
         if use_kl_loss:

@@ -59,7 +59,7 @@ def test_entropy_stays_finite_when_probabilities_underflow():
     assert torch.isfinite(entropy_from_logits(logits)).all() and entropy_from_logits(logits).item() < 1e-6
 
 
-@pytest.mark.parametrize("module", ["utils", "advantages", "packed_gae", "kl", "losses"])
+@pytest.mark.parametrize("module", ["utils", "advantages", "packed_gae", "kl", "losses", "mismatch"])
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"rlflow.algos.{module}")
     result = doctest.testmod(mod, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -134,11 +134,11 @@ def test_policy_loss_registry(monkeypatch):
     from rlflow.algos import losses
 
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
-    assert {"ppo", "unclipped"} <= set(list_policy_losses())
+    assert {"ppo", "unclipped", "gspo", "cispo"} <= set(list_policy_losses())
     assert get_policy_loss("ppo") is ppo_policy_loss
     with pytest.raises(ValueError, match="'ppo' is already registered"):
         register_policy_loss("ppo")(unclipped_policy_loss)
-    with pytest.raises(KeyError, match="registered: \\['ppo', 'unclipped'\\]"):
+    with pytest.raises(KeyError, match="registered: \\['cispo', 'gspo', 'ppo', 'unclipped'\\]"):
         get_policy_loss("grpo-typo")
 
 
