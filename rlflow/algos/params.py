@@ -18,7 +18,7 @@ from typing import Any
 
 from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
 from rlflow.algos.kl import KL_ESTIMATORS
-from rlflow.algos.losses import LOSS_AGG_MODES, list_policy_losses
+from rlflow.algos.losses import LOSS_AGG_MODES, get_policy_loss, list_policy_losses
 from rlflow.algos.mismatch import SEQ_RATIO_FORMS
 from rlflow.dataflow.algorithms import DEFAULT_REF_EMA_ETA, get_algorithm, list_algorithms
 from rlflow.fields import declared_field
@@ -169,6 +169,9 @@ class AlgorithmParams:
                 "the decoupled correction (policy_lag > 0) already weights each token by min(pi_prox / pi_rollout, "
                 "is_cap), against the recomputed log-probs when there are; set is_cap instead",
             )
+        loss_options = inspect.signature(get_policy_loss(self.policy_loss)).parameters
+        if self.dual_clip_c is not None and "clip_ratio_c" not in loss_options:
+            return ("dual_clip_c", f"policy loss {self.policy_loss!r} has no dual clip; set null")
         mismatch = self.mismatch_options()
         if mismatch and self.resolved_behaviour_correction == "decoupled":
             return (

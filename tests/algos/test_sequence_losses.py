@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlflow.algos import cispo_policy_loss, get_policy_loss, gspo_policy_loss
+from rlflow.algos.params import AlgorithmParams
 
 
 def gspo_case():
@@ -87,3 +88,9 @@ def test_cispo_clip_higher_and_default_clip():
     assert float(higher.loss) == pytest.approx(-2.0 * math.log(0.5))  # 2 < 6: unclipped
     assert float(higher.clip_fraction) == 0.0
     assert float(cispo_policy_loss(log_prob, old, one, one).loss) == pytest.approx(-1.2 * math.log(0.5))
+
+
+def test_a_dual_clip_on_a_loss_without_one_is_refused():
+    with pytest.raises(ValueError, match="AlgorithmParams.dual_clip_c=3.0: policy loss 'gspo' has no dual clip"):
+        AlgorithmParams(policy_loss="gspo", dual_clip_c=3.0)
+    assert AlgorithmParams(policy_loss="ppo", dual_clip_c=3.0).dual_clip_c == 3.0
