@@ -263,15 +263,16 @@ def gspo_policy_loss(
     loss_mat = torch.maximum(unclipped, clipped)
     is_clipped = (clipped > unclipped).float()
     has_tokens = mask.sum(dim=-1) > 0  # (B,)
-    s = seq_log_ratio.detach().exp()[has_tokens]
-    seq_clipped = (is_clipped * mask).amax(dim=-1)[has_tokens] if mask.numel() else s
-    zero = s.new_zeros(())
-    metrics = {
-        "seq_ratio_mean": s.mean() if s.numel() else zero,
-        "seq_ratio_min": s.min() if s.numel() else zero,
-        "seq_ratio_max": s.max() if s.numel() else zero,
-        "seq_clip_fraction": seq_clipped.mean() if s.numel() else zero,
-    }
+    s = seq_log_ratio.detach().exp()[has_tokens]  # sequences without tokens have no ratio
+    metrics = dict.fromkeys(("seq_ratio_mean", "seq_ratio_min", "seq_ratio_max", "seq_clip_fraction"), s.new_zeros(()))
+    if s.numel():
+        seq_clipped = (is_clipped * mask).sum(dim=-1)[has_tokens] > 0  # a token of the sequence was clipped
+        metrics.update(
+            seq_ratio_mean=s.mean(),
+            seq_ratio_min=s.min(),
+            seq_ratio_max=s.max(),
+            seq_clip_fraction=seq_clipped.float().mean(),
+        )
     approx_kl = masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask).detach()
     clip_fraction = masked_mean(is_clipped, mask).detach()
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode)

@@ -94,3 +94,9 @@ def test_a_dual_clip_on_a_loss_without_one_is_refused():
     with pytest.raises(ValueError, match="AlgorithmParams.dual_clip_c=3.0: policy loss 'gspo' has no dual clip"):
         AlgorithmParams(policy_loss="gspo", dual_clip_c=3.0)
     assert AlgorithmParams(policy_loss="ppo", dual_clip_c=3.0).dual_clip_c == 3.0
+
+
+def test_gspo_without_response_tokens_reports_zeros():
+    zeros = torch.zeros(2, 3)
+    out = gspo_policy_loss(zeros.clone().requires_grad_(True), zeros, torch.ones(2, 3), torch.zeros(2, 3))
+    assert float(out.loss.detach()) == 0.0 and all(float(v) == 0.0 for v in out.metrics.values())
