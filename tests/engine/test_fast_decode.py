@@ -14,7 +14,14 @@ import rlflow.engine.rollout.fast_decode as fast_decode_module
 from rlflow.data.tiny_models import build_tiny_config
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
-from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker, kv_cache_bytes
+from rlflow.engine.rollout.fast_decode import (
+    FastDecoder,
+    _Packed,
+    _project,
+    fast_decode_blocker,
+    kv_cache_bytes,
+    packs_weights,
+)
 from rlflow.engine.rollout.hf_sampler import choose_tokens, sample_responses
 from rlflow.families import get_family
 
@@ -192,6 +199,22 @@ def test_bfloat16_decodes_like_hf_path(case):
         slow = HFRolloutEngine(model, fast_decode=False).generate((ids % VOCAB, mask), params)
         assert torch.equal(fast["responses"], slow["responses"])
         torch.testing.assert_close(fast["old_logp"], slow["old_logp"], atol=1e-2, rtol=0)
+    # on CPUs the bf16 projections run on weights packed once for oneDNN (where torch has it)
+    layer = FastDecoder(model, max_new_tokens=2)._layers[0]
+    packed = torch.backends.mkldnn.is_available()
+    assert all(isinstance(w, _Packed) == packed for w in (layer.qkv_weight, layer.o_weight, layer.down_weight))
+
+
+def test_packed_projections_equal_plain_ones():
+    weight, x = torch.randn(48, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    if not packs_weights(weight):
+        pytest.skip("this torch has no oneDNN linear ops")
+    torch.testing.assert_close(_project(x, _Packed(weight), None), x @ weight.t(), atol=0, rtol=0)
+    bias, residual = torch.randn(48).bfloat16(), torch.randn(5, 48).bfloat16()
+    torch.testing.assert_close(
+        _project(x, _Packed(weight), bias, residual=residual), residual + torch.addmm(bias, x, weight.t())
+    )
+    assert not packs_weights(weight.float())
 
 
 def test_kv_cache_bytes_is_what_the_decoder_allocates():

@@ -135,7 +135,8 @@ def kv_cache_bytes(model: nn.Module, num_rows: int, total_len: int) -> int:
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's weights in the decoder's form: matrices transposed to ``(in, out)``
-    (what ``x @ w`` takes), biases and the q/k norm None when absent."""
+    (what ``x @ w`` takes) or packed for oneDNN (:class:`_Packed`), biases and the q/k norm None
+    when absent."""
 
     input_norm: torch.Tensor  # (hidden,)
     qkv_weight: torch.Tensor  # (hidden, (H + 2 Hkv) D): q, k, v side by side
@@ -163,8 +164,8 @@ def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozen
     def get(layer: int, name: str) -> torch.Tensor | None:
         return params.get(f"{family.layers_module}.{layer}.{name}")
 
-    def weight(layer: int, *modules: str) -> torch.Tensor:  # (in, out), the modules' outputs side by side
-        return torch.cat([get(layer, f"{m}.weight") for m in modules], dim=0).t()
+    def weight(layer: int, *modules: str) -> torch.Tensor | _Packed:  # the modules' outputs side by side
+        return _in_out(torch.cat([get(layer, f"{m}.weight") for m in modules], dim=0))
 
     layers = []
     for i, kind in enumerate(family.layer_types(config)):
@@ -181,12 +182,12 @@ def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozen
                 qkv_weight=weight(i, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 qkv_bias=_cat([get(i, f"self_attn.{p}_proj.bias") for p in "qkv"]),
                 qk_norm=qk_norm,
-                o_weight=get(i, "self_attn.o_proj.weight").t(),
+                o_weight=_in_out(get(i, "self_attn.o_proj.weight")),
                 o_bias=get(i, "self_attn.o_proj.bias"),
                 post_norm=get(i, "post_attention_layernorm.weight"),
                 gate_up_weight=weight(i, "mlp.gate_proj", "mlp.up_proj"),
                 gate_up_bias=_cat([get(i, "mlp.gate_proj.bias"), get(i, "mlp.up_proj.bias")]),
-                down_weight=get(i, "mlp.down_proj.weight").t(),
+                down_weight=_in_out(get(i, "mlp.down_proj.weight")),
                 down_bias=get(i, "mlp.down_proj.bias"),
                 window=int(window) if kind == "sliding_attention" and window is not None else None,
             )
@@ -194,12 +195,51 @@ def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozen
     return layers
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
+class _Packed:
+    """A bfloat16 ``(out, in)`` weight reordered once into oneDNN's blocked layout, so that each
+    ``x @ w.T`` skips the reorder oneDNN otherwise does on every call (most of a decode step's
+    matmul time on CPUs with AVX512-BF16/AMX; the products are the same, bit for bit)."""
+
+    __slots__ = ("nbytes", "weight")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+        self.nbytes = weight.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+
+# The row count oneDNN's weight layout is chosen for (a decode step's rows); any count runs on it.
+_PACK_ROWS = 16
+
+
+def packs_weights(weight: torch.Tensor) -> bool:
+    """Whether the decoder keeps ``weight`` in oneDNN's layout (:class:`_Packed`): bfloat16 on a CPU
+    whose torch has oneDNN's linear ops."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and not isinstance(weight, DTensor)
+    )
+
+
+def _in_out(weight: torch.Tensor) -> torch.Tensor | _Packed:
+    """An ``(out, in)`` weight in the decoder's form: packed (:func:`packs_weights`) or ``(in, out)``."""
+    return _Packed(weight) if packs_weights(weight) else weight.t()
+
+
+def _project(x: torch.Tensor, weight, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
     """``residual + (x @ weight + bias)`` for 2-D ``x``, in one op where there is no bias.
 
     The residual is folded into the matmul in float32 only: in 16-bit dtypes HF rounds the
     projection before adding it, and one rounding fewer would move the logits by an ulp.
     """
+    if isinstance(weight, _Packed):
+        out = weight.linear(x, bias)
+        return out if residual is None else residual + out
     if residual is not None and bias is None and x.dtype == torch.float32:
         return torch.addmm(residual, x, weight)
     out = torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
@@ -234,8 +274,14 @@ def _cached_layers(model: nn.Module, family: ModelFamily, config, indices: froze
     if cached is not None and cached[0] == key:
         return cached[1]
     layers = _build_layers(model, family, config, indices)
-    fused_bytes = sum(t.nbytes for layer in layers for t in (layer.qkv_weight, layer.gate_up_weight))
-    if fused_bytes <= _CACHE_MAX_BYTES:
+    # the fused matrices are copies, and so is every packed one
+    copied_bytes = sum(
+        w.nbytes
+        for layer in layers
+        for w in (layer.qkv_weight, layer.gate_up_weight, layer.o_weight, layer.down_weight)
+        if isinstance(w, _Packed) or w is layer.qkv_weight or w is layer.gate_up_weight
+    )
+    if copied_bytes <= _CACHE_MAX_BYTES:
         _LAYER_CACHE[model] = (key, layers)
     return layers
 
