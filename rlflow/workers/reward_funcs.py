@@ -46,6 +46,7 @@ __all__ = [
     "RewardFuncs",
     "as_conversation",
     "check_reward_signature",
+    "dumps_by_value",
     "pack_reward_funcs",
     "required_columns",
     "score_completions",
@@ -123,16 +124,25 @@ def pack_reward_funcs(
     weights = tuple(float(w) for w in (weights if weights is not None else [1.0] * len(funcs)))
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
-    modules = {sys.modules.get(getattr(fn, "__module__", None) or "") for fn in funcs} - {None}
+    return RewardFuncs(names, weights, dumps_by_value(funcs, funcs), max_steps)
+
+
+def dumps_by_value(obj: Any, code_of: Sequence[Any]) -> bytes:
+    """``cloudpickle`` of ``obj``, the modules of ``code_of`` (functions, classes) pickled by value.
+
+    A module is pickled by value unless it belongs to an installed distribution (which every
+    worker of the same environment imports by name); ``__main__`` is pickled by value by
+    cloudpickle already.
+    """
+    modules = {sys.modules.get(getattr(o, "__module__", None) or "") for o in code_of} - {None}
     by_value = [m for m in modules if m.__name__ != "__main__" and not _installed(m.__name__)]
     for module in by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
-        payload = cloudpickle.dumps(funcs)
+        return cloudpickle.dumps(obj)
     finally:
         for module in by_value:
             cloudpickle.unregister_pickle_by_value(module)
-    return RewardFuncs(names, weights, payload, max_steps)
 
 
 def _installed(module_name: str) -> bool:

@@ -1,0 +1,137 @@
+"""Text the model reads around tool calls: the prompt that offers the tools, and tool results.
+
+Two formats (:data:`rlflow.workers.tools.CALL_FORMATS`), chosen by :func:`call_format`:
+
+* ``hermes``, for a chat template that takes ``tools=`` and teaches ``<tool_call>`` (Qwen 2.5 /
+  Qwen 3, Hermes): the template itself lists the tools and renders each result in its ``tool``
+  role (Qwen's: ``<tool_response>...</tool_response>`` inside a user turn).
+* ``tag``, for any other tokenizer, with or without a chat template. A system message (prefixed
+  to the prompt's own system message, or before the prompt text without a template) says::
+
+      You can call these tools. Each is described by a JSON schema:
+      {"type": "function", "function": {"name": "multiply", ...}}
+      To call a tool, write <call>{"name": "<tool name>", "arguments": {<argument>: <value>}}</call>;
+      you may make several calls in one turn. Each result comes back as <result name="<tool name>">...</result>.
+
+  Results are rendered in the template's ``tool`` role where it has one, else as a user turn
+  holding the ``<result>`` elements, else (no template) as the ``<result>`` lines themselves.
+
+Observations are the text the template puts *after* the model's turn: when a turn ended on the
+template's end-of-turn token (``<|im_end|>``), pass its text as ``stop_text`` so that it is not
+written twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlflow.workers.tool_runner import ToolResult
+
+__all__ = ["call_format", "render_observation", "render_prompt", "tag_tools_prompt", "tool_messages"]
+
+Messages = list[dict[str, Any]]
+_SENTINEL = "\x00rlflow-sentinel\x00"
+_PROBE_TOOL = {"type": "function", "function": {"name": "rlflow_probe_tool", "description": "probe", "parameters": {}}}
+
+
+def call_format(tokenizer: PreTrainedTokenizerBase) -> str:
+    """``"hermes"`` when the tokenizer's chat template lists ``tools=`` and teaches ``<tool_call>``, else ``"tag"``."""
+    template = tokenizer.chat_template
+    if not isinstance(template, str) or "<tool_call>" not in template:
+        return "tag"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False
+        )
+    except Exception:  # a template that refuses tools= cannot offer them
+        return "tag"
+    return "hermes" if "rlflow_probe_tool" in text else "tag"
+
+
+def tag_tools_prompt(schemas: Sequence[Mapping[str, Any]]) -> str:
+    """The system text that offers ``schemas`` in the ``tag`` format (see the module docstring)."""
+    lines = "\n".join(json.dumps(s) for s in schemas)
+    return (
+        "You can call these tools. Each is described by a JSON schema:\n"
+        f"{lines}\n"
+        'To call a tool, write <call>{"name": "<tool name>", "arguments": {<argument>: <value>}}</call>; '
+        'you may make several calls in one turn. Each result comes back as <result name="<tool name>">...</result>.'
+    )
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, schemas: Sequence[Mapping[str, Any]], fmt: str
+) -> str:
+    """The first turn's text: ``prompt`` (text or chat messages) offering the tools ``schemas`` in ``fmt``."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if fmt == "hermes":
+        return tokenizer.apply_chat_template(messages, tools=list(schemas), add_generation_prompt=True, tokenize=False)
+    offer = tag_tools_prompt(schemas)
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{offer}\n\n{messages[0]['content']}"
+    else:
+        messages.insert(0, {"role": "system", "content": offer})
+    if tokenizer.chat_template is None:
+        return "\n\n".join(m["content"] for m in messages) + "\n"
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def tool_messages(results: Sequence[ToolResult]) -> Messages:
+    """The results as chat messages of the ``tool`` role, as TRL and the chat templates take them."""
+    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+
+def render_observation(tokenizer: PreTrainedTokenizerBase, messages: Messages, stop_text: str = "") -> str:
+    """The text after a model's turn that shows it ``messages`` and opens its next turn.
+
+    ``tool`` messages (:func:`tool_messages`) take the template's ``tool`` role where it has one,
+    else they become one user turn of ``<result>`` elements; other messages keep their role.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        messages: what the environment answers, e.g. the turn's tool results in the order of the calls.
+        stop_text: the text the turn ended on, when it is the start of what the template writes
+            after a turn (its end-of-turn token): left out of the observation.
+    """
+    if tokenizer.chat_template is None:
+        return "\n" + "".join(f"{_plain(m)}\n" for m in messages)
+    if not _has_tool_role(tokenizer):
+        messages = _results_as_user_turns(messages)
+    text = _after_turn(tokenizer, list(messages))
+    return text[len(stop_text) :] if stop_text and text.startswith(stop_text) else text
+
+
+def _plain(message: Mapping[str, Any]) -> str:
+    if message["role"] != "tool":
+        return message["content"]
+    return f'<result name="{message.get("name", "")}">{message["content"]}</result>'
+
+
+def _results_as_user_turns(messages: Messages) -> Messages:
+    """Runs of ``tool`` messages merged into one user message of ``<result>`` elements each."""
+    out: Messages = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool" and i and messages[i - 1]["role"] == "tool":
+            out[-1]["content"] += "\n" + _plain(m)
+        else:
+            out.append({"role": "user", "content": _plain(m)} if m["role"] == "tool" else dict(m))
+    return out
+
+
+def _has_tool_role(tokenizer: PreTrainedTokenizerBase) -> bool:
+    try:
+        return _SENTINEL in _after_turn(tokenizer, [{"role": "tool", "name": "t", "content": _SENTINEL}])
+    except Exception:  # a template that raises on an unknown role has none
+        return False
+
+
+def _after_turn(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
+    """What the template writes after an assistant turn's content when ``messages`` follow it."""
+    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(turn + messages, add_generation_prompt=True, tokenize=False)
+    start = text.index(_SENTINEL) + len(_SENTINEL)
+    return text[start:]
