@@ -25,7 +25,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol
 
 from ray import cloudpickle  # vendored by Ray, as reward_funcs uses it
 from transformers import PreTrainedTokenizerBase
@@ -61,7 +61,6 @@ class Step(NamedTuple):
     done: bool
 
 
-@runtime_checkable
 class Environment(Protocol):
     """One episode's state. ``metrics() -> dict[str, float]`` is optional (per-episode counts)."""
 
@@ -167,7 +166,15 @@ class EnvironmentSpec:
     payload: bytes
 
     def load(self) -> Callable[[], Any]:
+        """The factory, rebuilt from its pickled code (no import of its module needed)."""
         return cloudpickle.loads(self.payload)
+
+    def episodes(
+        self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None
+    ) -> Callable[[], TokenEpisode]:
+        """A maker of :class:`TokenEpisode` s, each over a new environment: what a rollout loop takes."""
+        factory = self.load()  # once: the episodes of a ToolEnvironments share its thread pool
+        return lambda: TokenEpisode(factory(), tokenizer, stop_token_ids)
 
     def __repr__(self) -> str:
         return f"EnvironmentSpec({self.name!r})"

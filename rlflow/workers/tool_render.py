@@ -35,6 +35,9 @@ __all__ = ["call_format", "render_observation", "render_prompt", "tag_tools_prom
 
 Messages = list[dict[str, Any]]
 _SENTINEL = "\x00rlflow-sentinel\x00"
+# What a chat template does with tools never changes: each is rendered once per process.
+_FORMAT: dict[str, str] = {}  # chat template -> its call format
+_TOOL_ROLE: dict[str, bool] = {}  # chat template -> whether it renders the tool role
 _PROBE_TOOL = {"type": "function", "function": {"name": "rlflow_probe_tool", "description": "probe", "parameters": {}}}
 
 
@@ -43,13 +46,15 @@ def call_format(tokenizer: PreTrainedTokenizerBase) -> str:
     template = tokenizer.chat_template
     if not isinstance(template, str) or "<tool_call>" not in template:
         return "tag"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False
-        )
-    except Exception:  # a template that refuses tools= cannot offer them
-        return "tag"
-    return "hermes" if "rlflow_probe_tool" in text else "tag"
+    if template not in _FORMAT:  # rendered once per template
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False
+            )
+            _FORMAT[template] = "hermes" if "rlflow_probe_tool" in text else "tag"
+        except Exception:  # a template that refuses tools= cannot offer them
+            _FORMAT[template] = "tag"
+    return _FORMAT[template]
 
 
 def tag_tools_prompt(schemas: Sequence[Mapping[str, Any]]) -> str:
@@ -123,10 +128,15 @@ def _results_as_user_turns(messages: Messages) -> Messages:
 
 
 def _has_tool_role(tokenizer: PreTrainedTokenizerBase) -> bool:
-    try:
-        return _SENTINEL in _after_turn(tokenizer, [{"role": "tool", "name": "t", "content": _SENTINEL}])
-    except Exception:  # a template that raises on an unknown role has none
-        return False
+    template = tokenizer.chat_template
+    if template not in _TOOL_ROLE:
+        try:
+            _TOOL_ROLE[template] = _SENTINEL in _after_turn(
+                tokenizer, [{"role": "tool", "name": "t", "content": _SENTINEL}]
+            )
+        except Exception:  # a template that raises on an unknown role has none
+            _TOOL_ROLE[template] = False
+    return _TOOL_ROLE[template]
 
 
 def _after_turn(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:

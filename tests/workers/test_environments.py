@@ -199,5 +199,12 @@ def test_environments_and_their_tools_travel_by_value(tmp_path, monkeypatch):
     echo = echo_spec.load()()
     echo.reset({"prompt": "x"})
     assert echo.step("hi") == ("HI", 100.0, True)
+    make_episode = tools_spec.episodes(build_char_tokenizer())  # what a rollout loop takes
+    first, second = make_episode(), make_episode()
+    assert first.env is not second.env and first.env.runner is second.env.runner  # one thread pool
+    first.reset({"prompt": "1+2?"})
+    turn = first.tokenizer('<call>{"name": "add", "arguments": {"a": 1, "b": 2}}</call>', add_special_tokens=False)
+    assert first.tokenizer.decode(first.step(turn.input_ids).ids) == '\n<result name="add">103</result>\n'
     assert "my_local_env" not in cloudpickle.list_registry_pickle_by_value()  # nothing left registered
     env.runner.close()
+    first.env.runner.close()
