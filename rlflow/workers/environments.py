@@ -112,6 +112,8 @@ class ToolEnvironment:
         return [t.schema for t in self.runner.tools.values()]
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
+        if "prompt" not in row:
+            raise KeyError(f"a tool episode starts from a row's 'prompt'; the row has {sorted(row)}")
         self.stats = ToolStats()
         return row["prompt"]
 
@@ -266,7 +268,13 @@ class TokenEpisode:
         stopped = bool(ids) and ids[-1] in self.stop_token_ids
         # The environment reads the turn without its stop token; other special tokens stay (a
         # template's <tool_call> may be one).
-        observation, reward, done = self.env.step(self.tokenizer.decode(ids[:-1] if stopped else ids))
+        answer = self.env.step(self.tokenizer.decode(ids[:-1] if stopped else ids))
+        if not isinstance(answer, tuple) or len(answer) != 3:
+            raise TypeError(
+                f"environment class {type(self.env).__qualname__!r}: step returned {answer!r}; "
+                "expected (observation, reward, done)"
+            )
+        observation, reward, done = answer
         if isinstance(observation, list):
             stop = self.tokenizer.decode(ids[-1:]) if stopped else ""
             observation = render_observation(self.tokenizer, observation, stop) if observation else ""

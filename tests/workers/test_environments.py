@@ -145,6 +145,11 @@ def test_an_environment_of_its_own_runs_several_turns_with_its_rewards():
     )
     assert episode.step(tok("12", add_special_tokens=False).input_ids) == ([], 1.0, True)
     assert episode.metrics() == {}
+    episode.env.step = lambda text: ("only an observation", 0.0)
+    with pytest.raises(TypeError, match=r"'Guess': step returned \('only an observation', 0.0\); expected"):
+        episode.step([5])
+    with pytest.raises(KeyError, match=r"'prompt'; the row has \['question'\]"):
+        TokenEpisode(ToolEnvironments([multiply])(), tok).reset({"question": "3*4?"})
 
 
 def test_import_paths_name_tools_and_environments_and_a_bad_one_is_named():
@@ -199,7 +204,11 @@ def test_environments_and_their_tools_travel_by_value(tmp_path, monkeypatch):
     echo = echo_spec.load()()
     echo.reset({"prompt": "x"})
     assert echo.step("hi") == ("HI", 100.0, True)
-    make_episode = tools_spec.episodes(build_char_tokenizer())  # what a rollout loop takes
+    tok = build_char_tokenizer()
+    echo_episode = echo_spec.episodes(tok)()
+    assert tok.decode(echo_episode.reset({"prompt": "x"})) == "<bos>x"  # plain text: the tokenizer's BOS
+    assert echo_episode.step(tok("hi", add_special_tokens=False).input_ids) == (tok("HI").input_ids[1:], 100.0, True)
+    make_episode = tools_spec.episodes(tok)  # what a rollout loop takes
     first, second = make_episode(), make_episode()
     assert first.env is not second.env and first.env.runner is second.env.runner  # one thread pool
     first.reset({"prompt": "1+2?"})
