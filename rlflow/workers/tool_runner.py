@@ -6,13 +6,14 @@ nor JSON, or runs past its time limit, and a call the model wrote badly, each be
 
 Tools run on a thread pool, so a slow tool does not hold up the others of the turn. A thread
 cannot be stopped: a tool past its limit is reported as timed out and left to finish in the
-background, still holding its thread; code that must be stopped for real runs in a sandboxed
-process (the sandbox's own tool), not in a thread of the worker.
+background, still holding its thread (:class:`ToolRunner` moves later calls to a new pool); code
+that must be stopped for real runs in a sandboxed process, not in a thread of the worker.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -100,15 +101,17 @@ def tool_output(value: Any) -> tuple[str, str | None]:
 
 
 class ToolRunner:
-    """Runs tool calls on a thread pool, each with ``timeout_s`` seconds.
+    """Runs tool calls on a thread pool, each with ``timeout_s`` seconds; safe to call from several threads.
 
     The pool is made on the first call and is not pickled: a runner sent to a worker makes its
-    own there.
+    own there. A pool whose thread still runs a call past its limit is retired: later calls go
+    to a new pool, so tools that hang never starve the calls after them (their threads end when
+    they return, if ever).
 
     Args:
         tools: ``name -> Tool`` (:func:`~rlflow.workers.tools.build_tools`).
         timeout_s: seconds a call may take, counted from when it is handed to the pool.
-        max_workers: threads of the pool; more calls at once wait for a thread.
+        max_workers: threads of a pool; more calls at once wait for a thread.
     """
 
     def __init__(self, tools: Mapping[str, Tool], timeout_s: float = 30.0, max_workers: int = 8) -> None:
@@ -117,36 +120,52 @@ class ToolRunner:
         if max_workers < 1:
             raise ValueError(f"max_workers={max_workers}; need >= 1")
         self.tools, self.timeout_s, self.max_workers = dict(tools), float(timeout_s), int(max_workers)
+        self.num_retired_pools = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None}  # threads do not pickle; the receiver makes its own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pool", "_lock")}  # threads do not pickle
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pool=None, _lock=threading.Lock())
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One result per call, in the calls' order; the well-formed calls run concurrently."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="rlflow-tool")
-        futures: dict[int, Future] = {
-            i: self._pool.submit(_timed, self.tools[c.name].fn, c.arguments) for i, c in enumerate(calls) if not c.error
-        }
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="rlflow-tool")
+            pool = self._pool
+            futures: dict[int, Future] = {
+                i: pool.submit(_timed, self.tools[c.name].fn, c.arguments) for i, c in enumerate(calls) if not c.error
+            }
         wait_futures(futures.values(), timeout=self.timeout_s)
-        results = []
+        results, hung = [], False
         for i, call in enumerate(calls):
             if call.error:
                 results.append(ToolResult(call.name, f"Error: {call.error}", "malformed"))
             elif not futures[i].done():
-                futures[i].cancel()  # not started yet: never starts; running: finishes unheard
+                hung |= not futures[i].cancel()  # a queued call never starts; a running one holds its thread
                 text = f"Error: tool {call.name!r} did not finish within {self.timeout_s:g} seconds"
                 results.append(ToolResult(call.name, text, "timeout", self.timeout_s))
             else:
                 results.append(_result(call.name, *futures[i].result()))
+        if hung:
+            self._retire(pool)
         return results
+
+    def _retire(self, pool: ThreadPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is pool:  # not already retired by another episode's time-out
+                pool.shutdown(wait=False)  # its other calls still run and answer their episodes
+                self._pool, self.num_retired_pools = None, self.num_retired_pools + 1
 
     def close(self) -> None:
         """Lets the pool's threads end once their calls return (a tool past its limit may still run)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
 
 
 def _timed(fn: Any, arguments: Mapping[str, Any]) -> tuple[Any, BaseException | None, float]:

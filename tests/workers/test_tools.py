@@ -173,6 +173,28 @@ def test_what_goes_wrong_in_a_tool_becomes_an_observation_and_is_counted():
     runner.close()
 
 
+def test_a_hung_tool_does_not_starve_the_calls_after_it():
+    release = threading.Event()
+
+    def hang(x: int) -> int:
+        """Never returns in time.
+
+        Args:
+            x: returned.
+        """
+        release.wait(10)
+        return x
+
+    runner = ToolRunner(build_tools([hang, multiply]), timeout_s=0.2, max_workers=1)  # one thread, held by hang
+    (hung,) = runner.run(parse_tool_calls('<call>{"name": "hang", "arguments": {"x": 1}}</call>', runner.tools))
+    (done,) = runner.run(
+        parse_tool_calls('<call>{"name": "multiply", "arguments": {"a": 2, "b": 5}}</call>', runner.tools)
+    )
+    release.set()
+    assert (hung.status, done.status, done.content, runner.num_retired_pools) == ("timeout", "ok", "10", 1)
+    runner.close()
+
+
 def test_a_runner_pickles_without_its_threads_and_runs_on_arrival():
     runner = ToolRunner(build_tools([multiply]), timeout_s=5)
     runner.run(parse_tool_calls('<call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</call>', runner.tools))
