@@ -239,7 +239,9 @@ class TokenEpisode:
             end-of-turn token): not written again in the observation. Default: the EOS token.
     """
 
-    def __init__(self, env: Any, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None):
+    def __init__(
+        self, env: Environment, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None
+    ) -> None:
         self.env, self.tokenizer = env, tokenizer
         self.stop_token_ids = set(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
         self.format = call_format(tokenizer)
@@ -262,7 +264,8 @@ class TokenEpisode:
         """The environment's answer to a sampled turn ``ids`` (its stop token included, if it ended on one).
 
         Returns:
-            The observation's ids (none when ``done``), to append after ``ids``; the reward; ``done``.
+            The observation's ids to append after ``ids`` (empty when the environment answers
+            nothing, as a :class:`ToolEnvironment` at the end); the step's reward; ``done``.
         """
         ids = list(ids)
         stopped = bool(ids) and ids[-1] in self.stop_token_ids
