@@ -4,7 +4,8 @@
 Layers, bottom to top; a module may import its own layer and the layers before it:
 
 * ``protocol`` (DataProto), ``strategy`` (ParallelStrategy, RankCoords), ``rendezvous``
-  (free_port), ``families`` (model-family records) — import nothing of rlflow above them;
+  (free_port), ``families`` (model-family records), ``sandbox`` (isolated runs of untrusted code) —
+  import nothing of rlflow above them;
 * ``controller`` — the single controller, which knows nothing of models;
 * ``dataflow``, ``planner`` (pure: prices and searches plans), ``parallel`` (process groups,
   layouts, resharding), ``engine`` (training and rollout engines), ``algos`` (pure torch losses
@@ -33,6 +34,7 @@ LAYERS = (
     "strategy",
     "rendezvous",
     "families",
+    "sandbox",
     "controller",
     "dataflow",
     "planner",
