@@ -6,6 +6,8 @@ Built in:
 - ``"countdown"``: 1.0 when the response is an arithmetic expression over the given numbers
   (each at most once, or exactly once) whose exact value is the target.
 - ``"format"``: 1.0 when the response puts its answer inside ``<answer>...</answer>``.
+- ``"code_tests"``: the fraction of the ground truth's unit tests (Python asserts) that the response's
+  code passes, run in the sandbox (:mod:`rlflow.workers.code_reward`).
 
 Ground truths are JSON values so that they travel in JSONL datasets (see
 ``rlflow.data.tasks``). Responses are model output: a malformed one scores 0.0, while a
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 
+from rlflow.sandbox import check_tests
+from rlflow.workers.code_reward import code_tests_reward
 from rlflow.workers.reward_errors import RewardErrors
 
 __all__ = [
@@ -422,3 +426,5 @@ format_reward.__doc__ = """1.0 when the response holds exactly one non-empty ``<
 >>> format_reward("", "<think>...</think> <answer>42</answer>", None)
 1.0
 """
+
+register_reward("code_tests", parse_ground_truth=check_tests)(code_tests_reward)

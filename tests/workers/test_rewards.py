@@ -114,7 +114,9 @@ def test_registry_and_batch_helper(monkeypatch):
     assert {"numeric_match", "countdown", "format"} <= set(list_rewards())
     with pytest.raises(ValueError, match="'countdown' is already registered"):
         register_reward("countdown")(countdown_reward)
-    with pytest.raises(KeyError, match="registered rewards: \\['countdown', 'format', 'numeric_match'\\]"):
+    with pytest.raises(
+        KeyError, match="registered rewards: \\['code_tests', 'countdown', 'format', 'numeric_match'\\]"
+    ):
         get_reward("exact")
 
     @register_reward("length")
