@@ -80,9 +80,10 @@ class RunResult:
         stdout / stderr: what it wrote, decoded as UTF-8 (undecodable bytes replaced), up to the output cap.
         stdout_truncated / stderr_truncated: the stream went past ``Limits.output_bytes``.
         limit: the limit that stopped it: ``"wall"``, ``"cpu"``, ``"memory"``, ``"processes"``,
-            ``"file_size"``, ``"output"``; None when it ended by itself. ``memory``, ``processes`` and
-            ``file_size`` are read from the uncaught exception that ended the program (``MemoryError``, a
-            refused fork, ``EFBIG``): a program that catches it ends by itself.
+            ``"file_size"``, ``"disk"``, ``"output"``; None when it ended by itself. ``memory``,
+            ``processes``, ``file_size`` and ``disk`` are read from the uncaught exception that ended the
+            program (``MemoryError``, a refused fork, ``EFBIG``, ``ENOSPC``): a program that catches it
+            ends by itself.
         wall_seconds: real time of the run, setup included.
         cpu_seconds: user + system CPU time of the program and the processes it waited for.
         isolated: what the kernel let the launcher isolate: ``"network"``, ``"filesystem"``, ``"processes"``.
@@ -172,7 +173,8 @@ class Sandbox:
             raise ValueError(f"Sandbox(python={self.python!r}): not an executable")
         self.uid_base, self.num_uids = uid_base, num_uids
         home_dirs = ("/root", os.path.expanduser("~"))
-        self.hidden = tuple(dict.fromkeys(os.path.realpath(d) for d in (hidden or home_dirs) if os.path.isdir(d)))
+        hidden = [os.path.realpath(d) for d in (hidden or home_dirs) if os.path.isdir(d)]
+        self.hidden = tuple(dict.fromkeys(d for d in hidden if d != "/"))  # a service user's HOME may be /
 
     def run(self, code: str, stdin: str | bytes | None = None, files: dict[str, str] | None = None) -> RunResult:
         """Runs ``code`` as ``main.py`` in a fresh work directory, with ``files`` beside it.
@@ -361,6 +363,8 @@ def _limit_from_exit(sig: int | None, cpu: float, stderr: str, limits: Limits) -
     last = stderr.rstrip().rpartition("\n")[2]
     if sig == signal.SIGXFSZ or last.startswith("OSError: [Errno 27]"):  # Python ignores SIGXFSZ: EFBIG
         return "file_size"
+    if last.startswith("OSError: [Errno 28]"):  # ENOSPC: the work directory's tmpfs is full
+        return "disk"
     if last.startswith("MemoryError"):
         return "memory"
     if last.startswith("BlockingIOError: [Errno 11]"):  # fork/clone refused: RLIMIT_NPROC

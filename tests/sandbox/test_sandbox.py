@@ -20,7 +20,13 @@ from rlflow.sandbox import Limits, Sandbox, SandboxUnavailable
 from rlflow.sandbox.uids import lease_uid
 
 LIMITS = Limits(
-    wall_seconds=2.0, cpu_seconds=1, memory_bytes=256 << 20, processes=16, file_bytes=1 << 20, output_bytes=1 << 16
+    wall_seconds=1.5,
+    cpu_seconds=1,
+    memory_bytes=256 << 20,
+    processes=16,
+    file_bytes=1 << 20,
+    disk_bytes=4 << 20,
+    output_bytes=1 << 16,
 )
 UID_BASE = 1_500_000_000  # these tests' own uids, so that a scan for leftover processes sees only theirs
 
@@ -151,9 +157,12 @@ print(json.dumps(results))
     assert not [path for path in targets if os.path.exists(path)]
 
 
-def test_file_size_limit(sandbox):
+def test_file_size_and_disk_limits(sandbox):
     result = sandbox.run("open('big', 'wb').write(bytes(2 << 20))")
     assert result.limit == "file_size", result.stderr
+    code = "for i in range(8):\n    open(f'part{i}', 'wb').write(bytes(1 << 20))"
+    result = sandbox.run(code)  # each file within file_bytes, together past disk_bytes
+    assert result.limit == "disk", result.stderr
 
 
 def test_parent_environment_is_not_visible(sandbox, monkeypatch):

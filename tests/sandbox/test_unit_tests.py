@@ -16,7 +16,7 @@ ADD = "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    input
 def sandbox() -> Sandbox:
     if not hasattr(os, "fork") or not Path("/proc/self/ns/net").exists():
         pytest.skip("the sandbox needs Linux namespaces")
-    box = Sandbox(Limits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=256 << 20, output_bytes=1 << 16))
+    box = Sandbox(Limits(wall_seconds=1.5, cpu_seconds=1, memory_bytes=256 << 20, output_bytes=1 << 16))
     try:
         box.run("pass")
     except SandboxUnavailable as err:
