@@ -32,7 +32,7 @@ __all__ = ["Limits", "RunResult", "Sandbox", "SandboxUnavailable"]
 _LAUNCHER = Path(__file__).with_name("_launcher.py")
 _NETWORK_POLICIES = ("deny", "best_effort")
 _CPU_SLACK_SECONDS = 0.1
-_STOP_SECONDS = 5.0  # how long a stopped run's launcher may take to reap it before it is killed too
+_STOP_SECONDS = 5.0  # how long a stopped run's launcher may take to reap the run before it is killed too
 _MIB = 1 << 20
 
 
@@ -198,11 +198,11 @@ class Sandbox:
                 raise ValueError(f"Sandbox.run files: {name!r} must be a relative path inside the work directory")
         files["main.py"] = code
         if os.getuid() != 0:
-            return self._run_in(code, stdin, files, run_uid=-1)
+            return self._run_in(stdin, files, run_uid=-1)
         with lease_uid(self.uid_base, self.num_uids) as uid:
-            return self._run_in(code, stdin, files, run_uid=uid)
+            return self._run_in(stdin, files, run_uid=uid)
 
-    def _run_in(self, code: str, stdin: str | bytes | None, files: dict[str, str], run_uid: int) -> RunResult:
+    def _run_in(self, stdin: str | bytes | None, files: dict[str, str], run_uid: int) -> RunResult:
         run_dir = tempfile.mkdtemp(prefix="rlflow-sandbox-")
         try:
             os.chmod(run_dir, 0o711)  # the run's uid passes through to its work directory, reads nothing here
@@ -248,10 +248,7 @@ class Sandbox:
             threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True).start()
         out, err = _Capture(self.limits.output_bytes), _Capture(self.limits.output_bytes)
         stopped_by = _pump(proc, out, err, start + self.limits.wall_seconds)
-        if stopped_by is not None:
-            _stop(proc)
-        proc.wait()
-        _kill_group(proc.pid)  # without a pid namespace, what the program started may outlive it
+        _end(proc, stop=stopped_by is not None)
         wall = time.monotonic() - start
         status = _read_status(os.path.join(os.path.dirname(spec_path), "status.json"))
         if "setup_error" in status:
@@ -310,21 +307,28 @@ def _pump(proc: subprocess.Popen, out: _Capture, err: _Capture, deadline: float)
         proc.stderr.close()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Ends a run and waits until its processes are gone: SIGTERM asks the launcher to SIGKILL the program,
-    whose end kills the rest of its pid namespace; a launcher that does not exit in time is killed."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=_STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+def _end(proc: subprocess.Popen, stop: bool) -> None:
+    """Waits for the launcher, first asking it to end the run when ``stop``, then reaps it.
+
+    SIGTERM makes the launcher SIGKILL the program, whose end kills the rest of its pid namespace; a
+    launcher that has not exited after ``_STOP_SECONDS`` is killed with its group. The launcher is reaped
+    last: until then its pid, the group's id, cannot be reused, so killing the group never hits another run.
+    """
+    if stop:
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_SECONDS
+        while _running(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if stop and _running(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)  # the program dies with the launcher (PR_SET_PDEATHSIG)
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    with contextlib.suppress(ProcessLookupError):  # without a pid namespace, what the program started may outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
-def _kill_group(pgid: int) -> None:
-    # The launcher leads the group; the program dies with the launcher through PR_SET_PDEATHSIG even if it
-    # left the group.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+def _running(pid: int) -> bool:
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None
 
 
 def _read_status(path: str) -> dict:
