@@ -268,9 +268,9 @@ class Sandbox:
                 Sandbox._warned = True
                 warnings.warn(
                     "sandbox: the kernel refused new namespaces; runs have network access and see the "
-                    "machine's filesystem (resource limits, clean environment and own uid still apply)",
+                    "machine's filesystem (the resource limits and the clean environment still apply)",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=5,  # the caller of Sandbox.run
                 )
 
 
