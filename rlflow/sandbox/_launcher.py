@@ -140,12 +140,16 @@ def main(spec_path: str) -> None:
     spec["launcher_pid"] = os.getpid()
     if spec["run_uid"] == -1:  # not root: 0 of its own user namespace (or itself without one), no uid to drop to
         spec["run_uid"] = os.getuid()
+    # The caller stops a run with SIGTERM to the launcher, which kills the program: its pid stays valid
+    # (unreaped) until wait4, and its end tears the pid namespace down, so wait4 returns once every process
+    # of the run is gone. SIGTERM is blocked across the fork so that one sent early waits for the handler.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     child = os.fork()
     if child == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # the mask would outlive the exec
         run_child(spec, isolated, status_fd)
-    # The caller stops a run with SIGTERM to the launcher; the child's pid stays valid (unreaped) until wait4,
-    # and its end tears the pid namespace down, so wait4 returns once every process of the run is gone.
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     _, status, usage = os.wait4(child, 0)
     cpu = usage.ru_utime + usage.ru_stime
     os.write(status_fd, json.dumps({"wait_status": status, "cpu_seconds": cpu}).encode() + b"\n")
