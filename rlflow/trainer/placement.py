@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import networkx as nx
+import torch
 from transformers import AutoConfig
 
 from rlflow.dataflow import mfcs_of
-from rlflow.engine.parallelize import resolve_compute_dtype
+from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
@@ -324,6 +325,15 @@ def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowC
     return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
 
 
+def _cpu_precision(m, spec: ModelSpec) -> str:
+    """``"bf16"`` or ``"fp32"``: what CPU workers compute the model of ``spec`` in (``models.<role>.dtype``)."""
+    layer = layer_matmul_params({
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, "head_dim": spec.head_dim,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+    })  # fmt: skip
+    return "bf16" if resolve_compute_dtype(m.dtype, "cpu", layer) == torch.bfloat16 else "fp32"
+
+
 def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     """``run_profile`` arguments that measure what the run will price: the actor's layer shape,
     and the shapes its calls run on one worker when every worker is data-parallel — a
@@ -331,8 +341,9 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     on top of a few default sizes (the rates are interpolated between them). With the actor's
     ``spec``, also whole calls of it at those shapes (a rollout, a forward and a training step),
     timed with every worker of a host running them at once, and — on a host of several workers —
-    the whole batch and one worker's share in one process while the others idle; they calibrate
-    the estimates of every call type on many workers and on one."""
+    the whole batch and one worker's share in one process while the others idle, in the precision
+    the workers will compute in; they calibrate the estimates of every call type on many workers
+    and on one."""
     m = cfg.models["actor"] if "actor" in cfg.models else next(iter(cfg.models.values()))
     layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
     if spec is not None:
@@ -353,6 +364,7 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
         alt = prompts // 2 if prompts > 1 else 2
         shapes["calls"] = {
             "model": {k: getattr(spec, k) for k in fields},
+            "precision": _cpu_precision(m, spec),
             "generate": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
             "train": {"rows": rows, "seq": p + r},
             "generate_alt": {"prompts": alt, "prompt_len": p, "n": samples, "gen_len": r},

@@ -328,16 +328,16 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
 
     world = dist.get_world_size()
     torch.manual_seed(0)  # the same weights on every rank
-    rollout = _call_model(calls["model"], torch.float32).eval()
+    master = _call_model(calls["model"], torch.float32)
+    # The workers' precision: fp32 master weights in training, the sampler's copy in the compute dtype.
+    precision = calls.get("precision", "fp32")
+    rollout = copy.deepcopy(master).to(torch.bfloat16 if precision == "bf16" else torch.float32).eval()
     optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
+    config = EngineConfig(device="cpu", optim=optim, mixed_precision=precision)
 
     def engine_on(ranks: range) -> TrainEngine | None:
         groups = build_call_groups(ranks, ParallelStrategy(dp=len(ranks)), "cpu")  # collective
-        return (
-            None
-            if groups is None
-            else TrainEngine(copy.deepcopy(rollout), groups.mesh, EngineConfig(device="cpu", optim=optim))
-        )
+        return None if groups is None else TrainEngine(copy.deepcopy(master), groups.mesh, config)
 
     engine = engine_on(range(world))
     torch.manual_seed(rank)  # each rank its own rows

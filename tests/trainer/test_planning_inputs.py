@@ -146,3 +146,19 @@ def test_the_profile_measures_the_actors_own_calls_at_one_workers_shapes() -> No
     assert calls["generate"] == {"prompts": 16, "prompt_len": 8, "n": 8, "gen_len": 5}
     assert calls["train"] == {"rows": 128, "seq": 13}
     assert shapes["call_processes"] == 2  # both workers of the host busy, as the plan keeps them
+
+
+def test_the_profile_times_calls_in_the_precision_the_workers_compute_in(monkeypatch) -> None:
+    import rlflow.engine.parallelize as parallelize
+    from rlflow.planner.model_spec import ModelSpec
+    from rlflow.trainer.placement import profile_shapes
+
+    big = ModelSpec(num_layers=2, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=8, vocab_size=64)
+    small = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=64)
+    monkeypatch.setattr(parallelize, "cpu_computes_bf16", lambda: True)  # a CPU with AVX512-BF16 / AMX
+    cfg = load_config(GRPO)
+    assert profile_shapes(cfg, big)["calls"]["precision"] == "bf16"  # dtype: auto, a layer of 2.6M weights
+    assert profile_shapes(cfg, small)["calls"]["precision"] == "fp32"  # below CPU_BF16_MIN_LAYER_PARAMS
+    assert profile_shapes(load_config(GRPO, ["models.actor.dtype=float32"]), big)["calls"]["precision"] == "fp32"
+    monkeypatch.setattr(parallelize, "cpu_computes_bf16", lambda: False)
+    assert profile_shapes(cfg, big)["calls"]["precision"] == "fp32"

@@ -115,17 +115,19 @@ CALLS = {
 }
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, processes):
+@pytest.mark.parametrize("processes, precision", [(1, "bf16"), (2, "fp32")])
+def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, processes, precision):
     """The layer timings miss what a whole call adds (the sampler's bookkeeping, the HF model
     around its layers, the loss, the optimizer) and, on a CPU host, what workers running at once
     cost each other. Profiled whole calls at two batch sizes calibrate the estimates of their call
     types (a fixed part and a scale of the compute), so that a call at either profiled shape is
     estimated at its measurement; ``processes`` times them in that many worker processes at once,
-    the forward and training step through a TrainEngine on FSDP over them."""
+    the forward and training step through a TrainEngine on FSDP over them, in the ``precision``
+    the workers compute in (bf16: fp32 master weights, a bf16 sampler copy)."""
     layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
+    calls = {**CALLS, "precision": precision}
     prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
-                       decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=CALLS, call_processes=processes)  # fmt: skip
+                       decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=calls, call_processes=processes)  # fmt: skip
     assert load_profile(tmp_path / "p.json") == prof
     assert prof.calls.model == ModelSpec(**CALLS["model"])
     for name in ("generate", "forward", "train", "generate_alt", "forward_alt", "train_alt"):
