@@ -8,6 +8,9 @@ Built in:
 - ``"format"``: 1.0 when the response puts its answer inside ``<answer>...</answer>``.
 - ``"code_tests"``: the fraction of the ground truth's unit tests (Python asserts) that the response's
   code passes, run in the sandbox (:mod:`rlflow.workers.code_reward`).
+- ``"math_verify"``: 1.0 when the response's final answer is mathematically equal to the
+  ground truth (LaTeX, fractions, ``\\boxed{}``, equivalent forms), checked by ``math-verify``
+  (the ``math`` extra).
 
 Ground truths are JSON values so that they travel in JSONL datasets (see
 ``rlflow.data.tasks``). Responses are model output: a malformed one scores 0.0, while a
@@ -19,10 +22,12 @@ missing or malformed one when the dataset is loaded, not at step 1 on a worker.
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -44,6 +49,7 @@ __all__ = [
     "get_rule",
     "list_rewards",
     "make_format_reward",
+    "math_verify_reward",
     "nan_mean",
     "numeric_match_reward",
     "register_reward",
@@ -428,3 +434,75 @@ format_reward.__doc__ = """1.0 when the response holds exactly one non-empty ``<
 """
 
 register_reward("code_tests", parse_ground_truth=check_tests)(code_tests_reward)
+
+
+# ----------------------------------------------------------------------------- math
+
+# math-verify bounds each parse and comparison with signal.alarm, which only the main thread may
+# set: off it (the driver-hosted worker's thread) the rule passes None, which turns the alarm off.
+_MATH_TIMEOUT_SECONDS = 5
+
+
+def _math_verify() -> Any:
+    # Imported on first use: math-verify (and sympy under it) is an optional extra.
+    try:
+        import math_verify
+    except ImportError:
+        raise ImportError(
+            "reward 'math_verify' needs the math-verify package: pip install 'rlflow[math]' (or 'math-verify>=0.9.0')"
+        ) from None
+    return math_verify
+
+
+def _math_timeout() -> int | None:
+    return _MATH_TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
+
+
+def _math_ground_truth(ground_truth: Any) -> str:
+    options: dict[str, Any] = ground_truth if isinstance(ground_truth, dict) else {"answer": ground_truth}
+    if set(options) != {"answer"}:
+        raise ValueError(f"math_verify ground truth {ground_truth!r}: expected an answer or a dict with 'answer' only")
+    value = options["answer"]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or not str(value).strip():
+        raise ValueError(f"math_verify ground truth answer {value!r} is not a number or a LaTeX/plain expression")
+    _math_verify()  # a missing package is named when the dataset is checked, not at step 1
+    return repr(value) if isinstance(value, float) else str(value).strip()
+
+
+@lru_cache(maxsize=4096)  # a group's samples share their prompt's ground truth
+def _parse_gold(gold: str, timeout: int | None) -> list[Any]:
+    # A bare answer ("\frac{1}{2}", "2\sqrt{2}") is read as LaTeX math; without the $...$ the
+    # extractor would take its first number only.
+    text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
+    parsed = _math_verify().parse(text, parsing_timeout=timeout)
+    if not parsed:
+        raise ValueError(f"math_verify ground truth {gold!r} does not parse as math")
+    return parsed
+
+
+@register_reward("math_verify", parse_ground_truth=_math_ground_truth)
+def math_verify_reward(prompt: str, response: str, ground_truth: Any) -> float:
+    r"""1.0 when the response's final answer equals the ground truth mathematically (``math-verify``).
+
+    The response's answer is what ``math_verify.parse`` extracts (a ``\boxed{}``, a LaTeX
+    ``$...$`` span, "the answer is ...", else a plain expression); ``math_verify.verify`` compares it
+    with the ground truth symbolically and numerically (to 6 decimals): ``\frac{1}{2}`` equals
+    ``0.5`` and ``1/2``, ``x+1`` equals ``1+x``; ``0.33`` is not ``1/3``. On the main thread each
+    parse and comparison is bounded by a 5 s alarm (a timeout scores 0.0); on other threads
+    math-verify cannot set the alarm, so none bounds it.
+
+    Args:
+        prompt: unused.
+        response: model output.
+        ground_truth: the answer as LaTeX (``"\frac{1}{2}"``, ``"$x+1$"``, ``"\boxed{3}"``), plain
+            text (``"1/2"``) or a number, or ``{"answer": ...}``.
+
+    >>> math_verify_reward("", "so the answer is $\\boxed{\\frac{1}{2}}$", "0.5")
+    1.0
+    """
+    timeout, gold = _math_timeout(), _math_ground_truth(ground_truth)
+    mv = _math_verify()
+    answer = mv.parse(response, parsing_timeout=timeout)
+    if not answer:
+        return 0.0
+    return 1.0 if mv.verify(_parse_gold(gold, timeout), answer, timeout_seconds=timeout) else 0.0
