@@ -83,6 +83,20 @@ class AlgorithmParams:
     norm_adv_by_std: bool = declared_field(
         True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)"
     )
+    overlong_buffer: int | None = declared_field(
+        None,
+        "DAPO soft overlong penalty: over the last overlong_buffer tokens before rollout.max_new_tokens a "
+        "response's reward falls linearly by up to overlong_penalty; null: off",
+        ge=1,
+    )
+    overlong_penalty: float = declared_field(
+        1.0, "the soft overlong penalty at rollout.max_new_tokens (with overlong_buffer)", gt=0.0
+    )
+    mask_truncated: bool = declared_field(
+        False,
+        "DAPO overlong filtering: leave responses that reached rollout.max_new_tokens without a stop token out "
+        "of the policy loss (they still count in the advantages' group statistics)",
+    )
     value_clip: float | None = declared_field(0.5, "clip of value predictions around the old values; null: off", gt=0.0)
     vf_coef: float = declared_field(0.5, "weight of the value loss in the critic's loss", gt=0.0)
     n_minibatches: int = declared_field(1, "optimizer steps per epoch over one batch (PPO mini-batches)", ge=1)

@@ -275,11 +275,11 @@ class TrainEngine:
             raise KeyError(f"loss_mask_key={key!r} is not in the batch (keys: {sorted(data)})")
         return float((data[key] != 0).sum())
 
-    def _global_units(self, data: Mapping[str, torch.Tensor], key: str | None) -> float:
+    def _global_units(self, data: Mapping[str, torch.Tensor], key: str | None, empty_ok: bool = False) -> float:
         units = torch.tensor([self._loss_units(data, key)], dtype=torch.float64, device=self.device)
         if self.dims.dp > 1:
             dist.all_reduce(units, group=self.mesh["dp"].get_group())
-        if units.item() == 0:
+        if units.item() == 0 and not empty_ok:
             raise ValueError(f"the global mini-batch has no loss units under loss_mask_key={key!r}")
         return units.item()
 
@@ -290,6 +290,7 @@ class TrainEngine:
         *,
         num_mini_batches: int = 1,
         loss_mask_key: str | None = "attention_mask",
+        empty_ok: bool = False,
     ) -> dict[str, float]:
         """Split ``batch`` into mini-batches and take one optimizer step on each.
 
@@ -306,6 +307,9 @@ class TrainEngine:
                 use the same count.
             loss_mask_key: batch key whose non-zero entries are the loss units (tokens), or
                 ``None`` to count rows.
+            empty_ok: a global mini-batch without loss units (every row masked out) takes a step
+                that changes no weight (the lr schedule and ``global_step`` advance, as on every
+                rank) instead of raising.
 
         Returns:
             Means over the mini-batches of ``loss`` (the global mini-batch mean), the loss's
@@ -322,13 +326,20 @@ class TrainEngine:
         # every dp rank takes the same count whatever its rows, as the lr schedule and metrics assume.
         for chunk in torch.arange(rows).tensor_split(num_mini_batches):
             mini = select(batch, chunk)
-            metrics = self._train_mini_batch(mini, loss_fn, loss_mask_key)
+            metrics = self._train_mini_batch(mini, loss_fn, loss_mask_key, empty_ok)
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / num_mini_batches
         return totals
 
-    def _train_mini_batch(self, mini, loss_fn: LossFn, loss_mask_key: str | None) -> dict[str, float]:
-        global_units = self._global_units(mini, loss_mask_key)
+    def _train_mini_batch(self, mini, loss_fn: LossFn, loss_mask_key: str | None, empty_ok: bool) -> dict[str, float]:
+        global_units = self._global_units(mini, loss_mask_key, empty_ok)
+        if global_units == 0:  # every rank sees the same global count, so all of them skip together
+            # No gradient: the optimizer skips parameters whose grad is None (no decay, no moment update).
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.global_step += 1
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": self.scheduler.get_last_lr()[0], "empty_step_fraction": 1.0}
         scale = self.dims.dp / global_units  # FSDP divides the reduced gradient by dp
 
         def weighted_loss(outputs, data) -> tuple[torch.Tensor, dict[str, float]]:

@@ -117,6 +117,11 @@ class AlgorithmConfig(_Section, AlgorithmParams):
             raise ConfigError(
                 "recompute_old_logp", f"true needs an algorithm that samples rollouts; {self.name!r} samples nothing"
             )
+        for key in ("overlong_buffer", "mask_truncated"):
+            if getattr(self, key) not in (None, False) and not self.record.samples_responses:
+                raise ConfigError(
+                    key, f"{getattr(self, key)!r} needs an algorithm that samples rollouts; {self.name!r} does not"
+                )
         conflict = self.conflict()
         if conflict is not None:
             raise ConfigError(conflict[0], f"{getattr(self, conflict[0])!r}: {conflict[1]}")
@@ -590,6 +595,11 @@ class RLFlowConfig(_Section):
         if self.rollout.min_new_tokens > new_tokens:
             raise ConfigError(
                 "rollout.min_new_tokens", f"{self.rollout.min_new_tokens} > rollout.max_new_tokens={new_tokens}"
+            )
+        buffer = self.algorithm.overlong_buffer
+        if buffer is not None and buffer > new_tokens:
+            raise ConfigError(
+                "algorithm.overlong_buffer", f"{buffer} > rollout.max_new_tokens={new_tokens} (the penalty's buffer)"
             )
         engine = get_rollout_engine(self.rollout.engine)
         if self.placement.use_gpu is False and not engine.supports_device("cpu"):

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rlflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from rlflow.algos.overlong import overlong_penalty, response_lengths
 from rlflow.algos.params import AlgorithmParams
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, gather_dp, last_token_scatter
@@ -56,13 +57,20 @@ class AdvantageEstimator:
     """Token rewards → advantages and returns for the algorithm's estimator, with the KL controller.
 
     Args:
-        algo: the algorithm settings (estimator, gamma, lam, KL options).
+        algo: the algorithm settings (estimator, gamma, lam, KL options, overlong penalty).
+        max_new_tokens: the rollout's generation limit; needed by the overlong penalty
+            (``algo.overlong_buffer``).
     """
 
-    def __init__(self, algo: AlgorithmParams) -> None:
+    def __init__(self, algo: AlgorithmParams, max_new_tokens: int | None = None) -> None:
         if algo.adv_estimator is None:
             raise ValueError(f"algorithm {algo.name!r} has no advantage estimator (adv_estimator=None)")
-        self.algo = algo
+        if algo.overlong_buffer is not None and (max_new_tokens is None or algo.overlong_buffer > max_new_tokens):
+            raise ValueError(
+                f"overlong_buffer={algo.overlong_buffer} needs a generation limit of at least as many tokens "
+                f"(max_new_tokens={max_new_tokens})"
+            )
+        self.algo, self.max_new_tokens = algo, max_new_tokens
         kind = "fixed" if algo.kl_target is None else "adaptive"
         self.kl_controller = build_kl_controller(kind, algo.kl_coef, algo.kl_target, algo.kl_horizon)
 
@@ -76,7 +84,7 @@ class AdvantageEstimator:
         Returns:
             ``(advantages, returns, metrics)``: ``(n, T)`` float32 each (``n`` local rows),
             and metrics of the global batch (``score_mean``, ``kl``, ``kl_coef``, ``advantage_mean``,
-            ``return_mean``), identical on every rank.
+            ``return_mean``; ``overlong_penalty_mean`` with the overlong penalty), identical on every rank.
         """
         missing = [k for k in ("rewards", "response_mask") if k not in data.batch_keys]
         if missing:
@@ -85,9 +93,16 @@ class AdvantageEstimator:
         local["uid"] = group_ids(data, self.algo.n_samples, ctx.coords.dp)
         batch, rows = gather_dp(local, ctx)
         mask = batch["response_mask"].float()
-        token_rewards = last_token_scatter(batch["rewards"], mask)
         kl_coef = self.kl_controller.value
         metrics = {"score_mean": float(batch["rewards"].float().mean()), "kl_coef": kl_coef}
+        rewards = batch["rewards"]
+        if self.algo.overlong_buffer is not None:  # score_mean stays the task's score, before the penalty
+            penalty = overlong_penalty(
+                response_lengths(mask), self.max_new_tokens, self.algo.overlong_buffer, self.algo.overlong_penalty
+            )
+            rewards = rewards.float() + penalty
+            metrics["overlong_penalty_mean"] = float(penalty.mean())
+        token_rewards = last_token_scatter(rewards, mask)
         if "ref_logp" in batch and "old_logp" in batch:
             penalised, mean_kl = apply_kl_penalty(
                 token_rewards, batch["old_logp"], batch["ref_logp"], mask, kl_coef, self.algo.kl_estimator

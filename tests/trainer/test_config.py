@@ -139,6 +139,8 @@ def test_wrong_type_names_the_key_and_the_declared_type():
         (["warmup.steps=10", "algorithm.name=sft"], "warmup.steps"),
         (["experiment_name=a b"], "experiment_name"),
         (["data.batch_size=2", "algorithm.n_samples=2", "algorithm.n_minibatches=5"], "algorithm.n_minibatches"),
+        (["rollout.max_new_tokens=8", "algorithm.overlong_buffer=9"], "algorithm.overlong_buffer"),
+        (["algorithm.name=sft", "algorithm.mask_truncated=true"], "algorithm.mask_truncated"),
     ],
 )
 def test_inconsistent_settings_name_the_full_key(overrides, key):

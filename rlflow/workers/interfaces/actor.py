@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from rlflow.algos import logp_mismatch
+from rlflow.algos.overlong import truncated_rows
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.protocol import DataProto
@@ -104,7 +105,8 @@ class ActorInterface(ModelInterface):
         super().__init__(model, setup)
         self.num_rollouts = 0  # training rollouts so far: seeds the next one
         self.num_eval_rollouts = 0  # evaluation rollouts, counted apart so they never move training sampling
-        self.advantages = AdvantageEstimator(self.algo) if self.algo.adv_estimator is not None else None
+        limit = setup.sampling.max_new_tokens
+        self.advantages = AdvantageEstimator(self.algo, limit) if self.algo.adv_estimator is not None else None
 
     # ------------------------------------------------------------------ generate
     def sampling_params(self, *, greedy: bool, evaluate: bool) -> tuple[SamplingParams, int]:
@@ -188,6 +190,8 @@ class ActorInterface(ModelInterface):
             batch["ref_logp"] = tensors_of(data, ("ref_logp",))["ref_logp"]
         if "rollout_logp" in data.batch_keys:  # old_logp was recomputed by the trainer (see policy_loss_fn)
             batch["rollout_logp"] = data.batch["rollout_logp"]
+        if self.algo.mask_truncated:
+            metrics["truncated_fraction"] = self._mask_truncated(batch)
         num_mini_batches = self.num_mini_batches(ctx)
         several_updates = self.algo.ppo_epochs * num_mini_batches > 1
         if self.algo.behaviour_correction == "decoupled" and several_updates and "rollout_logp" not in batch:
@@ -205,8 +209,19 @@ class ActorInterface(ModelInterface):
             num_mini_batches=num_mini_batches,
             loss_mask_key=token_mask_key(self.algo.loss_agg_mode, "response_mask"),
             temperature=self.temperature,
+            empty_ok=self.algo.mask_truncated,  # a mini-batch of truncated responses only has no loss
         )
         return {**metrics, **step}
+
+    def _mask_truncated(self, batch: dict[str, torch.Tensor]) -> float:
+        """Leaves the responses the generation limit cut off out of the loss (``algorithm.mask_truncated``);
+        returns their fraction of this rank's rows."""
+        sampling = self.setup.sampling
+        truncated = truncated_rows(
+            batch["input_ids"], batch["response_mask"], sampling.max_new_tokens, sampling.stop_token_ids
+        )
+        batch["response_mask"] = batch["response_mask"] * ~truncated[:, None]
+        return float(truncated.float().mean()) if len(truncated) else 0.0
 
     def _train_sft(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
         batch = tensors_of(data, ("input_ids", "attention_mask", "loss_mask"))

@@ -106,12 +106,16 @@ def train_epochs(
     num_mini_batches: int,
     loss_mask_key: str | None,
     temperature: float = 1.0,
+    empty_ok: bool = False,
 ) -> dict[str, float]:
-    """``epochs`` passes of ``num_mini_batches`` optimizer steps over ``batch``; metrics averaged over passes."""
+    """``epochs`` passes of ``num_mini_batches`` optimizer steps over ``batch``; metrics averaged over passes.
+    ``empty_ok``: a mini-batch whose rows are all masked out changes no weight (see ``TrainEngine.train_step``)."""
     totals: dict[str, float] = {}
     for _ in range(epochs):
         with temperature_scaled(engine, temperature):
-            metrics = engine.train_step(batch, loss_fn, num_mini_batches=num_mini_batches, loss_mask_key=loss_mask_key)
+            metrics = engine.train_step(
+                batch, loss_fn, num_mini_batches=num_mini_batches, loss_mask_key=loss_mask_key, empty_ok=empty_ok
+            )
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v / epochs
     return totals

@@ -34,7 +34,7 @@ class CriticInterface(ModelInterface):
 
     def __init__(self, model: ModelSetup, setup: WorkerSetup) -> None:
         super().__init__(model, setup)
-        self.advantages = AdvantageEstimator(self.algo)
+        self.advantages = AdvantageEstimator(self.algo, setup.sampling.max_new_tokens)
 
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
         """``values`` ``(N, T)`` float32 (module docstring); ``None`` off the last pipeline stage."""
