@@ -100,6 +100,17 @@ class AlgorithmConfig(_Section, AlgorithmParams):
         "counted (<call>/reward_error_fraction)",
         choices=("raise", "zero", "skip"),
     )
+    dynamic_sampling: bool = _f(
+        False,
+        "DAPO dynamic sampling: drop the groups (responses to one prompt) that all score the same, which carry "
+        "no gradient, and refill the batch from further prompts (needs a group estimator: grpo, rloo; policy_lag 0)",
+    )
+    dynamic_sampling_max_rounds: int = _f(
+        4,
+        "dynamic sampling: generation rounds per step at most, the first included; when they run out, dropped "
+        "groups fill the rest of the batch (counted: dynamic_sampling/groups_short)",
+        ge=1,
+    )
 
     @property
     def record(self) -> Algorithm:
@@ -117,6 +128,8 @@ class AlgorithmConfig(_Section, AlgorithmParams):
             raise ConfigError(
                 "recompute_old_logp", f"true needs an algorithm that samples rollouts; {self.name!r} samples nothing"
             )
+        if self.dynamic_sampling:
+            self._check_dynamic_sampling()
         for key in ("overlong_buffer", "mask_truncated"):
             if getattr(self, key) not in (None, False) and not self.record.samples_responses:
                 raise ConfigError(
@@ -125,6 +138,21 @@ class AlgorithmConfig(_Section, AlgorithmParams):
         conflict = self.conflict()
         if conflict is not None:
             raise ConfigError(conflict[0], f"{getattr(self, conflict[0])!r}: {conflict[1]}")
+
+    def _check_dynamic_sampling(self) -> None:
+        estimator = self.resolved_adv_estimator
+        if not self.record.samples_responses or not estimator_reads(estimator, "index"):
+            raise ConfigError(
+                "dynamic_sampling",
+                f"true needs an estimator that compares the responses to a prompt (grpo, rloo); {self.name!r} "
+                f"uses {estimator!r}",
+            )
+        if self.n_samples < 2:
+            raise ConfigError("dynamic_sampling", f"true needs groups: n_samples={self.n_samples} (at least 2)")
+        if self.policy_lag:
+            raise ConfigError(
+                "dynamic_sampling", f"true needs on-policy rollouts (policy_lag={self.policy_lag}; set 0)"
+            )
 
     def old_logp_mismatch(
         self, rollout: RolloutConfig, use_gpu: bool | None, actor_dtype: str = "float32"

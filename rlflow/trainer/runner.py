@@ -20,7 +20,7 @@ wherever the parameter-version order allows, as in the ReaLHF paper.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,12 +246,23 @@ class LaggedIssuer:
         runner: the runner of the algorithm's graph.
         lag: ``algorithm.policy_lag``.
         last_step: no rollout is issued for a later step.
+        sample: with ``lag = 0``, what runs a step's rollout instead of one submission of the
+            rollout calls: ``sample(step, batches) -> (batch, rollout rows)`` (dynamic sampling,
+            :class:`rlflow.trainer.dynamic_sampling.DynamicSampler`).
     """
 
-    def __init__(self, runner: DataflowRunner, lag: int, last_step: int) -> None:
+    def __init__(
+        self,
+        runner: DataflowRunner,
+        lag: int,
+        last_step: int,
+        sample: Callable[[int, Iterator[DataProto]], tuple[DataProto, Submitted]] | None = None,
+    ) -> None:
         if lag < 0:
             raise ValueError(f"policy_lag={lag} must be >= 0")
-        self.runner, self.lag, self.last_step = runner, lag, last_step
+        if sample is not None and lag:
+            raise ValueError(f"a rollout sampler needs on-policy rollouts, not policy_lag={lag}")
+        self.runner, self.lag, self.last_step, self.sample = runner, lag, last_step, sample
         self.rollouts = runner.rollout_calls()
         self.rest = [n for n in runner.order if n not in set(self.rollouts)]
         # Step -> (its dataset batch, its issued rollout), for steps whose other calls are not issued yet.
@@ -262,6 +273,9 @@ class LaggedIssuer:
         issued (drawing their batches from ``batches``), then ``step``'s other calls."""
         if not self.rollouts:
             return self.runner.submit(next(batches), step=step)
+        if self.sample is not None:
+            batch, rollout = self.sample(step, batches)
+            return self.runner.submit(batch, self.rest, step=step, upstream=rollout)
         for ahead in range(step, min(step + self.lag, self.last_step) + 1):
             if ahead not in self.ahead:
                 batch = next(batches)

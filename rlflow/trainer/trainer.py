@@ -59,6 +59,7 @@ trainer_callbacks = LazyModule("rlflow.trainer.callbacks")
 trainer_checkpoint = LazyModule("rlflow.trainer.checkpoint")
 trainer_config = LazyModule("rlflow.trainer.config")
 trainer_data = LazyModule("rlflow.trainer.data")
+dynamic_sampling = LazyModule("rlflow.trainer.dynamic_sampling")
 trainer_metrics = LazyModule("rlflow.trainer.metrics")
 trainer_placement = LazyModule("rlflow.trainer.placement")
 trainer_runner = LazyModule("rlflow.trainer.runner")
@@ -261,8 +262,12 @@ class Trainer:
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
         self.runner = trainer_runner.DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
+        self.sampler = dynamic_sampling.build_sampler(cfg, self.runner)
         self.issuer = trainer_runner.LaggedIssuer(
-            self.runner, self.cfg.algorithm.policy_lag, self.cfg.trainer.total_steps
+            self.runner,
+            self.cfg.algorithm.policy_lag,
+            self.cfg.trainer.total_steps,
+            sample=None if self.sampler is None else self.sampler.sample,
         )
         extra = {n: c for n, c in calls.items() if n not in self.placement.calls}
         self.side_runner = _side_runner(self.workers, extra) if extra else None
@@ -611,6 +616,8 @@ class Trainer:
         mine = [r for r in self._records if r.step == step]
         self._records = [r for r in self._records if r.step > step]
         metrics = trainer_metrics.call_metrics(mine)
+        if self.sampler is not None:  # the step's generation rounds and dropped groups
+            metrics.update(self.sampler.metrics.pop(step, {}))
         for name in dict.fromkeys(r.mfc for r in mine if r.kind == "call"):
             self.result.mfc_seconds.setdefault(name, []).append(metrics[f"time/{name}"])
         if self.startup is not None:  # once: how long this run took to reach its first step
