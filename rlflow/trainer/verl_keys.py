@@ -115,6 +115,15 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "algorithm.kl_penalty", "algorithm.kl_estimator", "kl is k1, mse is k2, low_var_kl is k3, low_var_kl+ is k3+"
     ),
     VerlKey("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+    VerlKey("reward_model.overlong_buffer.enable", "algorithm.overlong_buffer", "on when set (null: off)"),
+    VerlKey("reward_model.overlong_buffer.len", "algorithm.overlong_buffer"),
+    VerlKey("reward_model.overlong_buffer.penalty_factor", "algorithm.overlong_penalty"),
+    VerlKey("algorithm.filter_groups.enable", "algorithm.dynamic_sampling", "groups compared on their rewards"),
+    VerlKey(
+        "algorithm.filter_groups.max_num_gen_batches",
+        "algorithm.dynamic_sampling_max_rounds",
+        "verl stops the run when they run out (0: unbounded), rlflow fills the batch with dropped groups",
+    ),
     # --- trainer
     VerlKey("trainer.total_training_steps", "trainer.total_steps"),
     VerlKey(
