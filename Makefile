@@ -61,7 +61,7 @@ test-vllm: install $(VLLM_STAMP)
 	if [ -n "$$failed" ]; then echo "# vLLM tests failed:$$failed"; exit 1; fi
 
 # The min-versions job: every dependency at the lower bound pyproject.toml declares for it (runtime
-# and the wandb/mlflow/math extras; constraints/min-versions.txt pins each), in a venv of its own, and a
+# and the wandb/mlflow/math/lora extras; constraints/min-versions.txt pins each), in a venv of its own, and a
 # fast subset of the tests that exercises each of them. torch is the CPU build TORCH_CPU, not torch's
 # floor: PyPI's older torch wheels are CUDA builds of several GB. rlflow goes on the path through a
 # .pth file as in test-vllm: the same Python and torch load the rlflow/_C_*.so that `install` built.
@@ -69,12 +69,13 @@ test-vllm: install $(VLLM_STAMP)
 MIN_VENV ?= .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_CONSTRAINTS := constraints/min-versions.txt
-MIN_DEPS := import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print(' '.join(p['dependencies'] + x['wandb'] + x['mlflow'] + x['math']))
+MIN_DEPS := import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print(' '.join(p['dependencies'] + x['wandb'] + x['mlflow'] + x['math'] + x['lora']))
 MIN_TESTS := tests/test_protocol.py tests/algos tests/data tests/dataflow tests/families/test_families.py \
 	tests/trainer/test_config.py tests/trainer/test_metrics.py tests/trainer/test_checkpoint.py \
 	tests/trainer/test_python_inputs.py tests/planner/test_timeline.py tests/workers/test_math_verify_reward.py \
 	tests/engine/test_models.py tests/engine/test_packing.py tests/engine/test_packing_attention.py \
 	tests/engine/test_train_engine_units.py tests/engine/test_native_decode.py tests/engine/test_rollout_sampler.py \
+	tests/engine/test_lora.py \
 	tests/controller/test_worker_group.py tests/controller/test_dispatch.py \
 	"tests/trainer/test_algorithms_fit.py::test_fit_trains_every_model_of_the_algorithm[ppo]"
 

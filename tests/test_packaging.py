@@ -16,11 +16,11 @@ UNPINNED = {"torch"}
 
 
 def declared_floors() -> dict[str, Version]:
-    """The ``>=`` bound of each runtime dependency and of the wandb, mlflow and math extras."""
+    """The ``>=`` bound of each runtime dependency and of the wandb, mlflow, math and lora extras."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     floors = {}
-    for line in [*project["dependencies"], *extras["wandb"], *extras["mlflow"], *extras["math"]]:
+    for line in [*project["dependencies"], *extras["wandb"], *extras["mlflow"], *extras["math"], *extras["lora"]]:
         req = Requirement(line)
         lower = [s.version for s in req.specifier if s.operator == ">="]
         assert len(lower) == 1, f"pyproject.toml: {line!r} needs one lower bound (>=) for the min-versions job"

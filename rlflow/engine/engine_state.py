@@ -6,6 +6,10 @@ Two kinds of state, for two uses:
   :func:`save_pretrained`): every parameter gathered to its whole tensor under its HF name
   — what another strategy, the rollout engine, or plain ``transformers`` can read. A tied
   embedding appears once, as ``model.embed_tokens.weight``.
+* **LoRA** (an engine built with ``EngineConfig.lora``): the full weights are the merged ones
+  (base + adapter update, under HF names), and :func:`save_pretrained` and
+  :func:`save_checkpoint` also write the adapters in PEFT's format under ``adapter/``
+  (:data:`ADAPTER_DIR`).
 * **Engine checkpoints** (:func:`save_checkpoint`, :func:`load_checkpoint`): each rank's own
   shards of the weights and of the AdamW state, plus the scheduler, one file per rank, for
   resuming under the same strategy without any gathering. Files hold only plain tensors and
@@ -27,11 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from rlflow.engine.lora import adapter_state_dict, merged_state_dict, save_adapter
+
 if TYPE_CHECKING:
     from rlflow.engine.train_engine import TrainEngine
 
 __all__ = ["load_checkpoint", "load_state_dict_full", "save_checkpoint", "save_pretrained", "state_dict_full"]
 
+ADAPTER_DIR = "adapter"  # beside an export's files: a top-level adapter_config.json would make transformers load it
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 _KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")  # how AdamW runs, not what it holds
@@ -80,6 +87,11 @@ def state_dict_full(engine: TrainEngine) -> dict[str, torch.Tensor] | None:
     Collective: every rank of the mesh must call it.
     """
     keep = engine.dp_rank == 0 and engine.tp_rank == 0
+    if engine.config.lora is not None:  # tp = pp = 1 (checked by the engine)
+        merged = merged_state_dict(engine.stage)
+        if engine.stage.tied:
+            merged.pop(HEAD, None)
+        return merged if keep else None
     local: dict[str, torch.Tensor] = {}
     for name, param in engine.stage.named_parameters():
         full = _full_tensor(param)
@@ -98,6 +110,8 @@ def state_dict_full(engine: TrainEngine) -> dict[str, torch.Tensor] | None:
 
 def load_state_dict_full(engine: TrainEngine, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy full HF weights into this rank's shards; every rank passes the whole dict."""
+    if engine.config.lora is not None:
+        raise ValueError("a LoRA engine's full weights are merged: load its engine checkpoint instead")
     for name, param in engine.stage.named_parameters():
         src = EMBED if name == HEAD and HEAD not in state_dict and engine.stage.tied else name
         if src not in state_dict:
@@ -166,14 +180,25 @@ def save_pretrained(engine: TrainEngine, path: str) -> None:
     renames it, so ``path`` is either the old checkpoint or the complete new one.
     """
     state_dict = state_dict_full(engine)
+    adapter = _adapter_if_lora(engine)
     if state_dict is not None:
         model = _build_hf_model(engine, state_dict)
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
         _write_hf_dir(model, tmp, tied=engine.stage.tied)
+        if adapter is not None:
+            save_adapter(adapter, engine.config.lora, os.path.join(tmp, ADAPTER_DIR))
         _replace_dir(tmp, path)
     mesh_barrier(engine)
+
+
+def _adapter_if_lora(engine: TrainEngine) -> dict[str, torch.Tensor] | None:
+    """The adapters in PEFT's keys on the mesh's rank 0 of a LoRA engine; ``None`` otherwise. Collective."""
+    if engine.config.lora is None:
+        return None
+    state = adapter_state_dict(engine.stage)
+    return state if mesh_rank(engine) == 0 else None
 
 
 def _to_local(value):
@@ -203,6 +228,9 @@ def save_checkpoint(engine: TrainEngine, path: str) -> None:
         "optim": _to_local(engine.optimizer.state_dict()),
         "scheduler": engine.scheduler.state_dict(),
     }
+    adapter = _adapter_if_lora(engine)
+    if adapter is not None:
+        save_adapter(adapter, engine.config.lora, os.path.join(path, ADAPTER_DIR))
     file = os.path.join(path, f"rank{mesh_rank(engine):05d}.pt")
     torch.save(state, file + ".tmp")
     os.replace(file + ".tmp", file)

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.engine import engine_state
 from rlflow.engine.attention import flash_attn_available, varlen_implementation
+from rlflow.engine.lora import LoraSpec, apply_lora, init_lora_weights, lora_strategy_error
 from rlflow.engine.micro_batch import MicroBatch, select, split_micro_batches
 from rlflow.engine.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from rlflow.engine.packing import max_seqlen, pack, position_ids_from_mask, unpack
@@ -91,6 +92,8 @@ class EngineConfig:
             (:mod:`rlflow.engine.attention`). Not with ``pp > 1``.
         pp_schedule: ``"1f1b"`` or ``"gpipe"``.
         compute_entropy: return per-token entropies from LM forwards.
+        lora: train low-rank adapters on these linear modules instead of every weight
+            (:mod:`rlflow.engine.lora`; ``tp = pp = 1``); ``None`` trains every parameter.
         device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``None`` for CUDA when available.
     """
 
@@ -102,6 +105,7 @@ class EngineConfig:
     packing: str = "auto"
     pp_schedule: str = "1f1b"
     compute_entropy: bool = True
+    lora: LoraSpec | None = None
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -157,6 +161,8 @@ class TrainEngine:
         self.mesh = mesh
         self.dims = ParallelDims.from_mesh(mesh)
         self.dims.check_model(model.config)
+        if self.config.lora is not None and (why := lora_strategy_error(self.dims.tp, self.dims.pp)):
+            raise ValueError(why)
         self.pp_rank, self.dp_rank, self.tp_rank = mesh.get_coordinate()
         self.device = _resolve_device(self.config.device)
         self.compute_dtype = mixed_precision_dtype(self.device, self.config.mixed_precision)
@@ -198,6 +204,8 @@ class TrainEngine:
             raise ValueError("the model is on the meta device: pass load_weights to fill its shards")
         if not on_meta:
             stage.to(self.device)
+        if self.config.lora is not None:  # before FSDP, which must shard the adapters too
+            apply_lora(stage, self.config.lora)
         apply_tp(stage, self.mesh["tp"])
         if self.config.gradient_checkpointing:
             apply_ac(stage)
@@ -218,6 +226,8 @@ class TrainEngine:
             _to_empty_keeping_ties(stage, self.device)
         if load_weights is not None:
             load_weights(stage)
+        if self.config.lora is not None:
+            init_lora_weights(stage, self.config.lora)
         stage.compute_entropy = self.config.compute_entropy
         return stage
 

@@ -40,6 +40,8 @@ from rlflow.parallel.reshard import Piece, ReshardPlan
 
 # Wrapper prefixes that torch inserts into parameter names (activation checkpointing, compile).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# peft's LoRA parameters: not in any layout (the adapted linear's own weight is its ``base_layer``'s).
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ def canonical_name(name: str, tied_family: ModelFamily | None) -> str:
     """
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
+    name = name.replace(".base_layer.", ".")  # a peft-wrapped linear (rlflow.engine.lora)
     return tied_family.embed_name if tied_family is not None and name == tied_family.lm_head_name else name
 
 
@@ -106,6 +109,7 @@ def module_param_tensors(module: nn.Module | ParamViews) -> dict[str, list[torch
 
     Returns:
         ``{name: [local tensors]}``; writes into these tensors change the module's parameters.
+        LoRA adapters are left out (:mod:`rlflow.engine.lora` merges them where it matters).
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -126,6 +130,8 @@ def module_param_tensors(module: nn.Module | ParamViews) -> dict[str, list[torch
     )
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, param in module.named_parameters(remove_duplicate=False):
+        if any(marker in name for marker in ADAPTER_MARKERS):
+            continue
         # detach(), not .data: a write into the view must bump the parameter's version counter,
         # which caches built from the weights (the sampler's fused matrices) check.
         local = _local(param.detach())
