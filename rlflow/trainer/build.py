@@ -15,12 +15,15 @@ from pathlib import Path
 
 import networkx as nx
 import ray
+from transformers import AutoConfig
 
 from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourceError, ResourcePool
 from rlflow.controller.resource_pool import alive_nodes, bundle_resources, bundles_per_node, describe_nodes
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
+from rlflow.engine.loading import build_meta_model
+from rlflow.engine.lora import LoraSpec, linear_module_names, lora_strategy_error
 from rlflow.engine.models import init_value_model_from_lm, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
@@ -301,8 +304,40 @@ def model_setups(
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
             compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu", _layer_params(paths[name])),
+            lora=_lora_spec(cfg, name, paths[name], calls) if m.lora is not None else None,
         )
     return setups
+
+
+def _lora_spec(cfg: RLFlowConfig, name: str, path: str, calls: Mapping[str, CallPlacement]) -> LoraSpec:
+    """``models.<name>.lora`` as the engine's spec, checked against the model and its training strategy.
+
+    Raises:
+        ConfigError: a target module the model's decoder layers do not have (naming the ones they
+            have), or a train call placed with tp or pp > 1.
+    """
+    lora = cfg.models[name].lora
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    linears = linear_module_names(build_meta_model(config, "lm"))
+    unknown = [t for t in lora.target_modules if t not in linears]
+    if unknown:
+        raise ConfigError(
+            f"models.{name}.lora.target_modules",
+            f"{unknown} match no linear module of the model's decoder layers; its linear modules are {linears}",
+        )
+    for call in calls.values():
+        if call.mfc.model_name == name and call.mfc.is_train:
+            why = lora_strategy_error(call.strategy.tp, call.strategy.pp)
+            if why:
+                raise ConfigError(f"models.{name}.lora", f"{why}; place {call.mfc.name!r} with tp=1 and pp=1")
+    return LoraSpec(
+        r=lora.r,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
+        seed=cfg.seed,
+        base_model=str(Path(path).resolve()),
+    )
 
 
 def _layer_params(path: str) -> int | None:

@@ -46,7 +46,7 @@ from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
 from rlflow.engine.rollout.base import PER_PROCESS
 from rlflow.families import list_families
-from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section
+from rlflow.trainer.config_fields import ConfigError, _f, _reward_names, _Section, optional_section
 from rlflow.trainer.config_placement import ManualPlacementConfig, MeshConfig, PlacementConfig, StrategyConfig
 from rlflow.trainer.verl_keys import leaf_keys, verl_hint, verl_value_hint
 from rlflow.workers.logs import LOG_LEVELS
@@ -58,6 +58,7 @@ __all__ = [
     "DataConfig",
     "LoggingConfig",
     "LoopConfig",
+    "LoraConfig",
     "ManualPlacementConfig",
     "MeshConfig",
     "ModelConfig",
@@ -193,6 +194,26 @@ class AlgorithmConfig(_Section, AlgorithmParams):
 
 
 @dataclass(kw_only=True)
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA, with peft) on the actor's linear modules; only they train.
+
+    The rollout samples from the merged weights; checkpoints and the final export hold the adapter
+    in PEFT's format (``adapter/``) beside the merged model."""
+
+    r: int = _f(8, "rank of the adapters", ge=1)
+    alpha: float = _f(16.0, "scaling numerator: the weight update is (alpha / r) * B @ A", gt=0.0)
+    dropout: float = _f(0.0, "dropout on the adapters' input in training", ge=0.0, lt=1.0)
+    target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "names of the linear modules of the decoder layers to adapt (the last part of their module paths)",
+    )
+
+    def _check(self) -> None:
+        if not self.target_modules:
+            raise ConfigError("target_modules", "is empty; name at least one linear module (e.g. [q_proj, v_proj])")
+
+
+@dataclass(kw_only=True)
 class ModelConfig(_Section):
     """One model (actor, ref, critic or reward): where its weights come from and how it trains."""
 
@@ -229,6 +250,9 @@ class ModelConfig(_Section):
     grad_clip: float | None = _f(1.0, "clip the global gradient norm to this; null: off", gt=0.0)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     micro_batch_tokens: int | None = _f(None, "tokens per forward/backward micro-batch; null: whole batch", ge=1)
+    lora: LoraConfig | None = _f(
+        None, "train low-rank adapters instead of every weight (actor only, tp = pp = 1); null: full-parameter"
+    )
 
     def _check(self) -> None:
         if (self.init == "path") != (self.path is not None):
@@ -549,6 +573,11 @@ class RLFlowConfig(_Section):
                     raise ConfigError(
                         f"models.{role}.init_from", f"{model.init_from!r} is a copy itself; name its source"
                     )
+        for role, model in self.models.items():
+            if model.lora is not None and (role != "actor" or not self.is_trainable(role)):
+                raise ConfigError(
+                    f"models.{role}.lora", "LoRA trains the actor only; set it under a trained models.actor"
+                )
         if "ref" in self.models and self.models["ref"].trainable:
             raise ConfigError("models.ref.trainable", "the reference model never trains; set false or null")
         for role in self.required_models():
@@ -765,6 +794,9 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
 
 
 def _build_value(hint: Any, value: Any, path: str) -> Any:
+    section = optional_section(hint)
+    if section is not None and value is not None:
+        return _build(section, value, path)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     origin, args = typing.get_origin(hint), typing.get_args(hint)

@@ -7,7 +7,7 @@ import re
 import typing
 from typing import Any
 
-from rlflow.trainer.config_fields import _bounds_text, _choices_of
+from rlflow.trainer.config_fields import _bounds_text, _choices_of, optional_section
 from rlflow.trainer.verl_keys import render_verl_table
 
 __all__ = ["render_reference"]
@@ -46,6 +46,8 @@ def _render_section(cls: type, path: str, lines: list[str]) -> None:
         args = typing.get_args(hint)
         if dataclasses.is_dataclass(hint):
             nested.append((hint, key))
+        elif optional_section(hint) is not None:  # off when null; its fields when set
+            nested.append((optional_section(hint), key))
         elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]):
             nested.append((args[1], f"{key}.<{_PLACEHOLDERS.get(f.name, 'name')}>"))
         default = _default_of(f)

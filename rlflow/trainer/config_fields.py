@@ -15,7 +15,7 @@ from typing import Any
 
 from rlflow.fields import declared_field
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "optional_section"]
 
 
 class ConfigError(ValueError):
@@ -100,6 +100,14 @@ def _check_fields(obj: Any) -> None:
         if value is not None:
             for item in items:
                 _check_scalar(f.name, item, f)
+
+
+def optional_section(hint: Any) -> type | None:
+    """The section class of a ``Section | None`` field (a section that is off when null), else ``None``."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
 def _reward_names() -> list[str]:

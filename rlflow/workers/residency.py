@@ -43,6 +43,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.engine.loading import build_meta_model, init_buffers, sharded_model
+from rlflow.engine.lora import MergedViews
 from rlflow.engine.models import build_value_model, init_value_model_from_lm, load_causal_lm
 from rlflow.engine.optim import build_lr_scheduler, build_optimizer
 from rlflow.engine.rollout import PER_PROCESS, RolloutBuild, RolloutEngine, get_rollout_engine
@@ -143,10 +144,13 @@ class Residency:
             module, load_weights = sharded if sharded is not None else (load_hf_model(model), None)
             engine_config = self._engine_config(model, hosted.home)
             hosted.engine = TrainEngine(module, mesh, engine_config, load_weights=load_weights)
+        home_module = hosted.engine.stage if hosted.engine is not None else None
+        if home_module is not None and model.lora is not None:
+            home_module = MergedViews(home_module)  # copies (the rollout's among them) get the merged weights
         self.manager.register(
             model.name,
             self.layout(hosted, hosted.home, fsdp=True),
-            hosted.engine.stage if hosted.engine is not None else None,
+            home_module,
             lambda layout: self._build_copy(hosted, layout),
             dtype=PARAM_DTYPE,
             trainable=model.trainable,
@@ -174,6 +178,8 @@ class Residency:
             gradient_checkpointing=model.gradient_checkpointing and train,
             # fp32 masters, computed in the model's dtype (FSDP2 casts what it gathers)
             mixed_precision="bf16" if model.compute_dtype == torch.bfloat16 else "fp32",
+            # The adapters live at the trainable home only; every copy holds merged weights.
+            lora=model.lora if train else None,
             device=self.device.type,
             **split,
         )
@@ -362,6 +368,8 @@ class Residency:
         for hosted in (t, s):
             if hosted.home is None:
                 raise ValueError(f"cannot copy {source!r} into {target!r}: {hosted.setup.name!r} has no weights")
+        if t.setup.lora is not None:
+            raise ValueError(f"cannot copy {source!r} into {target!r}: a LoRA model's base weights stay as loaded")
         if self.rank not in set(t.home.ranks) | set(s.home.ranks):
             return ()
         kept = self.manager.copy_weights(target, source)

@@ -34,6 +34,7 @@ import torch
 
 from rlflow.algos.params import AlgorithmParams
 from rlflow.dataflow.mfc import PAIR_OBJECTIVES, MFCDef
+from rlflow.engine.lora import LoraSpec
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import SamplingParams, get_rollout_engine, list_rollout_engines
 from rlflow.strategy import ParallelStrategy, RankCoords
@@ -102,6 +103,8 @@ class ModelSetup:
             or ``torch.bfloat16`` (``models.<role>.dtype``, ``auto`` resolved by the driver so that
             every worker of a run computes alike). Master weights, gradients' reduction and
             optimizer state stay in :data:`PARAM_DTYPE` either way.
+        lora: a trainable causal LM's low-rank adapters (:mod:`rlflow.engine.lora`): only they
+            train, at its home; ``None`` trains every weight.
     """
 
     name: str
@@ -115,9 +118,12 @@ class ModelSetup:
     reward_errors: str = "raise"
     value_head: bool = False
     compute_dtype: torch.dtype = torch.float32
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
+        if self.lora is not None and (not self.trainable or self.value_head):
+            raise ValueError(f"{where}: lora needs a trainable causal LM (trainable=True, value_head=False)")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"{where}: compute_dtype={self.compute_dtype}, expected one of {COMPUTE_DTYPES}")
         if self.role not in MODEL_ROLES:
