@@ -13,6 +13,8 @@ What leaves the engine is the policy the adapters define:
   a targeted one merged (``W + scaling · B @ A``) into a fresh tensor, so the rollout engine
   receives the merged model and the base weights are never touched;
 * :func:`merged_state_dict` — the same, as full tensors (the HF export);
+* :func:`adapters_disabled` — the base model, for the reference policy's log-probs without a
+  second copy of the weights;
 * :func:`adapter_state_dict` / :func:`save_adapter` — the adapters in PEFT's format
   (``adapter_config.json`` + ``adapter_model.safetensors``), loadable by
   ``PeftModel.from_pretrained``.
@@ -23,8 +25,10 @@ that peft wraps); FSDP (``dp > 1``) shards the adapters like any other parameter
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,7 @@ __all__ = [
     "LoraSpec",
     "MergedViews",
     "adapter_state_dict",
+    "adapters_disabled",
     "apply_lora",
     "has_lora",
     "init_lora_weights",
@@ -150,6 +155,25 @@ def _lora_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     from peft.tuners.lora import LoraLayer
 
     return [(path, sub) for path, sub in module.named_modules() if isinstance(sub, LoraLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` as its base model (every LoRA layer bypassed) inside the block.
+
+    Raises:
+        ValueError: ``module`` has no LoRA layers (the base would silently be the model itself).
+    """
+    layers = [layer for _, layer in _lora_layers(module)]
+    if not layers:
+        raise ValueError("adapters_disabled: the module has no LoRA layers")
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)  # and trainable again: peft freezes disabled adapters
 
 
 @torch.no_grad()

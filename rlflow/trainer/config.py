@@ -547,12 +547,32 @@ class RLFlowConfig(_Section):
         return algo.record.row_group_size(algo.n_samples, estimator_reads(algo.resolved_adv_estimator, "index"))
 
     def required_models(self) -> tuple[str, ...]:
-        """The roles the algorithm uses, in ``MODEL_ROLES`` order; other configured models are not built."""
+        """The roles the algorithm uses, in ``MODEL_ROLES`` order; other configured models are not built.
+
+        A LoRA actor whose KL term has no ``models.ref`` is its own reference: its base, adapters
+        disabled, inside its train call (no reference model, no second copy of the weights).
+        """
         algo = self.algorithm
-        return algo.record.required_models(
+        needed = algo.record.required_models(
             kl_coef=algo.kl_coef,
             critic=self.needs_critic(),
             reward_model="reward" in self.models and algo.reward_fn is None,
+        )
+        if self.lora_reference():
+            needed = tuple(r for r in needed if r != "ref")
+        return needed
+
+    def lora_reference(self) -> bool:
+        """Whether the reference policy is the LoRA actor's base (adapters disabled): the actor has
+        ``lora``, the KL term of an RL objective reads the reference, and ``models.ref`` is not set."""
+        actor = self.models.get("actor")
+        algo = self.algorithm
+        return (
+            actor is not None
+            and actor.lora is not None
+            and "ref" not in self.models
+            and algo.record.ref == "kl"
+            and algo.kl_coef > 0
         )
 
     def model_dtype(self, role: str) -> str:

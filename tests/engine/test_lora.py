@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlflow.data.tiny_models import build_tiny_model
-from rlflow.engine.lora import LoraSpec, MergedViews, lora_strategy_error
+from rlflow.engine.lora import LoraSpec, MergedViews, adapters_disabled, lora_strategy_error
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
 peft = pytest.importorskip("peft")
@@ -109,3 +109,15 @@ def test_checkpoint_resume_is_exact_and_holds_the_peft_adapter(single_mesh, tmp_
     resumed.train_step(_batch(1), _loss)
     for (name, p), (_, q) in zip(engine.stage.named_parameters(), resumed.stage.named_parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_with_adapters_disabled_the_engine_is_its_base_model(single_mesh) -> None:
+    base = _model()
+    expected = TrainEngine(_model(), single_mesh, EngineConfig(device="cpu", optim=None)).forward(_batch(1))
+    engine = _engine(single_mesh, base)
+    engine.train_step(_batch(), _loss)
+    with adapters_disabled(engine.stage):
+        off = engine.forward(_batch(1))["log_probs"]
+    torch.testing.assert_close(off, expected["log_probs"], rtol=0, atol=1e-6)
+    assert not torch.allclose(engine.forward(_batch(1))["log_probs"], off, atol=1e-4)  # back on
+    assert all(p.requires_grad for n, p in engine.stage.named_parameters() if ".lora_" in n)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlflow.trainer import ConfigError, Trainer
+from rlflow.trainer import ConfigError, Trainer, load_config
 
 peft = pytest.importorskip("peft")
 
@@ -59,6 +59,8 @@ def test_grpo_with_lora_trains_only_the_adapters(tmp_path) -> None:
     with_adapter = peft.PeftModel.from_pretrained(base_model, str(ckpt / "engine" / "adapter"))
     torch.testing.assert_close(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5)
     assert not torch.allclose(plain, merged(input_ids=ids).logits, atol=1e-4)  # the adapters changed the policy
+    final = run / "final" / "actor"  # the export: the merged model, its adapter beside it
+    assert (final / "model.safetensors").is_file() and (final / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_a_target_matching_no_module_is_a_config_error(tmp_path) -> None:
@@ -66,3 +68,27 @@ def test_a_target_matching_no_module_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no linear module.*'down_proj'") as err:
         Trainer(GRPO, overrides=overrides, progress_bars=False).fit()
     assert err.value.key == "models.actor.lora.target_modules"
+
+
+def test_the_reference_of_a_lora_actor_is_its_base_with_adapters_disabled(tmp_path) -> None:
+    run = tmp_path / "run"
+    overrides = [*TINY, *LORA, f"logging.dir={run}", "trainer.total_steps=2", "algorithm.kl_coef=0.5"]
+    overrides += ["algorithm.kl_in_reward=false", "checkpoint.save_final=false"]
+    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+        trainer.fit()
+    # No reference model, so no second copy of the weights.
+    assert {c.mfc.model_name for c in trainer.placement.calls.values()} == {"actor", "reward"}
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["actor_train/kl_loss"] for r in records if "actor_train/kl_loss" in r]
+    # Step 1 trains from lora_B = 0: the policy is the base, so KL(actor || ref) is 0. Step 2 is not:
+    # a reference computed with the adapters on would be the policy itself and give 0 again.
+    assert len(kl) == 2 and kl[0] == 0.0 and kl[1] > 1e-6
+
+
+def test_a_lora_actor_needs_no_reference_model_unless_one_is_configured() -> None:
+    kl = ["algorithm.kl_coef=0.1"]
+    with pytest.raises(ConfigError, match="missing: algorithm 'grpo' needs a ref model"):
+        load_config(GRPO, kl)  # full-parameter: the KL term needs models.ref
+    assert load_config(GRPO, [*kl, "models.actor.lora.r=2"]).required_models() == ("actor",)
+    with_ref = {"models": {"actor": {"lora": {"r": 2}}, "ref": {"init": "copy", "init_from": "actor"}}}
+    assert load_config(with_ref, kl).required_models() == ("actor", "ref")

@@ -23,6 +23,7 @@ import torch
 
 from rlflow.algos import logp_mismatch
 from rlflow.algos.overlong import truncated_rows
+from rlflow.engine.lora import adapters_disabled
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.protocol import DataProto
@@ -183,6 +184,8 @@ class ActorInterface(ModelInterface):
             raise ValueError(
                 f"MFC {ctx.mfc.name!r} trains objective 'rl' but algorithm {self.algo.name!r} has no adv_estimator"
             )
+        if self.model.lora is not None and self.algo.kl_coef > 0 and "ref_logp" not in data.batch_keys:
+            data = data.union(DataProto.from_dict({"ref_logp": self._base_log_probs(engine, data)}))
         advantages, _, metrics = self.advantages(data, ctx)
         batch = tensors_of(data, ("input_ids", "attention_mask", "response_mask", "old_logp"))
         batch["advantages"] = advantages
@@ -222,6 +225,15 @@ class ActorInterface(ModelInterface):
         )
         batch["response_mask"] = batch["response_mask"] * ~truncated[:, None]
         return float(truncated.float().mean()) if len(truncated) else 0.0
+
+    def _base_log_probs(self, engine: TrainEngine, data: DataProto) -> torch.Tensor:
+        """``ref_logp`` ``(N, T)`` under the LoRA actor's base (adapters disabled): the reference
+        policy, computed on the actor's own weights (no reference model is built, see
+        :meth:`rlflow.trainer.config.RLFlowConfig.required_models`)."""
+        if engine.dims.pp > 1:  # LoRA runs with pp = 1 (rlflow.engine.lora): every rank gets the log-probs
+            raise RuntimeError("the LoRA reference needs pp=1")
+        with adapters_disabled(engine.stage):
+            return log_probs(engine, data, self.temperature).batch["logp"]
 
     def _train_sft(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> dict[str, float]:
         batch = tensors_of(data, ("input_ids", "attention_mask", "loss_mask"))
