@@ -90,7 +90,9 @@ def config_key_error(key: str) -> str | None:
         if entry:  # models.<role>..., placement.manual.<mfc>...
             i, cls = i + 1, entry.group(1)
         else:
-            cls = annotation if annotation in fields else None
+            section = re.fullmatch(r"(\w+) \| None", annotation)  # a section that is off when null (models.<role>.lora)
+            name = section.group(1) if section else annotation
+            cls = name if name in fields else None
         i += 1
     return None
 
