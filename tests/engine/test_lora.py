@@ -121,3 +121,73 @@ def test_with_adapters_disabled_the_engine_is_its_base_model(single_mesh) -> Non
     torch.testing.assert_close(off, expected["log_probs"], rtol=0, atol=1e-6)
     assert not torch.allclose(engine.forward(_batch(1))["log_probs"], off, atol=1e-4)  # back on
     assert all(p.requires_grad for n, p in engine.stage.named_parameters() if ".lora_" in n)
+
+
+def test_lora_under_fsdp_shards_the_adapters_and_merges_them_whole(single_mesh, tmp_path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from rlflow.engine.optim import OptimConfig
+
+    # bf16 compute over fp32 masters: the engine applies FSDP2 even on one rank.
+    config = EngineConfig(device="cpu", lora=SPEC, optim=OptimConfig(lr=1e-2), mixed_precision="bf16")
+    engine = TrainEngine(_model(), single_mesh, config)
+    q = engine.stage.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(q.lora_A["default"].weight, DTensor)
+    plain = _engine(single_mesh)  # the same adapters drawn without FSDP
+    torch.testing.assert_close(
+        q.lora_A["default"].weight.full_tensor(),
+        plain.stage.get_submodule("model.layers.0.self_attn.q_proj").lora_A["default"].weight,
+        rtol=0,
+        atol=0,
+    )
+    engine.train_step(_batch(), _loss)
+    assert {id(p) for p in engine.optimizer.state} == {
+        id(p) for n, p in engine.stage.named_parameters() if ".lora_" in n
+    }
+    a, b, w = (t.full_tensor() for t in (q.lora_A["default"].weight, q.lora_B["default"].weight, q.base_layer.weight))
+    views = MergedViews(engine.stage).param_tensors()
+    torch.testing.assert_close(views["model.layers.0.self_attn.q_proj.weight"][0], w + SPEC.scaling * (b @ a))
+    engine.save_pretrained(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, dtype=torch.float32)
+    torch.testing.assert_close(
+        exported.state_dict()["model.layers.0.self_attn.q_proj.weight"], w + SPEC.scaling * (b @ a)
+    )
+
+
+def _dp_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        engine = _engine(init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp")))
+        rows = torch.arange(4).tensor_split(2)[rank]
+        for _ in range(2):
+            engine.train_step({k: v[rows] for k, v in _batch().items()}, _loss)
+        full = engine.state_dict_full()
+        local = MergedViews(engine.stage).param_tensors()["model.layers.0.self_attn.q_proj.weight"][0]
+        torch.save({"full": full, "local": local}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_lora_over_two_dp_ranks_equals_one_process(single_mesh, tmp_path) -> None:
+    from rlflow.rendezvous import free_port
+
+    torch.multiprocessing.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    engine = _engine(single_mesh)
+    for _ in range(2):
+        engine.train_step(_batch(), _loss)
+    expected = engine.state_dict_full()
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert set(got[0]["full"]) == set(expected) and got[1]["full"] is None
+    for name, value in expected.items():
+        torch.testing.assert_close(got[0]["full"][name], value, rtol=0, atol=1e-6)
+    # Each dp rank merges its own rows of the FSDP-sharded weight (the reshard source's view).
+    q = expected["model.layers.0.self_attn.q_proj.weight"]
+    torch.testing.assert_close(torch.cat([g["local"] for g in got]), q, rtol=0, atol=1e-6)
