@@ -1,5 +1,6 @@
 """GRPO with LoRA through the public Trainer: the base weights stay, the adapters move, the rollout
-samples from the merged policy, and the saved adapter loads in plain peft."""
+samples from the merged policy, the reference is the base with adapters disabled, the saved adapter
+loads in plain peft, and a resumed run equals the run in one go."""
 
 from __future__ import annotations
 
@@ -24,21 +25,40 @@ TINY = [
     "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
     "logging.console=false", "logging.tensorboard=false", "models.actor.dtype=float32",
 ]  # fmt: skip
-# The entropy bonus gives every step a gradient (a tiny random model earns no reward to learn from).
 LORA = [
     "models.actor.lora.r=4", "models.actor.lora.target_modules=[q_proj,v_proj,down_proj]", "models.actor.lr=0.05",
-    "algorithm.entropy_coef=0.1",
+    "algorithm.entropy_coef=0.1",  # a tiny random model earns no reward: the entropy bonus gives a gradient
+    "algorithm.kl_coef=0.5", "algorithm.kl_in_reward=false",  # the KL loss against the reference
+    "algorithm.recompute_old_logp=true",  # logs how far the rollout's log-probs are from the trainer's
+    "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
 ]  # fmt: skip
+ACTOR_TRAIN = "actor_train/"
 
 
-def test_grpo_with_lora_trains_only_the_adapters(tmp_path) -> None:
-    run = tmp_path / "run"
-    overrides = [*TINY, *LORA, f"logging.dir={run}", "trainer.total_steps=2", "algorithm.recompute_old_logp=true"]
-    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+def fit(run: Path, *overrides: str) -> Trainer:
+    with Trainer(GRPO, overrides=[*TINY, *LORA, f"logging.dir={run}", *overrides], progress_bars=False) as trainer:
         trainer.fit()
+    return trainer
+
+
+def train_records(run: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if any(k.startswith(ACTOR_TRAIN) for k in r)}
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> tuple[Path, Trainer]:
+    run = tmp_path_factory.mktemp("lora") / "whole"
+    return run, fit(run, "trainer.total_steps=2")
+
+
+def test_grpo_with_lora_trains_only_the_adapters(whole) -> None:
+    run, trainer = whole
+    # No reference model (the KL term reads the actor's base), so no second copy of the weights.
+    assert {c.mfc.model_name for c in trainer.placement.calls.values()} == {"actor", "reward"}
     base_dir = run / "models" / "actor"  # the tiny initial model the run built
     base = load_file(base_dir / "model.safetensors")
-    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1] / "actor"
+    ckpt = run / "checkpoints" / "step_2" / "actor"
     state = torch.load(ckpt / "engine" / "rank00000.pt", weights_only=True)["params"]
     adapters = {k: v for k, v in state.items() if ".lora_" in k}
     assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if ".lora_B." in k)  # moved from zero
@@ -46,10 +66,12 @@ def test_grpo_with_lora_trains_only_the_adapters(tmp_path) -> None:
         if ".lora_" not in name:  # every base weight, adapted ones included, as loaded
             assert torch.equal(value, base[name.replace(".base_layer.", ".")]), name
 
+    records = train_records(run)
     # The rollout sampled from the merged policy: its log-probs are the trainer's at step 2 too.
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    mismatch = [r["actor_inf/logp_mismatch_max"] for r in records if "actor_inf/logp_mismatch_max" in r]
-    assert len(mismatch) == 2 and max(mismatch) < 1e-4
+    assert max(records[s]["actor_inf/logp_mismatch_max"] for s in (1, 2)) < 1e-4
+    # Step 1 trains from lora_B = 0: the policy is the base, so KL(actor || ref) is 0. Step 2 is not:
+    # a reference computed with the adapters on would be the policy itself and give 0 again.
+    assert records[1]["actor_train/kl_loss"] == 0.0 and records[2]["actor_train/kl_loss"] > 1e-6
 
     # The adapter in PEFT's format loads onto the base; with it, the base is the merged export.
     ids = torch.tensor([[3, 7, 9, 4, 12, 5]])
@@ -63,26 +85,24 @@ def test_grpo_with_lora_trains_only_the_adapters(tmp_path) -> None:
     assert (final / "model.safetensors").is_file() and (final / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_a_resumed_lora_run_equals_the_run_in_one_go(whole, tmp_path) -> None:
+    run, _ = whole
+    split = tmp_path / "split"
+    fit(split, "trainer.total_steps=1")
+    fit(split, "trainer.total_steps=2", "checkpoint.resume=auto")
+    want, got = train_records(run)[2], train_records(split)[2]
+    for key in ("actor_train/loss", "actor_train/kl_loss", "actor_train/entropy", "actor_inf/logp_mismatch_max"):
+        assert got[key] == want[key], key
+    adapter = Path("checkpoints", "step_2", "actor", "engine", "adapter", "adapter_model.safetensors")
+    a, b = load_file(run / adapter), load_file(split / adapter)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_target_matching_no_module_is_a_config_error(tmp_path) -> None:
     overrides = [*TINY, f"logging.dir={tmp_path / 'run'}", "models.actor.lora.target_modules=[q_proj,qkv_proj]"]
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no linear module.*'down_proj'") as err:
         Trainer(GRPO, overrides=overrides, progress_bars=False).fit()
     assert err.value.key == "models.actor.lora.target_modules"
-
-
-def test_the_reference_of_a_lora_actor_is_its_base_with_adapters_disabled(tmp_path) -> None:
-    run = tmp_path / "run"
-    overrides = [*TINY, *LORA, f"logging.dir={run}", "trainer.total_steps=2", "algorithm.kl_coef=0.5"]
-    overrides += ["algorithm.kl_in_reward=false", "checkpoint.save_final=false"]
-    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
-        trainer.fit()
-    # No reference model, so no second copy of the weights.
-    assert {c.mfc.model_name for c in trainer.placement.calls.values()} == {"actor", "reward"}
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    kl = [r["actor_train/kl_loss"] for r in records if "actor_train/kl_loss" in r]
-    # Step 1 trains from lora_B = 0: the policy is the base, so KL(actor || ref) is 0. Step 2 is not:
-    # a reference computed with the adapters on would be the policy itself and give 0 again.
-    assert len(kl) == 2 and kl[0] == 0.0 and kl[1] > 1e-6
 
 
 def test_a_lora_actor_needs_no_reference_model_unless_one_is_configured() -> None:
