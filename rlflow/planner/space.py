@@ -42,6 +42,8 @@ class RuntimeCapabilities:
         generate_world_size: a generation must use exactly this many devices (the whole
             cluster: vLLM's external launcher builds its groups over every worker); ``None``:
             any mesh.
+        data_parallel_train_models: models whose train calls run with ``tp = pp = 1`` only
+            (a LoRA actor: :mod:`rlflow.engine.lora`).
     """
 
     pipeline_generate: bool = True
@@ -51,9 +53,16 @@ class RuntimeCapabilities:
     max_tp: int | None = None
     max_pp: int | None = None
     generate_world_size: int | None = None
+    data_parallel_train_models: frozenset[str] = frozenset()
 
-    def allows(self, interface_type: str, strategy: ParallelStrategy) -> bool:
-        """True when the engines can run ``interface_type`` under ``strategy``."""
+    def allows(self, interface_type: str, strategy: ParallelStrategy, model_name: str | None = None) -> bool:
+        """True when the engines can run ``interface_type`` of ``model_name`` under ``strategy``."""
+        if (
+            interface_type == "train_step"
+            and model_name in self.data_parallel_train_models
+            and (strategy.tp > 1 or strategy.pp > 1)
+        ):
+            return False
         pipeline = {
             "generate": self.pipeline_generate,
             "inference": self.pipeline_inference,
@@ -165,7 +174,7 @@ def enumerate_strategies(
             strategy = ParallelStrategy(dp=dp, tp=tp, pp=pp)
             if pp > model.num_layers or per_batch // dp < max(need, pp):
                 continue
-            if caps.allows(mfc.interface_type, strategy):
+            if caps.allows(mfc.interface_type, strategy, mfc.model_name):
                 found.append(strategy)
     return found
 

@@ -138,13 +138,14 @@ def planning_workload(cfg: RLFlowConfig) -> Workload:
 def runtime_capabilities(cfg: RLFlowConfig) -> RuntimeCapabilities:
     """What the configured rollout engine declares it runs (its ``capabilities``): its parallel
     axes, and a generation on every worker of the pool when it ``spans_world`` (vLLM's external
-    launcher builds groups over the whole world)."""
+    launcher builds groups over the whole world); a LoRA model trains with tp = pp = 1."""
     rollout = get_rollout_engine(cfg.rollout.engine).capabilities
     world = cfg.placement.num_nodes * cfg.placement.devices_per_node
     return RuntimeCapabilities(
         pipeline_generate=rollout.pp,
         tensor_parallel_generate=rollout.tp,
         generate_world_size=world if rollout.spans_world else None,
+        data_parallel_train_models=frozenset(role for role, m in cfg.models.items() if m.lora is not None),
     )
 
 

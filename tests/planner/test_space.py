@@ -62,6 +62,13 @@ def test_strategies_on_one_host_by_hand():
     )
 
 
+def test_a_lora_model_trains_data_parallel_only():
+    mesh = DeviceMesh(1, 8)
+    lora = RuntimeCapabilities(data_parallel_train_models=frozenset({TRAIN.model_name}))
+    assert enumerate_strategies(mesh, LLAMA7B, TRAIN, 512, capabilities=lora) == [S(8, 1, 1)]
+    assert len(enumerate_strategies(mesh, LLAMA7B, GEN, 512, capabilities=lora)) == 10  # its rollout: any strategy
+
+
 def test_tp_divides_heads_and_kv_heads_and_stays_in_a_host():
     two_kv = ModelSpec(
         num_layers=4, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, vocab_size=100
