@@ -45,7 +45,6 @@ __all__ = [
     "adapter_state_dict",
     "adapters_disabled",
     "apply_lora",
-    "has_lora",
     "init_lora_weights",
     "linear_module_names",
     "lora_strategy_error",
@@ -126,11 +125,6 @@ def linear_module_names(module: nn.Module) -> list[str]:
             if isinstance(sub, nn.Linear) and ".layers." in f".{path}"
         }
     )
-
-
-def has_lora(module: nn.Module) -> bool:
-    """Whether ``module`` holds LoRA adapters."""
-    return any(any(m in name for m in ADAPTER_MARKERS) for name, _ in module.named_parameters())
 
 
 def apply_lora(module: nn.Module, spec: LoraSpec) -> None:

@@ -564,7 +564,8 @@ class RLFlowConfig(_Section):
 
     def lora_reference(self) -> bool:
         """Whether the reference policy is the LoRA actor's base (adapters disabled): the actor has
-        ``lora``, the KL term of an RL objective reads the reference, and ``models.ref`` is not set."""
+        ``lora``, the KL term of an RL objective reads the reference, only the actor reads it (not
+        a critic's returns, under a KL in the reward), and ``models.ref`` is not set."""
         actor = self.models.get("actor")
         algo = self.algorithm
         return (
@@ -573,6 +574,7 @@ class RLFlowConfig(_Section):
             and "ref" not in self.models
             and algo.record.ref == "kl"
             and algo.kl_coef > 0
+            and not (self.needs_critic() and algo.resolved_kl_in_reward)
         )
 
     def model_dtype(self, role: str) -> str:

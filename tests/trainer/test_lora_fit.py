@@ -112,3 +112,7 @@ def test_a_lora_actor_needs_no_reference_model_unless_one_is_configured() -> Non
     assert load_config(GRPO, [*kl, "models.actor.lora.r=2"]).required_models() == ("actor",)
     with_ref = {"models": {"actor": {"lora": {"r": 2}}, "ref": {"init": "copy", "init_from": "actor"}}}
     assert load_config(with_ref, kl).required_models() == ("actor", "ref")
+    # PPO with the KL in the reward: the critic's returns read the reference too, so it stays a model.
+    ppo = ["algorithm.name=ppo", "algorithm.kl_in_reward=true", "models.critic.init=tiny"]
+    with pytest.raises(ConfigError, match="missing: algorithm 'ppo' needs a ref model"):
+        load_config(GRPO, [*kl, *ppo, "models.actor.lora.r=2"])

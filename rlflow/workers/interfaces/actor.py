@@ -229,9 +229,8 @@ class ActorInterface(ModelInterface):
     def _base_log_probs(self, engine: TrainEngine, data: DataProto) -> torch.Tensor:
         """``ref_logp`` ``(N, T)`` under the LoRA actor's base (adapters disabled): the reference
         policy, computed on the actor's own weights (no reference model is built, see
-        :meth:`rlflow.trainer.config.RLFlowConfig.required_models`)."""
-        if engine.dims.pp > 1:  # LoRA runs with pp = 1 (rlflow.engine.lora): every rank gets the log-probs
-            raise RuntimeError("the LoRA reference needs pp=1")
+        :meth:`rlflow.trainer.config.RLFlowConfig.required_models`). LoRA runs with pp = 1, so
+        every rank gets them."""
         with adapters_disabled(engine.stage):
             return log_probs(engine, data, self.temperature).batch["logp"]
 
