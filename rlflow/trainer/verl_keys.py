@@ -90,6 +90,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     VerlKey("actor_rollout_ref.model.path", "models.actor.path", "with models.actor.init: path (a local HF directory)"),
     VerlKey("actor_rollout_ref.model.enable_gradient_checkpointing", "models.actor.gradient_checkpointing"),
+    VerlKey("actor_rollout_ref.model.lora_rank", "models.actor.lora.r", "lora_rank 0 (no LoRA) is lora: null"),
+    VerlKey("actor_rollout_ref.model.lora_alpha", "models.actor.lora.alpha"),
+    VerlKey(
+        "actor_rollout_ref.model.target_modules",
+        "models.actor.lora.target_modules",
+        "a list of module names; all-linear is every linear module of the decoder layers, listed",
+    ),
     # --- critic and reward model
     VerlKey("critic.optim.lr", "models.critic.lr"),
     VerlKey("critic.model.path", "models.critic.path", "with models.critic.init: path"),

@@ -9,6 +9,7 @@ import typing
 import pytest
 
 from rlflow.trainer.config import ConfigError, RLFlowConfig, load_config, render_config_reference
+from rlflow.trainer.config_fields import optional_section
 from rlflow.trainer.verl_keys import VERL_KEYS, VERL_SECTIONS
 
 
@@ -26,6 +27,7 @@ def _declared(key: str) -> bool:
                 return True
             parts.pop(i + 1)
             hint = typing.get_args(hint)[1]
+        hint = optional_section(hint) or hint  # models.<role>.lora: a section that is off when null
         if i < len(parts) - 1 and not dataclasses.is_dataclass(hint):
             return False
         cls = hint
