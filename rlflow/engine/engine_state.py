@@ -11,9 +11,10 @@ Two kinds of state, for two uses:
   :func:`save_checkpoint` also write the adapters in PEFT's format under ``adapter/``
   (:data:`ADAPTER_DIR`).
 * **Engine checkpoints** (:func:`save_checkpoint`, :func:`load_checkpoint`): each rank's own
-  shards of the weights and of the AdamW state, plus the scheduler, one file per rank, for
-  resuming under the same strategy without any gathering. Files hold only plain tensors and
-  Python values, so they load with ``torch.load(weights_only=True)``.
+  shards of the weights (a LoRA engine's adapters only) and of the AdamW state, plus the
+  scheduler, one file per rank, for resuming under the same strategy without any gathering.
+  Files hold only plain tensors and Python values, so they load with
+  ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlflow.engine.lora import adapter_state_dict, merged_state_dict, save_adapter
+from rlflow.parallel.executor import ADAPTER_MARKERS
 
 if TYPE_CHECKING:
     from rlflow.engine.train_engine import TrainEngine
@@ -201,6 +203,15 @@ def _adapter_if_lora(engine: TrainEngine) -> dict[str, torch.Tensor] | None:
     return state if mesh_rank(engine) == 0 else None
 
 
+def _checkpointed_params(engine: TrainEngine) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters an engine checkpoint holds: all of them, or a LoRA engine's adapters (its
+    frozen base is what it loaded from the model's files, at every step)."""
+    params = list(engine.stage.named_parameters())
+    if engine.config.lora is None:
+        return params
+    return [(name, p) for name, p in params if any(m in name for m in ADAPTER_MARKERS)]
+
+
 def _to_local(value):
     if isinstance(value, DTensor):
         return value.to_local().detach().cpu().clone()
@@ -224,7 +235,7 @@ def save_checkpoint(engine: TrainEngine, path: str) -> None:
     state = {
         "strategy": {"dp": d.dp, "tp": d.tp, "pp": d.pp},
         "global_step": engine.global_step,
-        "params": {name: _to_local(p) for name, p in engine.stage.named_parameters()},
+        "params": {name: _to_local(p) for name, p in _checkpointed_params(engine)},
         "optim": _to_local(engine.optimizer.state_dict()),
         "scheduler": engine.scheduler.state_dict(),
     }
@@ -261,7 +272,7 @@ def load_checkpoint(engine: TrainEngine, path: str) -> None:
             f"checkpoint strategy {state['strategy']} != engine strategy (dp={d.dp}, tp={d.tp}, pp={d.pp})"
         )
     with torch.no_grad():
-        for name, param in engine.stage.named_parameters():
+        for name, param in _checkpointed_params(engine):
             target = param.to_local() if isinstance(param, DTensor) else param
             target.copy_(state["params"][name])
     optim_sd = state["optim"]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from rlflow.engine.engine_state import ADAPTER_DIR
 from rlflow.families import family_of
 from rlflow.parallel.layout import Layout, build_layout, item_param_shapes
 from rlflow.parallel.reshard import plan_reshard
@@ -293,6 +294,12 @@ def checkpoint_for_layouts(checkpoint: Path, now: CheckpointLayouts, configs: Ma
 
 def _model_dir(src: Path, dst: Path, config: Any, saved: ModelLayout, now: ModelLayout) -> None:
     """A model's checkpoint directory with its engine files resharded from ``saved`` to ``now``."""
+    if (src / ENGINE_DIR / ADAPTER_DIR).is_dir():  # the layouts describe base weights, not adapters
+        raise ValueError(
+            f"{src}: a LoRA model's checkpoint resumes only in the layout it was written in "
+            f"({saved.strategy} on ranks {list(saved.ranks)}); this run trains it with {now.strategy} on ranks "
+            f"{list(now.ranks)}: place its train call as before (placement.mode=manual)"
+        )
     dst.mkdir()
     for entry in src.iterdir():
         if entry.name != ENGINE_DIR:

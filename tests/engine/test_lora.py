@@ -103,6 +103,8 @@ def test_checkpoint_resume_is_exact_and_holds_the_peft_adapter(single_mesh, tmp_
     engine.train_step(_batch(0), _loss)
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file()
+    held = torch.load(tmp_path / "ckpt" / "rank00000.pt", weights_only=True)["params"]
+    assert held and all(".lora_" in name for name in held)  # the frozen base is the model's files
     engine.train_step(_batch(1), _loss)
     resumed = _engine(single_mesh)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))

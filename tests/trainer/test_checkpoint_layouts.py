@@ -147,6 +147,15 @@ def test_other_layouts_load_a_scratch_directory_of_resharded_files_and_links(tmp
         checkpoint_for_layouts(ckpt, models, {"actor": config}, tmp_path / "other")
 
 
+def test_a_lora_checkpoint_is_refused_in_other_layouts(tmp_path):
+    config, ckpt = tiny_config(tied=True), tmp_path / "step_2"
+    make_checkpoint(ckpt, config, ModelLayout(S(), (0,)), (0,))
+    (ckpt / "actor" / "engine" / "adapter").mkdir()  # what a LoRA engine writes beside its files
+    now = CheckpointLayouts({"actor": ModelLayout(S(dp=2), (0, 1))}, (0, 1))
+    with pytest.raises(ValueError, match=r"LoRA model's checkpoint resumes only in the layout it was written in"):
+        checkpoint_for_layouts(ckpt, now, {"actor": config}, tmp_path / "scratch")
+
+
 def test_a_checkpoint_without_a_layout_record_loads_as_before(tmp_path):
     (tmp_path / "step_1").mkdir()
     now = CheckpointLayouts({"actor": ModelLayout(S(dp=2), (0, 1))}, (0, 1))

@@ -59,12 +59,20 @@ def test_grpo_with_lora_trains_only_the_adapters(whole) -> None:
     base_dir = run / "models" / "actor"  # the tiny initial model the run built
     base = load_file(base_dir / "model.safetensors")
     ckpt = run / "checkpoints" / "step_2" / "actor"
-    state = torch.load(ckpt / "engine" / "rank00000.pt", weights_only=True)["params"]
-    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    adapters = load_file(ckpt / "engine" / "adapter" / "adapter_model.safetensors")
     assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if ".lora_B." in k)  # moved from zero
-    for name, value in state.items():
-        if ".lora_" not in name:  # every base weight, adapted ones included, as loaded
-            assert torch.equal(value, base[name.replace(".base_layer.", ".")]), name
+    # The merged export is the base as loaded plus the adapters' update (alpha / r = 16 / 4).
+    merged_weights, adapted = load_file(ckpt / "hf" / "model.safetensors"), set()
+    for key, a in adapters.items():
+        if ".lora_A." in key:
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            b = adapters[key.replace(".lora_A.", ".lora_B.")]
+            torch.testing.assert_close(merged_weights[name], base[name] + 4.0 * (b @ a), rtol=0, atol=1e-6)
+            adapted.add(name)
+    assert len(adapted) == 3  # q, v and down of the one layer
+    for name, value in merged_weights.items():
+        if name not in adapted:
+            assert torch.equal(value, base[name]), name
 
     records = train_records(run)
     # The rollout sampled from the merged policy: its log-probs are the trainer's at step 2 too.
