@@ -270,21 +270,25 @@ def _time_call(kind: str, rollout, engine, shape: dict) -> float:
                     p.mul_(1.0)
             sampler.generate((ids, mask), params)
 
-        return _timed(generate, 2, no_sync)
+        return _timed(generate, _CALL_REPEATS, no_sync)
     ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
     if kind == "forward":
-        return _timed(lambda: engine.forward({"input_ids": ids, "attention_mask": mask}), 2, no_sync)
+        return _timed(lambda: engine.forward({"input_ids": ids, "attention_mask": mask}), _CALL_REPEATS, no_sync)
     batch = {"input_ids": ids, "attention_mask": mask, "response_mask": mask,
              "old_logp": torch.full(ids.shape, -4.0), "advantages": torch.randn(ids.shape)}  # fmt: skip
     loss = policy_loss_fn(AlgorithmParams().resolved(), kl_coef=0.0)  # what the workers receive
     return _timed(
         lambda: train_epochs(engine, batch, loss, epochs=1, num_mini_batches=1, loss_mask_key="response_mask"),
-        2,
+        _CALL_REPEATS,
         no_sync,
     )
 
 
 _CALLS = ("generate", "forward", "train")
+# A whole call is timed once after a warm-up call, in CALL_ROUNDS rounds: a call lasts long
+# enough that one timing is steady, and the whole-call timings are most of a profile's time.
+_CALL_REPEATS = 1
+CALL_ROUNDS = 1
 
 
 def _call_shapes(calls: dict, suffix: str = "") -> dict[str, dict]:
@@ -354,7 +358,7 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
     return seconds
 
 
-def concurrent_call_seconds(calls: dict, processes: int, rounds: int = 3) -> dict[str, float]:
+def concurrent_call_seconds(calls: dict, processes: int, rounds: int = CALL_ROUNDS) -> dict[str, float]:
     """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU in ``processes``
     single-threaded worker processes at once, the slowest process's median: each its own
     rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
@@ -470,6 +474,7 @@ def run_profile(
     rounds: int = 3,
     calls: dict | None = None,
     call_processes: int = 1,
+    call_rounds: int = CALL_ROUNDS,
 ) -> MachineProfile:
     """Measure this machine and write the profile JSON.
 
@@ -497,6 +502,7 @@ def run_profile(
             ``rlflow.trainer.placement.profile_shapes``.
         call_processes: the worker processes that time those calls at once
             (:func:`concurrent_call_seconds`; the workers of one host).
+        call_rounds: the rounds of whole-call timings (their median is kept).
 
     Raises:
         ValueError: ``calls`` with a CUDA device (GPU clusters are priced from the presets).
@@ -537,7 +543,7 @@ def run_profile(
         samples: dict[str, list[LayerTiming]] = {
             k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")
         }
-        measured_calls = _timed_calls(calls, call_processes, rounds) if calls else None
+        measured_calls = _timed_calls(calls, call_processes, call_rounds) if calls else None
         # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
         # machine disturbs one round of every size rather than every round of one size.
         timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
