@@ -34,6 +34,7 @@ from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
 from rlflow.planner.simulate import node_table, simulate
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, driver_can_host
+from rlflow.trainer.hub import resolve_model_dir
 from rlflow.trainer.local_ray import RAY_INIT_LOCK, WORKER_ENV, LocalRayStart, init_local_ray
 from rlflow.trainer.placement import Placement
 from rlflow.trainer.run_dir import TINY_SHAPE_FIELDS
@@ -57,16 +58,19 @@ def resolve_paths(cfg: RLFlowConfig, base: str | Path | None = None) -> RLFlowCo
     directory is not the driver's on a joined cluster (``placement.ray_address``), so the driver
     resolves them first: ``logging.dir`` (its default ``runs/{experiment_name}`` included),
     ``checkpoint.dir``, a ``checkpoint.resume`` path, ``models.<role>.path``, ``data.tokenizer``,
-    ``data.train_file`` and ``data.eval_file``. ``~`` is expanded.
+    ``data.train_file`` and ``data.eval_file``. ``~`` is expanded. A model or tokenizer that is no
+    local path is a Hugging Face Hub id, replaced by its snapshot directory (:func:`resolve_model_paths`).
 
     Args:
         cfg: a validated config.
         base: the directory relative paths are read from; default: the current directory.
 
     Raises:
-        ConfigError: an input path (model, tokenizer, data file) does not exist; names the key.
+        ConfigError: an input path (data file) does not exist, or a model or tokenizer is neither
+            a local path nor a Hub id in reach; names the key.
     """
     base = Path.cwd() if base is None else Path(base)
+    cfg = resolve_model_paths(cfg, base)
 
     def absolute(key: str, value: str | None, must_exist: bool = False) -> str | None:
         if value is None:
@@ -78,13 +82,8 @@ def resolve_paths(cfg: RLFlowConfig, base: str | Path | None = None) -> RLFlowCo
         return str(path)
 
     d, log, ckpt = cfg.data, cfg.logging, cfg.checkpoint
-    models = {
-        role: replace(m, path=absolute(f"models.{role}.path", m.path, must_exist=True))
-        for role, m in cfg.models.items()
-    }
     data = replace(
         d,
-        tokenizer=absolute("data.tokenizer", d.tokenizer, must_exist=True),
         train_file=absolute("data.train_file", d.train_file, must_exist=True),
         eval_file=absolute("data.eval_file", d.eval_file, must_exist=True),
     )
@@ -92,11 +91,30 @@ def resolve_paths(cfg: RLFlowConfig, base: str | Path | None = None) -> RLFlowCo
     resume = ckpt.resume if ckpt.resume in ("none", "auto") else absolute("checkpoint.resume", ckpt.resume)
     return replace(
         cfg,
-        models=models,
         data=data,
         logging=replace(log, dir=absolute("logging.dir", run_dir)),
         checkpoint=replace(ckpt, dir=absolute("checkpoint.dir", ckpt.dir), resume=resume),
     )
+
+
+def resolve_model_paths(cfg: RLFlowConfig, base: str | Path | None = None) -> RLFlowConfig:
+    """The config with ``models.<role>.path`` and ``data.tokenizer`` local and absolute.
+
+    A local path is made absolute against ``base`` (default: the current directory); any other
+    name is a Hugging Face Hub id, resolved once here to its snapshot in the HF cache
+    (:func:`rlflow.trainer.hub.resolve_model_dir`), which the workers then read.
+
+    Raises:
+        ConfigError: a name that is neither a local path nor a Hub id in reach; names the key.
+    """
+    models = {
+        role: m if m.path is None else replace(m, path=resolve_model_dir(f"models.{role}.path", m.path, base))
+        for role, m in cfg.models.items()
+    }
+    tokenizer = cfg.data.tokenizer
+    if tokenizer is not None:
+        tokenizer = resolve_model_dir("data.tokenizer", tokenizer, base)
+    return replace(cfg, models=models, data=replace(cfg.data, tokenizer=tokenizer))
 
 
 def run_dir_of(cfg: RLFlowConfig) -> Path:

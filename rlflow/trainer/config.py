@@ -218,7 +218,9 @@ class ModelConfig(_Section):
     """One model (actor, ref, critic or reward): where its weights come from and how it trains."""
 
     init: str = _f("tiny", "weights: a local HF dir, a fresh tiny model, or a copy", choices=("path", "tiny", "copy"))
-    path: str | None = _f(None, "local Hugging Face model directory (init: path)")
+    path: str | None = _f(
+        None, "local Hugging Face model directory, or a Hub id resolved through the HF cache (init: path)"
+    )
     init_from: str | None = _f(
         None,
         "init: copy: start from this model's weights as RL starts (after the warm-up); a critic "
@@ -305,7 +307,9 @@ class DataConfig(_Section):
         "(TRL's or verl's columns per algorithm: docs/quickstart.md)",
     )
     eval_file: str | None = _f(None, "held-out data, in a train_file format; null: held-out problems of the task")
-    tokenizer: str | None = _f(None, "local HF tokenizer directory; null: the built-in character tokenizer")
+    tokenizer: str | None = _f(
+        None, "local HF tokenizer directory or Hub id (HF cache); null: the built-in character tokenizer"
+    )
     batch_size: int = _f(32, "prompts per training step", ge=1)
     max_prompt_len: int = _f(16, "prompt length limit in tokens (see truncation)", ge=1)
     truncation: str = _f(

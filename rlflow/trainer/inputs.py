@@ -6,14 +6,15 @@ into the run directory (once, at construction) and returns the config that names
 
 * :func:`build_config` — an ``RLFlowConfig``, a YAML path or a dict (+ ``key=value`` overrides),
   and an algorithm by name or as a record;
-* :func:`with_model` — a local path, or a ``PreTrainedModel`` saved with ``save_pretrained``;
-* :func:`with_tokenizer` — a local path or a tokenizer object saved likewise; without one, the
-  model's directory when it holds a tokenizer;
+* :func:`with_model` — a local path or Hub id, or a ``PreTrainedModel`` saved with ``save_pretrained``;
+* :func:`with_tokenizer` — a local path, Hub id or tokenizer object saved likewise; without one,
+  the model's directory when it holds a tokenizer;
 * :func:`with_datasets` — a list of dicts, a ``datasets.Dataset`` or a data file's path, every column
   kept; a training dataset replaces the synthetic task;
 * :func:`split_reward_funcs` and :func:`with_reward_model` — ``reward_funcs`` as TRL takes it:
   functions, or a reward model given by local path, Hugging Face Hub id or model object, which
   becomes the run's ``models.reward`` (:func:`check_reward_tokenizer`: rlflow's kind must read the run's tokens);
+  a Hub id anywhere resolves to its snapshot in the HF cache (:func:`rlflow.trainer.hub.resolve_model_dir`);
 * :func:`check_reward_source` — one source of rewards for an algorithm that samples responses.
 """
 
@@ -26,14 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig
 
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow.algorithms import Algorithm, get_algorithm, list_algorithms, register_algorithm
 from rlflow.engine.models import is_sequence_classification
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, load_config
+from rlflow.trainer.hub import resolve_model_dir
 from rlflow.workers.reward_funcs import RewardFunc, RewardFuncs
 
 __all__ = [
@@ -191,16 +191,7 @@ def _reward_model_dir(model: Any, run_dir: Path) -> str:
         path = run_dir / "models" / "reward_init"
         model.save_pretrained(path)  # every time: a reused run directory must not keep another model
         return str(path)
-    if Path(model).is_dir():
-        return str(Path(model).resolve())
-    try:
-        return snapshot_download(str(model))
-    except (OSError, ValueError, HfHubHTTPError) as err:  # not found, offline without it in the cache, a bad id
-        raise ConfigError(
-            "reward_funcs",
-            f"{str(model)!r} is neither a local directory nor a model on the Hugging Face Hub or in its cache "
-            f"({type(err).__name__}: {err})",
-        ) from None
+    return resolve_model_dir("reward_funcs", model)
 
 
 def check_reward_tokenizer(cfg: RLFlowConfig, tokenizer_path: str) -> None:
@@ -227,20 +218,24 @@ def check_reward_tokenizer(cfg: RLFlowConfig, tokenizer_path: str) -> None:
 
 
 def with_model(cfg: RLFlowConfig, model: Any, run_dir: Path) -> RLFlowConfig:
-    """``models.actor`` loaded from ``model``: a local HF directory, or a model object saved into the run.
+    """``models.actor`` loaded from ``model``: a local HF directory, a Hub id, or a model object saved into the run.
 
-    A ``PreTrainedModel`` is written to ``<run_dir>/models/actor_init`` with ``save_pretrained``;
+    A Hub id resolves to its snapshot in the HF cache (:func:`~rlflow.trainer.hub.resolve_model_dir`);
+    a ``PreTrainedModel`` is written to ``<run_dir>/models/actor_init`` with ``save_pretrained``;
     the workers load it by path.
+
+    Raises:
+        ConfigError: ``model`` is neither a local directory nor a Hub id in reach.
     """
     if model is None:
         return cfg
     if isinstance(model, (str, os.PathLike)):
-        path = str(model)
+        path = resolve_model_dir("model", model)
     elif hasattr(model, "save_pretrained"):
         path = str(run_dir / "models" / "actor_init")
         model.save_pretrained(path)  # every time: a run directory reused with another model must not keep the old one
     else:
-        raise TypeError(f"model={type(model).__name__}; expected a local HF directory or a PreTrainedModel")
+        raise TypeError(f"model={type(model).__name__}; expected a local HF directory, a Hub id or a PreTrainedModel")
     actor = cfg.models.get("actor")
     if actor is None:
         raise ConfigError("models.actor", f"missing, but model= was given; algorithm {cfg.algorithm.name!r}")
@@ -249,7 +244,7 @@ def with_model(cfg: RLFlowConfig, model: Any, run_dir: Path) -> RLFlowConfig:
 
 
 def with_tokenizer(cfg: RLFlowConfig, tokenizer: Any, run_dir: Path) -> RLFlowConfig:
-    """``data.tokenizer`` from ``tokenizer`` (a path or an object saved into the run).
+    """``data.tokenizer`` from ``tokenizer`` (a path, a Hub id, or an object saved into the run).
 
     Without one (and without ``data.tokenizer``), a path-loaded actor's directory is the
     tokenizer when it holds one, as ``AutoTokenizer.from_pretrained(model_path)`` in TRL.
@@ -261,7 +256,7 @@ def with_tokenizer(cfg: RLFlowConfig, tokenizer: Any, run_dir: Path) -> RLFlowCo
                 return replace(cfg, data=replace(cfg.data, tokenizer=actor.path))
         return cfg
     if isinstance(tokenizer, (str, os.PathLike)):
-        path = str(tokenizer)
+        path = resolve_model_dir("tokenizer", tokenizer)
     elif hasattr(tokenizer, "save_pretrained"):
         path = str(run_dir / "tokenizer")
         tokenizer.save_pretrained(path)

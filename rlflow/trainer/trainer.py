@@ -204,6 +204,7 @@ class Trainer:
     ) -> RLFlowConfig:
         """The config with the Python inputs written into the run directory, every path absolute."""
         cfg = inputs.build_config(config, overrides, algorithm)
+        cfg = build.resolve_model_paths(cfg)  # Hub ids to cached snapshots, before anything reads a model's files
         cfg = run_dirs.claim_run_dir(cfg)  # an earlier run's outputs: resumed, refused, replaced or kept apart
         run_dir = build.run_dir_of(cfg)
         cfg = inputs.with_model(cfg, model, run_dir)

@@ -104,7 +104,10 @@ def test_a_hub_id_resolves_offline_from_the_cache(tmp_path, hub_cache, no_ray):
     trainer = Trainer(config_in(tmp_path), reward_funcs="org/tiny-rm", train_dataset=ROWS)
     assert trainer.cfg.models["reward"].path == str(hub_cache)
     trainer.close()
-    with pytest.raises(ConfigError, match="reward_funcs: 'org/absent' is neither a local directory nor a model"):
+    with pytest.raises(
+        ConfigError,
+        match="reward_funcs: 'org/absent' does not exist as a local directory.*huggingface-cli download org/absent",
+    ):
         Trainer(config_in(tmp_path), reward_funcs="org/absent", train_dataset=ROWS)
 
 
