@@ -40,9 +40,17 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from rlflow.engine.attention import check_varlen_implementation, varlen_kwargs
 from rlflow.engine.models import cache_kwarg
 from rlflow.families import family_of
-from rlflow.parallel.layout import pipeline_stages
+from rlflow.parallel.layout import pipeline_items, pipeline_stages
 
-__all__ = ["DecoderStage", "build_schedule", "build_stage", "head_kind", "tied_embedding_group", "token_log_probs"]
+__all__ = [
+    "DecoderStage",
+    "build_schedule",
+    "build_stage",
+    "head_kind",
+    "stage_forward_mismatch",
+    "tied_embedding_group",
+    "token_log_probs",
+]
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
@@ -307,3 +315,74 @@ def build_schedule(
     cls = Schedule1F1B if schedule == "1f1b" and num_micro_batches >= pp_mesh.size() else ScheduleGPipe
     # scale_grads=False: the engine's loss is already normalised by the global token count.
     return cls(stage, n_microbatches=num_micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+# Shape fields of an HF config shrunk for :func:`stage_forward_mismatch`, and their small values;
+# the model's own multipliers, soft-caps, norms and attention kinds stay as configured.
+_SMALL_SHAPES = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16, "vocab_size": 128,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2,
+}  # fmt: skip
+_TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _small_copy(config) -> object:
+    """``config`` with the shapes of :data:`_SMALL_SHAPES` (fields it has), two layers and token ids in range."""
+    from transformers import AutoConfig
+
+    fields = config.to_dict()
+    small = {k: v for k, v in _SMALL_SHAPES.items() if k in fields}
+    kv, heads = fields.get("num_key_value_heads"), fields.get("num_attention_heads")
+    if kv is not None:
+        small["num_key_value_heads"] = 4 if kv == heads else 2 if kv > 1 else 1
+    small["num_hidden_layers"] = min(2, fields["num_hidden_layers"])
+    if fields.get("sliding_window"):  # a window shorter than the check's rows: a wrong mask shows
+        small["sliding_window"] = 3
+    if fields.get("layer_types"):
+        small["layer_types"] = fields["layer_types"][: small["num_hidden_layers"]]
+    for key in _TOKEN_ID_FIELDS:
+        ids = fields.get(key)
+        if isinstance(ids, int) and ids >= small.get("vocab_size", fields["vocab_size"]):
+            small[key] = None
+        elif isinstance(ids, list):
+            small[key] = [i for i in ids if i < small.get("vocab_size", fields["vocab_size"])] or None
+    rest = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
+    return AutoConfig.for_model(fields["model_type"], **{**rest, **small})
+
+
+def stage_forward_mismatch(config, causal_lm_class: type) -> str | None:
+    """Why :class:`DecoderStage` computes other logits than the HF model of ``config``, or None.
+
+    A stage runs the family's items (embedding, layers with one rotary table and the attention
+    kinds' masks, final norm, LM head) itself, so a model whose HF forward does more (scales
+    the logits, soft-caps them, a rotary table per attention kind) would train other than it
+    generates in HF. Checked on a random copy of ``config`` shrunk to two small layers and a
+    sliding window (where it has one) shorter than the rows (its multipliers, caps and norms
+    kept), on CPU in float32: a fraction of a second.
+
+    Args:
+        config: an HF causal LM config.
+        causal_lm_class: its ``*ForCausalLM`` class.
+    """
+    try:
+        small = _small_copy(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = causal_lm_class(small).float().eval()
+        ids = torch.randint(0, small.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+        mask, positions = torch.ones_like(ids), torch.arange(6).expand(2, 6)
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask).logits
+            got = DecoderStage(model, [item for item, _ in pipeline_items(small)])(
+                ids, attention_mask=mask, position_ids=positions
+            )
+    except Exception as err:  # any failure of the copy or of the stage: the model is not run by a stage
+        return f"a stage of its items cannot run it ({type(err).__name__}: {err})"
+    gap = (got - expected).abs().max().item()
+    if gap > 1e-4 * max(1.0, expected.abs().max().item()):
+        return (
+            f"its HF forward computes other logits than embedding -> layers -> norm -> LM head (max |difference| "
+            f"{gap:.3g} on a small random copy): it scales or soft-caps them, or does more between the items"
+        )
+    return None

@@ -192,6 +192,9 @@ class ModelFamily:
             ``config.hidden_act``) and full or sliding-window attention, so the built-in
             sampler's lean decoder (:mod:`rlflow.engine.rollout.fast_decode`) may run them;
             False sends the family through HF's modules.
+        parallel_blocker: why tensor and pipeline parallelism are not offered for the family
+            (the planner proposes tp = pp = 1 and a config asking more is refused with it);
+            None where they are.
     """
 
     name: str
@@ -212,6 +215,7 @@ class ModelFamily:
     lm_head_module: str = "lm_head"
     value_head_module: str = "score"
     fast_decode: bool = True
+    parallel_blocker: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_tp", MappingProxyType(dict(self.layer_tp)))  # read-only tables
@@ -409,20 +413,40 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 
 def get_family(name: str) -> ModelFamily:
-    """The registered family called ``name``."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown model family {name!r}; expected one of {list_families()}")
-    return _REGISTRY[name]
+    """The registered family called ``name``, or the generic family of the HF ``model_type`` ``name``."""
+    family = _REGISTRY.get(name) or _generic_family(name)
+    if family is None:
+        raise ValueError(f"unknown model family {name!r}; expected one of {list_families()} or an HF model_type")
+    return family
 
 
 def family_of(config: Any) -> ModelFamily:
-    """The family whose ``model_types`` hold ``config.model_type`` (an HF config object or dict)."""
+    """The family whose ``model_types`` hold ``config.model_type`` (an HF config object or dict);
+    for a ``model_type`` of no hand-written record, its generic family (:mod:`rlflow.families.generic`).
+
+    Raises:
+        ValueError: transformers ships no causal LM of the ``model_type``, or one whose module
+            tree rlflow's decoder does not run.
+    """
     model_type = config_value(config, "model_type")
     for family in _REGISTRY.values():
         if model_type in family.model_types:
             return family
+    generic = _generic_family(model_type) if isinstance(model_type, str) else None
+    if generic is not None:
+        return generic
     known = ", ".join(f"{f.name} {list(f.model_types)}" for f in _REGISTRY.values())
-    raise ValueError(f"model_type={model_type!r} belongs to no registered model family; registered: {known}")
+    raise ValueError(
+        f"model_type={model_type!r} belongs to no registered model family and transformers ships no causal LM of "
+        f"it; registered: {known}"
+    )
+
+
+def _generic_family(model_type: str) -> ModelFamily | None:
+    # Imported here: the generic family imports transformers' auto mappings, which records never need.
+    from rlflow.families.generic import generic_family
+
+    return generic_family(model_type)
 
 
 def list_families() -> list[str]:

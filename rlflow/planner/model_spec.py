@@ -35,6 +35,9 @@ class ModelSpec:
         value_head: the head is a scalar value/score head (critic, reward model) instead of
             the LM head.
         name: for reports.
+        parallel_blocker: why the model runs with tp = pp = 1 only (its family's
+            :attr:`~rlflow.families.ModelFamily.parallel_blocker`); None: any degree its heads and
+            layers allow.
 
     Shapes only: the bytes of a weight or an activation depend on the engine and the device,
     and come from the cluster (:class:`rlflow.planner.cluster.Precision`).
@@ -58,6 +61,7 @@ class ModelSpec:
     qk_norm: bool = False
     value_head: bool = False
     name: str = "custom"
+    parallel_blocker: str | None = None
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -201,6 +205,7 @@ class ModelSpec:
             qk_norm=features.qk_norm,
             value_head=value_head,
             name=name or config_value(config, "_name_or_path") or config_value(config, "model_type"),
+            parallel_blocker=family.parallel_blocker,
         )
 
 

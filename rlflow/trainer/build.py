@@ -24,10 +24,13 @@ from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
 from rlflow.engine.loading import build_meta_model
 from rlflow.engine.lora import LoraSpec, linear_module_names, lora_strategy_error
-from rlflow.engine.models import init_value_model_from_lm, save_model
+from rlflow.engine.models import init_value_model_from_lm, is_sequence_classification, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
+from rlflow.engine.pipeline import stage_forward_mismatch
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.families import family_of, list_families
+from rlflow.families.generic import GenericFamily
 from rlflow.files import write_atomic
 from rlflow.planner.cluster import local_devices_per_node, local_gpus
 from rlflow.planner.compiled import compile_problem
@@ -151,7 +154,7 @@ def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) ->
     for name in order:
         m = cfg.models[name]
         if m.init == "path":
-            paths[name] = _checked_vocab(name, m.path, vocab, tokenizer_path)
+            paths[name] = _checked_family(name, _checked_vocab(name, m.path, vocab, tokenizer_path))
         elif m.init == "tiny":
             paths[name] = _save_tiny(m, name, run_dir / "models" / name, vocab, cfg.seed)
         else:
@@ -176,6 +179,30 @@ def _checked_vocab(name: str, path: str, vocab: int, tokenizer_path: str) -> str
             f"{path}: vocab_size={size} < the {vocab} tokens of the tokenizer {tokenizer_path}; "
             "give the model's own tokenizer (Trainer(tokenizer=...) or data.tokenizer)",
         )
+    return path
+
+
+def _checked_family(name: str, path: str) -> str:
+    """``path``, once rlflow can run its model: a hand-written family, or the generic family of a
+    causal LM whose HF forward a decoder stage computes (a model that cannot fails here, not in a worker).
+
+    A sequence-classification reward model is exempt: it is scored through HF's own forward.
+    """
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if is_sequence_classification(config):
+        return path
+    try:
+        family = family_of(config)
+    except ValueError as err:
+        raise ConfigError(f"models.{name}.path", f"{path}: {err}") from None
+    if isinstance(family, GenericFamily):
+        reason = stage_forward_mismatch(config, family.causal_lm_class)
+        if reason is not None:
+            raise ConfigError(
+                f"models.{name}.path",
+                f"{path}: rlflow cannot train model_type={config.model_type!r}: {reason}. It trains the families "
+                f"{list_families()} and transformers' causal LMs whose forward is embedding -> layers -> norm -> head",
+            )
     return path
 
 

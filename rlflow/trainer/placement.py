@@ -38,7 +38,7 @@ from rlflow.planner.search import plan_search
 from rlflow.planner.simulate import simulate
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
-from rlflow.trainer.config import RLFlowConfig
+from rlflow.trainer.config import ConfigError, RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
 
@@ -170,6 +170,8 @@ def plan_placement(
     """
     p = cfg.placement
     device_mfcs = [m for m in mfcs_of(graph) if not m.runs_on_host]
+    if p.mode == "manual":
+        check_manual_strategies(cfg, device_mfcs, specs)
     problem = plan = None
     baselines: list[BaselinePlan] = []
     if device_mfcs:
@@ -188,6 +190,37 @@ def plan_placement(
         plan = _choose(p.mode, problem, baselines, generate, cfg, progress)
     calls = _call_placements(graph, plan, cfg)
     return Placement(calls, plan, baselines, problem)
+
+
+def check_manual_strategies(cfg: RLFlowConfig, mfcs, specs: Mapping[str, ModelSpec]) -> None:
+    """Refuses a manual strategy its call's model cannot run: a tp its heads or kv heads do not
+    divide, more pipeline stages than layers, or tp/pp above 1 for a model without the family
+    record that splits it (:attr:`ModelSpec.parallel_blocker`).
+
+    Raises:
+        ConfigError: names ``placement.manual.<call>.strategy.tp`` (or ``.pp``) and what would work.
+    """
+    for mfc in mfcs:
+        entry, model = cfg.placement.manual.get(mfc.name), specs.get(mfc.model_name)
+        if entry is None or model is None:
+            continue  # a missing entry is refused by the plan, which lists the calls
+        key, s = f"placement.manual.{mfc.name}.strategy", entry.strategy
+        if s.tp > 1 and model.parallel_blocker:
+            raise ConfigError(f"{key}.tp", f"{s.tp} for model {mfc.model_name!r}: {model.parallel_blocker}")
+        if s.pp > 1 and model.parallel_blocker:
+            raise ConfigError(f"{key}.pp", f"{s.pp} for model {mfc.model_name!r}: {model.parallel_blocker}")
+        if model.num_heads % s.tp or model.num_kv_heads % s.tp:
+            fits = [t for t in range(1, model.num_kv_heads + 1) if model.num_kv_heads % t == 0]
+            raise ConfigError(
+                f"{key}.tp",
+                f"{s.tp} does not divide model {mfc.model_name!r}'s num_attention_heads={model.num_heads} and "
+                f"num_key_value_heads={model.num_kv_heads}; tp may be {fits}",
+            )
+        if s.pp > model.num_layers:
+            raise ConfigError(
+                f"{key}.pp",
+                f"{s.pp} stages for model {mfc.model_name!r}'s {model.num_layers} layers; at most one per layer",
+            )
 
 
 def _choose(

@@ -60,11 +60,14 @@ def test_the_families_are_registered_under_their_model_types():
 
 
 def test_unknown_names_and_model_types_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"unknown model family 'gpt2'; expected one of \[.*'llama'"):
-        get_family("gpt2")
+    with pytest.raises(ValueError, match=r"unknown model family 'no_such'; expected one of \[.*'llama'"):
+        get_family("no_such")
     with pytest.raises(
-        ValueError, match=r"model_type='gpt2' belongs to no registered model family; .*qwen3 \['qwen3'\]"
+        ValueError, match=r"model_type='no_such' belongs to no registered model family .*qwen3 \['qwen3'\]"
     ):
+        family_of({"model_type": "no_such"})
+    # A causal LM transformers ships, but of another module tree than the decoder's (the generic family's).
+    with pytest.raises(ValueError, match=r"model_type='gpt2': .*GPT2LMHeadModel keeps its decoder under 'transformer'"):
         family_of({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="model_type=None"):
         family_of(type("Config", (), {})())

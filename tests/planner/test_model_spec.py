@@ -119,5 +119,5 @@ def test_bad_shapes_are_refused():
         balanced_stages([1, 1, 1, 1], 5)
     with pytest.raises(ValueError, match="lacks"):
         ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 64})
-    with pytest.raises(ValueError, match="model_type='gpt2' belongs to no registered model family"):
+    with pytest.raises(ValueError, match="model_type='gpt2': .*keeps its decoder under 'transformer'"):
         ModelSpec.from_hf_config({"model_type": "gpt2", **TINY})

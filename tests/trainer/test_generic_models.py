@@ -1,0 +1,76 @@
+"""A causal LM of a model type without a hand-written family record, trained through the public
+``Trainer`` (GRPO, the built-in sampler, one worker in the driver); a model rlflow cannot run and a
+manual strategy its model cannot split are refused before any worker starts, naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlflow.data.tiny_models import save_tiny_model_and_tokenizer
+from rlflow.dataflow import mfcs_of
+from rlflow.trainer import ConfigError, Trainer, build, load_config
+from rlflow.trainer.placement import check_manual_strategies, model_specs
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+TINY = [
+    "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2", "rollout.max_new_tokens=4",
+    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=2",
+    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
+    "logging.console=false", "logging.tensorboard=false", "checkpoint.save_final=false",
+]  # fmt: skip
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    def refuse(cfg, *args):
+        raise AssertionError("started Ray")
+
+    monkeypatch.setattr(build, "ensure_ray", refuse)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_type", ["olmo2"])
+def test_grpo_trains_a_model_type_of_the_generic_family(tmp_path, model_type):
+    model = save_tiny_model_and_tokenizer(tmp_path / model_type, family=model_type, **SHAPE)
+    with Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'run'}"], model=model, progress_bars=False) as t:
+        assert t.fit().steps == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["actor_train/loss"] for r in records if "actor_train/loss" in r]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)  # trained, finite
+
+
+def test_a_model_whose_forward_rlflow_cannot_run_is_refused_before_the_workers(tmp_path, no_ray):
+    granite = save_tiny_model_and_tokenizer(tmp_path / "granite", family="granite", **SHAPE)
+    config = json.loads((tmp_path / "granite" / "config.json").read_text())
+    (tmp_path / "granite" / "config.json").write_text(json.dumps({**config, "logits_scaling": 8.0}))  # Granite's own
+    with pytest.raises(ConfigError) as err:
+        Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'run'}"], model=granite)
+    message = str(err.value)
+    assert err.value.key == "models.actor.path" and "cannot train model_type='granite'" in message
+    assert "computes other logits" in message and "'llama'" in message  # the reason, and what rlflow trains
+
+
+def test_a_manual_strategy_the_model_cannot_split_names_its_field(tmp_path):
+    olmo = save_tiny_model_and_tokenizer(tmp_path / "olmo2", family="olmo2", **SHAPE)
+    llama = save_tiny_model_and_tokenizer(tmp_path / "llama", family="llama", **SHAPE)
+
+    def check(model: str, tp: int, pp: int = 1) -> None:
+        actor = ["placement.devices_per_node=4", "models.actor.init=path", f"models.actor.path={model}"]
+        mfcs = [m for m in mfcs_of(build.build_dataflow(load_config(GRPO, actor), True)) if not m.runs_on_host]
+        manual = [f"placement.manual.{m.name}.{k}" for m in mfcs
+                  for k in (f"mesh.num_devices={tp * pp}", f"strategy.tp={tp}", f"strategy.pp={pp}")]  # fmt: skip
+        cfg = load_config(GRPO, [*actor, "placement.mode=manual", *manual])
+        check_manual_strategies(cfg, mfcs, model_specs({"actor": model}, set()))
+
+    with pytest.raises(ConfigError, match="placement.manual.actor_gen.strategy.tp: 2 for model 'actor': .*olmo2"):
+        check(olmo, tp=2)
+    with pytest.raises(ConfigError, match="strategy.pp: 2 for model 'actor': .*use tp=1 and pp=1"):
+        check(olmo, tp=1, pp=2)
+    with pytest.raises(ConfigError, match="strategy.tp: 4 does not divide .*num_key_value_heads=1; tp may be \\[1\\]"):
+        check(llama, tp=4)
+    check(llama, tp=1, pp=2)  # what the model allows passes
