@@ -28,6 +28,7 @@ from rlflow.engine.models import init_value_model_from_lm, is_sequence_classific
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.pipeline import stage_forward_mismatch
+from rlflow.engine.rollout import get_rollout_engine
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.families import family_of, list_families
 from rlflow.families.generic import GenericFamily
@@ -154,7 +155,7 @@ def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) ->
     for name in order:
         m = cfg.models[name]
         if m.init == "path":
-            paths[name] = _checked_family(name, _checked_vocab(name, m.path, vocab, tokenizer_path))
+            paths[name] = _checked_family(name, _checked_vocab(name, m.path, vocab, tokenizer_path), cfg.rollout.engine)
         elif m.init == "tiny":
             paths[name] = _save_tiny(m, name, run_dir / "models" / name, vocab, cfg.seed)
         else:
@@ -182,9 +183,10 @@ def _checked_vocab(name: str, path: str, vocab: int, tokenizer_path: str) -> str
     return path
 
 
-def _checked_family(name: str, path: str) -> str:
+def _checked_family(name: str, path: str, rollout_engine: str) -> str:
     """``path``, once rlflow can run its model: a hand-written family, or the generic family of a
-    causal LM whose HF forward a decoder stage computes (a model that cannot fails here, not in a worker).
+    causal LM whose HF forward a decoder stage computes and that ``rollout_engine`` generates with
+    plain HF modules (a model that cannot fails here, not in a worker).
 
     A sequence-classification reward model is exempt: it is scored through HF's own forward.
     """
@@ -202,6 +204,15 @@ def _checked_family(name: str, path: str) -> str:
                 f"models.{name}.path",
                 f"{path}: rlflow cannot train model_type={config.model_type!r}: {reason}. It trains the families "
                 f"{list_families()} and transformers' causal LMs whose forward is embedding -> layers -> norm -> head",
+            )
+        engine = get_rollout_engine(rollout_engine)
+        causal = any(a.endswith("ForCausalLM") for a in config.architectures or [])
+        if causal and engine.layout_style != "hf":
+            raise ConfigError(
+                "rollout.engine",
+                f"{rollout_engine!r} generates with its own fused {engine.layout_style!r} layout, which rlflow maps for "
+                f"the families {list_families()} only; models.{name} is a {config.model_type!r} model: use "
+                "rollout.engine=hf (the built-in sampler)",
             )
     return path
 

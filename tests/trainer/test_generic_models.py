@@ -55,6 +55,13 @@ def test_a_model_whose_forward_rlflow_cannot_run_is_refused_before_the_workers(t
     assert "computes other logits" in message and "'llama'" in message  # the reason, and what rlflow trains
 
 
+def test_a_generic_model_is_generated_by_the_built_in_sampler_only(tmp_path):
+    olmo = save_tiny_model_and_tokenizer(tmp_path / "olmo2", family="olmo2", **SHAPE)
+    cfg = load_config(GRPO, ["models.actor.init=path", f"models.actor.path={olmo}", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rollout.engine: 'vllm' generates with its own fused .*'olmo2' model: use"):
+        build.materialize_models(cfg, tmp_path, olmo)
+
+
 def test_a_manual_strategy_the_model_cannot_split_names_its_field(tmp_path):
     olmo = save_tiny_model_and_tokenizer(tmp_path / "olmo2", family="olmo2", **SHAPE)
     llama = save_tiny_model_and_tokenizer(tmp_path / "llama", family="llama", **SHAPE)
