@@ -12,6 +12,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from rlflow.families import get_family
+
 VOCAB = 96
 GLOBAL_ROWS = 8
 SEQ = 14
@@ -42,6 +44,9 @@ def build_model(family: str = "llama", *, tied: bool = False, head: str = "lm", 
         return LlamaForTokenClassification(LlamaConfig(num_labels=1, **kwargs))
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    if family != "llama":  # another family, a generic one included: its own config and class
+        record = get_family(family)  # token ids inside the tiny vocabulary (some defaults are not)
+        return record.causal_lm_class(record.build_config(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     return LlamaForCausalLM(LlamaConfig(**kwargs))
 
 
