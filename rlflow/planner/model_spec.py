@@ -35,6 +35,9 @@ class ModelSpec:
         value_head: the head is a scalar value/score head (critic, reward model) instead of
             the LM head.
         name: for reports.
+        layer_param_count, layer_tensor_count: parameters and parameter tensors of one decoder
+            layer as the model's family lists them (experts, fused projections and norms of any
+            kind included); None: counted from the dimensions above (a Llama-style layer).
         parallel_blocker: why the model runs with tp = pp = 1 only (its family's
             :attr:`~rlflow.families.ModelFamily.parallel_blocker`); None: any degree its heads and
             layers allow.
@@ -61,6 +64,8 @@ class ModelSpec:
     qk_norm: bool = False
     value_head: bool = False
     name: str = "custom"
+    layer_param_count: int | None = None
+    layer_tensor_count: int | None = None
     parallel_blocker: str | None = None
 
     def __post_init__(self) -> None:
@@ -110,6 +115,8 @@ class ModelSpec:
     @property
     def layer_params(self) -> int:
         """All parameters of one decoder layer: matmuls, biases and norms."""
+        if self.layer_param_count is not None:
+            return self.layer_param_count
         h, i = self.hidden_size, self.intermediate_size
         biases = (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
         return self.layer_matmul_params + biases + 2 * h + 2 * self.dim_head * self.qk_norm
@@ -139,7 +146,9 @@ class ModelSpec:
     @cached_property
     def item_tensors(self) -> np.ndarray:
         """Parameter tensors of every pipeline item, shape ``(num_layers + 3,)`` (one collective each when moved)."""
-        layer = 9 + 3 * self.qkv_bias + self.o_bias + 3 * self.mlp_bias + 2 * self.qk_norm
+        layer = self.layer_tensor_count
+        if layer is None:
+            layer = 9 + 3 * self.qkv_bias + self.o_bias + 3 * self.mlp_bias + 2 * self.qk_norm
         return np.array([1] + [layer] * self.num_layers + [1, 1], dtype=np.int64)
 
     @property
@@ -190,6 +199,7 @@ class ModelSpec:
 
         family = family_of(config)
         dims, features = family.dims(config), family.features(config)
+        layer = family.layer_param_shapes(config, 0)
         return cls(
             num_layers=dims.num_layers,
             hidden_size=dims.hidden_size,
@@ -205,6 +215,8 @@ class ModelSpec:
             qk_norm=features.qk_norm,
             value_head=value_head,
             name=name or config_value(config, "_name_or_path") or config_value(config, "model_type"),
+            layer_param_count=sum(math.prod(shape) for shape in layer.values()),
+            layer_tensor_count=len(layer),
             parallel_blocker=family.parallel_blocker,
         )
 

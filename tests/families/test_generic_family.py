@@ -4,6 +4,7 @@ model, a decoder stage's forward equal to HF's, the built-in sampler's greedy ou
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -108,3 +109,14 @@ def test_the_generic_family_splits_over_neither_tp_nor_pp():
     assert len(model_param_specs(config)) == sum(1 for _ in tiny("olmo2").parameters())
     assert "use tp=1 and pp=1" in ModelSpec.from_hf_config(config).parallel_blocker
     assert ModelSpec.from_hf_config(get_family("llama").build_config(**SHAPE)).parallel_blocker is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", *list_families()])
+def test_the_planner_counts_the_parameters_the_model_holds(model_type):
+    model = tiny(model_type)
+    spec = ModelSpec.from_hf_config(model.config)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())  # experts and fused projections too
+    assert spec.item_tensors[1] == sum(1 for n, _ in model.named_parameters() if n.startswith("model.layers.0."))
+    if model_type in list_families():  # a hand-written record: the count its dimensions give, unchanged
+        formula = dataclasses.replace(spec, layer_param_count=None, layer_tensor_count=None)
+        assert (formula.layer_params, list(formula.item_tensors)) == (spec.layer_params, list(spec.item_tensors))
