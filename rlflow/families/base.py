@@ -192,9 +192,9 @@ class ModelFamily:
             ``config.hidden_act``) and full or sliding-window attention, so the built-in
             sampler's lean decoder (:mod:`rlflow.engine.rollout.fast_decode`) may run them;
             False sends the family through HF's modules.
-        parallel_blocker: why tensor and pipeline parallelism are not offered for the family
-            (the planner proposes tp = pp = 1 and a config asking more is refused with it);
-            None where they are.
+        tp_blocker, pp_blocker: why tensor (pipeline) parallelism is not offered for the family
+            (the planner proposes tp = 1 (pp = 1), and a config asking more is refused with it);
+            None where it is.
     """
 
     name: str
@@ -215,7 +215,8 @@ class ModelFamily:
     lm_head_module: str = "lm_head"
     value_head_module: str = "score"
     fast_decode: bool = True
-    parallel_blocker: str | None = None
+    tp_blocker: str | None = None
+    pp_blocker: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_tp", MappingProxyType(dict(self.layer_tp)))  # read-only tables

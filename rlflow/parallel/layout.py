@@ -168,7 +168,7 @@ def pipeline_stages(config: Any, pp: int, head: str = "lm") -> list[list[str]]:
     >>> stages[0][-1], stages[1][0]
     ('layer.15', 'layer.16')
     """
-    blocker = family_of(config).parallel_blocker
+    blocker = family_of(config).pp_blocker
     if pp > 1 and blocker is not None:
         raise ValueError(f"pp={pp}: {blocker}")
     items = pipeline_items(config, head)
@@ -238,8 +238,8 @@ def model_param_specs(config: Any, tp: int = 1, head: str = "lm") -> tuple[Param
     dims = family.dims(config)
     if tp < 1 or dims.num_heads % tp != 0:
         raise ValueError(f"tp={tp} does not divide num_attention_heads={dims.num_heads}")
-    if tp > 1 and family.parallel_blocker is not None:
-        raise ValueError(f"tp={tp}: {family.parallel_blocker}")
+    if tp > 1 and family.tp_blocker is not None:
+        raise ValueError(f"tp={tp}: {family.tp_blocker}")
     kv_split = dims.num_kv_heads % tp == 0
     specs: dict[str, ParamSpec] = {}
     for item, shapes in family.item_param_shapes(config, head):

@@ -38,9 +38,9 @@ class ModelSpec:
         layer_param_count, layer_tensor_count: parameters and parameter tensors of one decoder
             layer as the model's family lists them (experts, fused projections and norms of any
             kind included); None: counted from the dimensions above (a Llama-style layer).
-        parallel_blocker: why the model runs with tp = pp = 1 only (its family's
-            :attr:`~rlflow.families.ModelFamily.parallel_blocker`); None: any degree its heads and
-            layers allow.
+        tp_blocker, pp_blocker: why the model runs with tp = 1 (pp = 1) only (its family's
+            :attr:`~rlflow.families.ModelFamily.tp_blocker` / ``pp_blocker``); None: any degree its
+            heads (layers) allow.
 
     Shapes only: the bytes of a weight or an activation depend on the engine and the device,
     and come from the cluster (:class:`rlflow.planner.cluster.Precision`).
@@ -66,7 +66,8 @@ class ModelSpec:
     name: str = "custom"
     layer_param_count: int | None = None
     layer_tensor_count: int | None = None
-    parallel_blocker: str | None = None
+    tp_blocker: str | None = None
+    pp_blocker: str | None = None
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -217,7 +218,8 @@ class ModelSpec:
             name=name or config_value(config, "_name_or_path") or config_value(config, "model_type"),
             layer_param_count=sum(math.prod(shape) for shape in layer.values()),
             layer_tensor_count=len(layer),
-            parallel_blocker=family.parallel_blocker,
+            tp_blocker=family.tp_blocker,
+            pp_blocker=family.pp_blocker,
         )
 
 

@@ -161,19 +161,19 @@ def enumerate_strategies(
 
     A dp rank needs ``floor(n_seqs / n_minibatches / dp)`` at least ``mfc.min_n_seqs_per_dp``,
     ``mfc.n_mbs`` and ``pp`` sequences (a pipeline with fewer micro-batches than stages idles);
-    tp divides the heads and kv heads; a model with a ``parallel_blocker`` gets tp = pp = 1 only.
+    tp divides the heads and kv heads; a model with a ``tp_blocker`` (``pp_blocker``) gets tp = 1 (pp = 1) only.
     """
     caps = capabilities or RuntimeCapabilities()
     per_batch = n_seqs // n_minibatches
     need = max(mfc.min_n_seqs_per_dp, mfc.n_mbs or 1)
     found = []
     for tp in _divisors(mesh.num_devices):
-        if model.num_heads % tp or model.num_kv_heads % tp or (tp > 1 and model.parallel_blocker):
+        if model.num_heads % tp or model.num_kv_heads % tp or (tp > 1 and model.tp_blocker):
             continue
         for pp in _divisors(mesh.size // tp):
             dp = mesh.size // (tp * pp)
             strategy = ParallelStrategy(dp=dp, tp=tp, pp=pp)
-            if pp > model.num_layers or per_batch // dp < max(need, pp) or (pp > 1 and model.parallel_blocker):
+            if pp > model.num_layers or per_batch // dp < max(need, pp) or (pp > 1 and model.pp_blocker):
                 continue
             if caps.allows(mfc.interface_type, strategy, mfc.model_name):
                 found.append(strategy)

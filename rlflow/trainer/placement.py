@@ -195,7 +195,7 @@ def plan_placement(
 def check_manual_strategies(cfg: RLFlowConfig, mfcs, specs: Mapping[str, ModelSpec]) -> None:
     """Refuses a manual strategy its call's model cannot run: a tp its heads or kv heads do not
     divide, more pipeline stages than layers, or tp/pp above 1 for a model without the family
-    record that splits it (:attr:`ModelSpec.parallel_blocker`).
+    record that splits it (:attr:`ModelSpec.tp_blocker`, ``pp_blocker``).
 
     Raises:
         ConfigError: names ``placement.manual.<call>.strategy.tp`` (or ``.pp``) and what would work.
@@ -205,10 +205,10 @@ def check_manual_strategies(cfg: RLFlowConfig, mfcs, specs: Mapping[str, ModelSp
         if entry is None or model is None:
             continue  # a missing entry is refused by the plan, which lists the calls
         key, s = f"placement.manual.{mfc.name}.strategy", entry.strategy
-        if s.tp > 1 and model.parallel_blocker:
-            raise ConfigError(f"{key}.tp", f"{s.tp} for model {mfc.model_name!r}: {model.parallel_blocker}")
-        if s.pp > 1 and model.parallel_blocker:
-            raise ConfigError(f"{key}.pp", f"{s.pp} for model {mfc.model_name!r}: {model.parallel_blocker}")
+        if s.tp > 1 and model.tp_blocker:
+            raise ConfigError(f"{key}.tp", f"{s.tp} for model {mfc.model_name!r}: {model.tp_blocker}")
+        if s.pp > 1 and model.pp_blocker:
+            raise ConfigError(f"{key}.pp", f"{s.pp} for model {mfc.model_name!r}: {model.pp_blocker}")
         if model.num_heads % s.tp or model.num_kv_heads % s.tp:
             fits = [t for t in range(1, model.num_kv_heads + 1) if model.num_kv_heads % t == 0]
             raise ConfigError(

@@ -100,15 +100,19 @@ def test_a_model_type_of_another_module_tree_or_none_is_refused():
         family_of({"model_type": "no_such_type"})
 
 
-def test_the_generic_family_splits_over_neither_tp_nor_pp():
+def test_the_generic_family_splits_over_pp_where_the_config_declares_its_plan_and_never_over_tp():
     config = tiny("olmo2").config
     with pytest.raises(ValueError, match="tp=2: model_type='olmo2' has no hand-written family record"):
         model_param_specs(config, tp=2)
-    with pytest.raises(ValueError, match="pp=2: model_type='olmo2'"):
-        pipeline_stages(config, 2)
     assert len(model_param_specs(config)) == sum(1 for _ in tiny("olmo2").parameters())
-    assert "use tp=1 and pp=1" in ModelSpec.from_hf_config(config).parallel_blocker
-    assert ModelSpec.from_hf_config(get_family("llama").build_config(**SHAPE)).parallel_blocker is None
+    assert pipeline_stages(config, 2) == [["embed", "layer.0"], ["layer.1", "norm", "head"]]
+    stablelm = tiny("stablelm").config  # it declares no base_model_pp_plan
+    with pytest.raises(ValueError, match="pp=2: model_type='stablelm' declares no base_model_pp_plan"):
+        pipeline_stages(stablelm, 2)
+    spec, plain = ModelSpec.from_hf_config(config), ModelSpec.from_hf_config(get_family("llama").build_config(**SHAPE))
+    assert "use tp=1" in spec.tp_blocker and spec.pp_blocker is None
+    assert "use pp=1" in ModelSpec.from_hf_config(stablelm).pp_blocker
+    assert plain.tp_blocker is None and plain.pp_blocker is None
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", *list_families()])

@@ -76,8 +76,10 @@ def test_a_manual_strategy_the_model_cannot_split_names_its_field(tmp_path):
 
     with pytest.raises(ConfigError, match="placement.manual.actor_gen.strategy.tp: 2 for model 'actor': .*olmo2"):
         check(olmo, tp=2)
-    with pytest.raises(ConfigError, match="strategy.pp: 2 for model 'actor': .*use tp=1 and pp=1"):
-        check(olmo, tp=1, pp=2)
+    check(olmo, tp=1, pp=2)  # OLMo 2 declares its pipeline plan
+    stablelm = save_tiny_model_and_tokenizer(tmp_path / "stablelm", family="stablelm", **SHAPE)
+    with pytest.raises(ConfigError, match="strategy.pp: 2 for model 'actor': .*declares no base_model_pp_plan"):
+        check(stablelm, tp=1, pp=2)
     with pytest.raises(ConfigError, match="strategy.tp: 4 does not divide .*num_key_value_heads=1; tp may be \\[1\\]"):
         check(llama, tp=4)
     check(llama, tp=1, pp=2)  # what the model allows passes
