@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rollout_helpers import left_padded_prompts, tiny_model
+from rollout_helpers import left_padded_prompts, tiny_config, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
+from rlflow.families import get_family
 from rlflow.rendezvous import free_port
 
 pytestmark = pytest.mark.distributed
@@ -24,6 +25,16 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=30, n=2, max_new_toke
 
 def _stop_params(stops: tuple[int, ...]) -> SamplingParams:
     return SamplingParams(greedy=True, max_new_tokens=10, stop_token_ids=stops)
+
+
+def _generic_model(seed: int = 0) -> torch.nn.Module:
+    """A tiny Starcoder2: a generic family's model type whose config declares Megatron's tp plan."""
+    family = get_family("starcoder2")
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings", "pad_token_id")  # fmt: skip
+    config = family.build_config(**{k: getattr(tiny_config(), k) for k in shape}, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return family.causal_lm_class(config).eval()
 
 
 def _mesh(dp: int, tp: int):
@@ -54,6 +65,9 @@ def _worker(rank: int, world: int, port: int, outdir: str, stops: tuple[int, ...
         shards = HFRolloutEngine(tiny_model(seed=6), tp_mesh).module.state_dict()
         engine.update_weights({k: v.to_local() if isinstance(v, DTensor) else v for k, v in shards.items()})
         results["tp_updated_local"] = engine.generate((ids, mask), GREEDY)
+        generic = HFRolloutEngine(_generic_model(), tp_mesh)
+        assert isinstance(generic.module.model.layers[0].mlp.c_fc.weight, DTensor)
+        results["tp_generic"] = generic.generate((ids, mask), GREEDY)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -73,6 +87,7 @@ def runs(tmp_path_factory):
         "stop": reference.generate((ids, mask), _stop_params(stops)),
         "updated_full": HFRolloutEngine(tiny_model(seed=5)).generate((ids, mask), GREEDY),
         "updated_local": HFRolloutEngine(tiny_model(seed=6)).generate((ids, mask), GREEDY),
+        "generic": HFRolloutEngine(_generic_model()).generate((ids, mask), GREEDY),
     }
     return ranks, single
 
@@ -86,7 +101,7 @@ def test_greedy_identical_under_dp2(runs):
     torch.testing.assert_close(logp, single["greedy"]["old_logp"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["greedy", "stop"])
+@pytest.mark.parametrize("case", ["greedy", "stop", "generic"])
 def test_greedy_identical_under_tp2(runs, case):
     ranks, single = runs
     for rank in ranks:

@@ -84,13 +84,16 @@ ROUNDS: list[list[Job]] = [
     [Job("tp2_pp2", tp=2, pp=2, engine={"num_micro_batches": 2}, save_pretrained=True)],
     # Middle stages, and the tied-embedding gradient group between stages 0 and 3.
     [Job("pp4_tied", pp=4, tied=True, engine={"num_micro_batches": 4})],
-    # Model types of the generic family (read from the HF model; dp and pp, no tp): q/k norms over
+    # Model types of the generic family (read from the HF model): under dp and pp, q/k norms over
     # the projections (OLMo 2), fused qkv and gate/up projections (Phi-3).
     [Job("dp2_olmo2", dp=2, family="olmo2"), Job("dp2_phi3_packed", dp=2, family="phi3", engine={"packing": "on"})],
     [
         Job("pp2_olmo2_1f1b", pp=2, family="olmo2", engine={"num_micro_batches": 2, "pp_schedule": "1f1b"}),
         Job("pp2_phi3_tied", pp=2, family="phi3", tied=True, engine={"num_micro_batches": 2}),
     ],
+    # ... and tp where the config's base_model_tp_plan is Megatron's: Gemma (its scaled embedding,
+    # four norms a layer), Starcoder2 (biased c_fc/c_proj MLP, LayerNorms with biases).
+    [Job("tp2_gemma_tied", tp=2, family="gemma", tied=True), Job("tp2_starcoder2", tp=2, family="starcoder2")],
 ]
 JOBS = {job.name: job for round_ in ROUNDS for job in round_}
 

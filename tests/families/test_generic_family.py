@@ -100,10 +100,13 @@ def test_a_model_type_of_another_module_tree_or_none_is_refused():
         family_of({"model_type": "no_such_type"})
 
 
-def test_the_generic_family_splits_over_pp_where_the_config_declares_its_plan_and_never_over_tp():
+def test_the_generic_family_splits_where_the_configs_plans_allow():
     config = tiny("olmo2").config
-    with pytest.raises(ValueError, match="tp=2: model_type='olmo2' has no hand-written family record"):
-        model_param_specs(config, tp=2)
+    with pytest.raises(ValueError, match="tp=2: model_type='olmo2' .*'colwise_gather_output'.* use tp=1"):
+        model_param_specs(config, tp=2)  # its plan gathers q/k/v outputs for the q/k norms over whole projections
+    gemma = {s.name: s.tp_dim for s in model_param_specs(tiny("gemma").config, tp=2)}
+    assert gemma["model.layers.0.self_attn.k_proj.weight"] == 0 and gemma["model.layers.0.mlp.down_proj.weight"] == 1
+    assert gemma["model.layers.0.input_layernorm.weight"] is None  # a norm outside the plan: replicated
     assert len(model_param_specs(config)) == sum(1 for _ in tiny("olmo2").parameters())
     assert pipeline_stages(config, 2) == [["embed", "layer.0"], ["layer.1", "norm", "head"]]
     stablelm = tiny("stablelm").config  # it declares no base_model_pp_plan
@@ -111,6 +114,7 @@ def test_the_generic_family_splits_over_pp_where_the_config_declares_its_plan_an
         pipeline_stages(stablelm, 2)
     spec, plain = ModelSpec.from_hf_config(config), ModelSpec.from_hf_config(get_family("llama").build_config(**SHAPE))
     assert "use tp=1" in spec.tp_blocker and spec.pp_blocker is None
+    assert ModelSpec.from_hf_config(tiny("starcoder2").config).tp_blocker is None  # Megatron's plan
     assert "use pp=1" in ModelSpec.from_hf_config(stablelm).pp_blocker
     assert plain.tp_blocker is None and plain.pp_blocker is None
 
