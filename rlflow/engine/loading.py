@@ -144,16 +144,23 @@ def build_meta_model(config: Any, head: str, dtype: torch.dtype = torch.float32)
 def init_buffers(module: nn.Module) -> None:
     """Recompute the non-persistent buffers of ``module`` in place after a meta-device build.
 
-    ``to_empty`` leaves buffers uninitialised. The only buffers of the supported decoders are
-    the rotary embedding's ``inv_freq`` / ``original_inv_freq``, which a fresh rotary module
-    built from the same config computes exactly as ``from_pretrained`` does — on the CPU, as
-    there, and then copied to the buffers' device (a GPU ``pow`` may round differently).
+    ``to_empty`` leaves buffers uninitialised. The rotary embedding's ``inv_freq`` /
+    ``original_inv_freq`` are computed by a fresh rotary module built from the same config,
+    exactly as ``from_pretrained`` does — on the CPU, as there, and then copied to the buffers'
+    device (a GPU ``pow`` may round differently). A buffer ``x`` kept beside its value
+    ``scalar_x`` (HF's scaled embeddings: Gemma's ``embed_scale``) is refilled from it, as HF's
+    ``_init_weights`` does.
 
     Raises:
         ValueError: naming a buffer of any other module (it could not be recomputed).
     """
     for name, sub in module.named_modules():
         own = dict(sub.named_buffers(recurse=False))
+        scalars = {key: getattr(sub, f"scalar_{key}", None) for key in own}
+        if own and all(isinstance(v, (int, float)) for v in scalars.values()):
+            for key, buf in own.items():
+                buf.fill_(scalars[key])
+            continue
         if not own:
             continue
         if "RotaryEmbedding" not in type(sub).__name__ or not hasattr(sub, "config"):

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from rlflow.engine.loading import build_meta_model, init_buffers
 from rlflow.engine.pipeline import build_stage, stage_forward_mismatch
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 from rlflow.families import family_of, get_family, list_families
@@ -128,3 +129,14 @@ def test_the_planner_counts_the_parameters_the_model_holds(model_type):
     if model_type in list_families():  # a hand-written record: the count its dimensions give, unchanged
         formula = dataclasses.replace(spec, layer_param_count=None, layer_tensor_count=None)
         assert (formula.layer_params, list(formula.item_tensors)) == (spec.layer_params, list(spec.item_tensors))
+
+
+def test_a_meta_built_generic_model_recomputes_its_scaled_embedding_buffer():
+    # A worker builds its shard on the meta device and loads the weights; Gemma's embedding keeps
+    # its scale (sqrt(hidden_size)) as a non-persistent buffer, which loading must refill.
+    config = tiny("gemma").config
+    model = build_meta_model(config, "lm").to_empty(device="cpu")
+    init_buffers(model)
+    assert model.model.embed_tokens.embed_scale.item() == pytest.approx(SHAPE["hidden_size"] ** 0.5)
+    fresh = tiny("gemma")
+    assert torch.equal(model.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
