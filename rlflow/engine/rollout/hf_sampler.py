@@ -74,6 +74,13 @@ from rlflow.engine.rollout.base import (
     split_prompts,
 )
 from rlflow.engine.rollout.fast_decode import FastDecoder, fast_decode_blocker, kv_cache_bytes
+from rlflow.engine.rollout.multi_turn import (
+    MultiTurn,
+    assemble_episodes,
+    episode_metrics,
+    episode_rows,
+    run_episodes,
+)
 from rlflow.engine.rollout.native_decode import (
     NativeDecoder,
     native_decode_blocker,
@@ -705,6 +712,32 @@ class HFRolloutEngine:
             params.n,
             source,
         )
+
+    def generate_episodes(self, prompts: DataProto, params: SamplingParams, multi: MultiTurn) -> DataProto:
+        """``params.n`` multi-turn episodes per row of ``prompts`` (:mod:`~rlflow.engine.rollout.multi_turn`).
+
+        Each episode's ``reset`` reads its row (:func:`~rlflow.engine.rollout.multi_turn.episode_rows`). Outputs are
+        on the host; ``meta_info`` holds :func:`~rlflow.engine.rollout.multi_turn.episode_metrics`.
+
+        Raises:
+            ValueError: the engine is pipelined or tensor-parallel (an episode's tools would run
+                once per rank).
+        """
+        if self._coords.pp > 1 or (self._tp_group is not None and dist.get_world_size(self._tp_group) > 1):
+            raise ValueError("multi-turn rollouts need the hf engine on one process per dp rank (pp = tp = 1)")
+        device = next(self._model.parameters()).device
+        common = dict(pad_token_id=self._pad_token_id, tp_group=None, fast_decode=self._fast_decode)
+
+        def sample(ids: torch.Tensor, mask: torch.Tensor, turn_params: SamplingParams) -> tuple[torch.Tensor, ...]:
+            generator = self._generator(turn_params.seed, device)
+            return self._sample_in_turn(
+                ids.to(device), mask.to(device), turn_params, {**common, "generator": generator}
+            )
+
+        records, episodes = run_episodes(sample, episode_rows(prompts), params, multi)
+        out = assemble_episodes(records, multi, self._pad_token_id, prompts, params.n)
+        out.meta_info.update(episode_metrics(records, episodes))
+        return out
 
     def _sample_in_turn(self, ids, mask, params: SamplingParams, common: dict) -> tuple[torch.Tensor, ...]:
         """pp = 1: the prompts at once, or ``num_micro_batches`` groups of whole prompts one after
