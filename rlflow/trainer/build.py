@@ -43,6 +43,7 @@ from rlflow.trainer.local_ray import RAY_INIT_LOCK, WORKER_ENV, LocalRayStart, i
 from rlflow.trainer.placement import Placement
 from rlflow.trainer.run_dir import TINY_SHAPE_FIELDS
 from rlflow.trainer.runner import CallPlacement
+from rlflow.workers.environments import MultiTurnSetup
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
 logger = logging.getLogger(__name__)
@@ -447,10 +448,17 @@ def worker_setup(
     reward_fn: str | None,
     placement: Placement | None = None,
     use_gpu: bool = False,
+    multi_turn: MultiTurnSetup | None = None,
 ) -> WorkerSetup:
     """The :class:`WorkerSetup` every worker gets; ``placement`` (the planner's outcome, for
     workers on GPUs when ``use_gpu``) decides ``keep_copies`` when ``placement.keep_copies`` is
-    null (:func:`kept_copies`)."""
+    null (:func:`kept_copies`).
+
+    Raises:
+        ConfigError: ``multi_turn`` with a generate call placed tensor- or pipeline-parallel.
+    """
+    if multi_turn is not None:
+        check_multi_turn_calls(calls)
     sample, evaluate = sampling_params(cfg, load_tokenizer(tokenizer_path).eos_token_id)
     models = model_setups(cfg, paths, calls, reward_fn, use_gpu)
     return WorkerSetup(
@@ -466,7 +474,20 @@ def worker_setup(
         rollout_engine=cfg.rollout.engine,
         rollout_memory_fraction=cfg.rollout.gpu_memory_utilization,
         log_level=cfg.logging.level,
+        multi_turn=multi_turn,
     )
+
+
+def check_multi_turn_calls(calls: Mapping[str, CallPlacement]) -> None:
+    """Multi-turn episodes run on the built-in sampler with one process per dp rank: every generate
+    call of the actor must be placed with tp = pp = 1 (an episode's tools would run once per rank)."""
+    for name, c in calls.items():
+        if c.mfc.interface_type == "generate" and (c.strategy.tp > 1 or c.strategy.pp > 1):
+            raise ConfigError(
+                "rollout.multi_turn",
+                f"the plan places generate call {name!r} on {c.strategy}; multi-turn rollouts need the built-in "
+                "sampler on one process per dp rank (tp = pp = 1: set placement.manual or fewer devices)",
+            )
 
 
 def kept_copies(

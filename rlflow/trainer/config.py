@@ -62,6 +62,7 @@ __all__ = [
     "ManualPlacementConfig",
     "MeshConfig",
     "ModelConfig",
+    "MultiTurnConfig",
     "MODEL_ROLES",
     "PlacementConfig",
     "RLFlowConfig",
@@ -340,6 +341,36 @@ class DataConfig(_Section):
 
 
 @dataclass(kw_only=True)
+class MultiTurnConfig(_Section):
+    """Multi-turn rollouts: each sample is an episode of an environment, or of tools, over several turns.
+
+    The policy samples a turn (up to ``rollout.max_new_tokens``, ending at the EOS / end of turn),
+    the environment answers, its observation is appended, and so on. Observation tokens are in the
+    sequence but out of the loss, KL and entropy. Needs ``rollout.engine: hf`` on one process per
+    dp rank (no tensor- or pipeline-parallel generation). Python: ``Trainer(tools=[...])`` or
+    ``Trainer(environment=Factory)``.
+    """
+
+    environment: str | None = _f(
+        None, "an environment factory by import path module:Name (reset(row), step(text)); null: none"
+    )
+    tools: list[str] = _f([], "tool functions by import path module:function (a ToolEnvironments); []: none")
+    max_turns: int = _f(4, "sampled turns per episode at most", ge=1)
+    max_total_tokens: int = _f(256, "response tokens per episode, sampled and observation ones together", ge=1)
+    max_prompt_tokens: int = _f(256, "tokens of an episode's first observation (its prompt, tools listed)", ge=1)
+    tool_timeout_s: float = _f(30.0, "tools: seconds a call may take before it is reported as timed out", gt=0.0)
+    num_threads: int = _f(8, "episodes stepping (running tools) at once on a worker", ge=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None or bool(self.tools)
+
+    def _check(self) -> None:
+        if self.environment is not None and self.tools:
+            raise ConfigError("tools", f"{self.tools} and environment={self.environment!r} both; keep one")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig(_Section):
     """How responses are sampled."""
 
@@ -361,6 +392,15 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = _f(
         0.5, "vllm: share of each GPU's memory vLLM takes while generating (weights + KV cache)", gt=0.0, le=1.0
     )
+    multi_turn: MultiTurnConfig = _f(MultiTurnConfig(), "multi-turn rollouts with tools or an environment")
+
+    def _check(self) -> None:
+        if self.multi_turn.enabled and self.engine != "hf":
+            raise ConfigError(
+                "engine",
+                f"{self.engine!r} runs no multi-turn episodes (rollout.multi_turn); multi-turn needs the built-in "
+                "sampler, engine: hf, on one process per dp rank",
+            )
 
 
 @dataclass(kw_only=True)

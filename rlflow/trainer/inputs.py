@@ -15,7 +15,9 @@ into the run directory (once, at construction) and returns the config that names
   functions, or a reward model given by local path, Hugging Face Hub id or model object, which
   becomes the run's ``models.reward`` (:func:`check_reward_tokenizer`: rlflow's kind must read the run's tokens);
   a Hub id anywhere resolves to its snapshot in the HF cache (:func:`rlflow.trainer.hub.resolve_model_dir`);
-* :func:`check_reward_source` — one source of rewards for an algorithm that samples responses.
+* :func:`check_reward_source` — one source of rewards for an algorithm that samples responses;
+* :func:`multi_turn_setup` — ``tools=[...]`` or ``environment=Factory`` (or ``rollout.multi_turn``'s
+  import paths), checked and pickled by value for the workers.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from rlflow.dataflow.algorithms import Algorithm, get_algorithm, list_algorithms
 from rlflow.engine.models import is_sequence_classification
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, load_config
 from rlflow.trainer.hub import resolve_model_dir
+from rlflow.workers.environments import MultiTurnSetup, ToolEnvironments, pack_environment
 from rlflow.workers.reward_funcs import RewardFunc, RewardFuncs
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "build_config",
     "check_reward_source",
     "check_reward_tokenizer",
+    "multi_turn_setup",
     "records_of",
     "split_reward_funcs",
     "with_datasets",
@@ -317,3 +321,46 @@ def records_of(dataset: Iterable[Mapping[str, Any]], name: str = "dataset") -> l
     if not rows:
         raise ValueError(f"{name} has no rows")
     return rows
+
+
+def multi_turn_setup(cfg: RLFlowConfig, tools: Sequence[Any] | None, environment: Any) -> MultiTurnSetup | None:
+    """The run's episodes: Python ``tools`` (a :class:`~rlflow.workers.environments.ToolEnvironments`
+    timing calls out after ``rollout.multi_turn.tool_timeout_s``) or ``environment`` (a factory),
+    else the import paths of ``rollout.multi_turn``; None when there are none.
+
+    Raises:
+        ConfigError: tools and an environment both (from Python, the config or both); a rollout
+            engine other than ``hf``; an algorithm that samples nothing; an import path that does not
+            resolve or an environment missing ``reset``/``step`` (config).
+        TypeError: a Python tool without type hints or docstring, or an environment missing a
+            method (the message names the function or the class).
+    """
+    mt = cfg.rollout.multi_turn
+    given = {"tools": bool(tools), "environment": environment is not None, "rollout.multi_turn": mt.enabled}
+    if sum(given.values()) == 0:
+        return None
+    if sum(given.values()) > 1:
+        named = [k for k, v in given.items() if v]
+        raise ConfigError(named[0], f"{' and '.join(named)} both give the episodes; keep one")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(
+            "rollout.engine", f"{cfg.rollout.engine!r} runs no multi-turn episodes; multi-turn needs engine: hf"
+        )
+    if not cfg.algorithm.record.samples_responses:
+        raise ConfigError("rollout.multi_turn", f"algorithm {cfg.algorithm.name!r} samples no rollouts")
+    try:
+        if tools or mt.tools:
+            spec = pack_environment(ToolEnvironments(tools or mt.tools, mt.tool_timeout_s, mt.num_threads))
+        else:
+            spec = pack_environment(environment if environment is not None else mt.environment)
+    except (ValueError, TypeError) as err:
+        if given["rollout.multi_turn"]:
+            raise ConfigError("rollout.multi_turn." + ("tools" if mt.tools else "environment"), str(err)) from err
+        raise
+    return MultiTurnSetup(
+        environment=spec,
+        max_turns=mt.max_turns,
+        max_total_tokens=mt.max_total_tokens,
+        max_prompt_tokens=mt.max_prompt_tokens,
+        num_threads=mt.num_threads,
+    )

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -129,6 +129,12 @@ class Trainer:
             Or, as in TRL, a reward model: a local directory, a Hub id or a model object
             (:func:`rlflow.trainer.inputs.with_reward_model`), which becomes ``models.reward``.
         reward_weights: one weight per reward function (default 1 each).
+        tools: typed, documented functions the policy may call (TRL's ``GRPOTrainer(tools=...)``) or
+            their import paths: each rollout sample becomes a multi-turn episode of tool use
+            (``rollout.multi_turn`` sets its limits; :mod:`rlflow.workers.environments`).
+        environment: an environment factory (a class with ``reset(row)`` and ``step(text)``, or a
+            callable making one) or its import path: each sample becomes an episode of it; its step
+            rewards add to the reward functions' score.
         train_dataset: a list of dicts, a ``datasets.Dataset`` or a JSONL path; every column is
             passed to the reward functions. Replaces the synthetic task.
         eval_dataset: held-out prompts in the same forms; without one (and without a task) the
@@ -149,6 +155,8 @@ class Trainer:
         tokenizer: Any = None,
         reward_funcs: RewardFunc | str | Sequence[RewardFunc | str] | None = None,
         reward_weights: Sequence[float] | None = None,
+        tools: Sequence[Callable[..., Any] | str] | None = None,
+        environment: Callable[[], Any] | str | None = None,
         train_dataset: inputs.DatasetLike | None = None,
         eval_dataset: inputs.DatasetLike | None = None,
         callbacks: Sequence[Any] = (),
@@ -174,6 +182,7 @@ class Trainer:
                 else None
             )
             inputs.check_reward_source(self.cfg, self.reward_funcs)
+            self.multi_turn = inputs.multi_turn_setup(self.cfg, tools, environment)
             self.tokenizer_path = build.materialize_tokenizer(self.cfg, self.run_dir)
             inputs.check_reward_tokenizer(self.cfg, self.tokenizer_path)
             self.model_paths = build.materialize_models(self.cfg, self.run_dir, self.tokenizer_path)
@@ -250,7 +259,14 @@ class Trainer:
             self.startup["startup/worker_in_driver"] = float(in_driver)
         calls = {**self.placement.calls, **build.extra_calls(cfg, self.placement.calls, self.data.reward_fn, ranks)}
         setup = build.worker_setup(
-            cfg, calls, self.model_paths, self.tokenizer_path, self.data.reward_fn, self.placement, self.use_gpu
+            cfg,
+            calls,
+            self.model_paths,
+            self.tokenizer_path,
+            self.data.reward_fn,
+            self.placement,
+            self.use_gpu,
+            multi_turn=self.multi_turn,
         )
         calls = build.with_hook_ranks(calls, setup)
         self.setup = setup

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Protocol
 from ray import cloudpickle  # vendored by Ray, as reward_funcs uses it
 from transformers import PreTrainedTokenizerBase
 
+from rlflow.engine.rollout.multi_turn import MultiTurn
 from rlflow.workers.reward_funcs import dumps_by_value
 from rlflow.workers.tool_render import call_format, render_observation, render_prompt, tool_messages
 from rlflow.workers.tool_runner import ToolRunner, ToolStats
@@ -38,6 +39,7 @@ from rlflow.workers.tools import CALL_FORMATS, Tool, build_tools, parse_tool_cal
 __all__ = [
     "Environment",
     "EnvironmentSpec",
+    "MultiTurnSetup",
     "Step",
     "TokenEpisode",
     "TokenStep",
@@ -180,6 +182,35 @@ class EnvironmentSpec:
 
     def __repr__(self) -> str:
         return f"EnvironmentSpec({self.name!r})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiTurnSetup:
+    """What the workers need to roll out episodes of an environment (``rollout.multi_turn``).
+
+    Attributes:
+        environment: the environment factory, by value.
+        max_turns: sampled turns per episode at most.
+        max_total_tokens: response tokens per episode (sampled + observation).
+        max_prompt_tokens: prompt tokens an episode may start from (its first observation rendered).
+        num_threads: episodes stepping at once on a worker.
+    """
+
+    environment: EnvironmentSpec
+    max_turns: int
+    max_total_tokens: int
+    max_prompt_tokens: int
+    num_threads: int = 8
+
+    def build(self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None) -> MultiTurn:
+        """The rollout engine's :class:`~rlflow.engine.rollout.multi_turn.MultiTurn` over this environment."""
+        return MultiTurn(
+            episodes=self.environment.episodes(tokenizer, stop_token_ids),
+            max_turns=self.max_turns,
+            max_total_tokens=self.max_total_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            num_threads=self.num_threads,
+        )
 
 
 def pack_environment(factory: Callable[[], Any] | str) -> EnvironmentSpec:

@@ -38,6 +38,7 @@ from rlflow.engine.lora import LoraSpec
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.rollout import SamplingParams, get_rollout_engine, list_rollout_engines
 from rlflow.strategy import ParallelStrategy, RankCoords
+from rlflow.workers.environments import MultiTurnSetup
 from rlflow.workers.reward_errors import REWARD_ERROR_POLICIES
 
 if TYPE_CHECKING:
@@ -175,6 +176,8 @@ class WorkerSetup:
         rollout_memory_fraction: the share of each device's memory a rollout engine that
             ``holds_memory_fraction`` (vLLM's ``gpu_memory_utilization``) takes while it generates.
         log_level: the level of the worker's ``rlflow`` logger (``logging.level``).
+        multi_turn: the actor's rollouts are episodes of this environment (``rollout.multi_turn``);
+            None: one response per prompt.
     """
 
     models: Mapping[str, ModelSetup]
@@ -189,6 +192,7 @@ class WorkerSetup:
     rollout_engine: str = "hf"
     rollout_memory_fraction: float = 0.5
     log_level: str = "info"
+    multi_turn: MultiTurnSetup | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", dict(self.models))

@@ -145,3 +145,25 @@ def test_a_prompt_longer_than_max_prompt_tokens_is_refused_naming_the_setting():
 
     with pytest.raises(ValueError, match="max_prompt_tokens=4"):
         _run([1], make=Long)
+
+
+def test_observation_tokens_get_no_gradient_from_the_policy_loss_kl_and_entropy():
+    from rlflow.algos.params import AlgorithmParams
+    from rlflow.workers.interfaces.actor import rollout_rows
+    from rlflow.workers.losses import policy_loss_fn
+
+    _, out, _ = _run([2, 3])
+    rows = rollout_rows(out, out.batch["prompts"].shape[1]).batch
+    observation = rows["attention_mask"].bool() & ~rows["response_mask"].bool()
+    observation[:, : out.batch["prompts"].shape[1]] = False
+    assert observation.any()
+    shape = rows["response_mask"].shape
+    log_probs = torch.randn(shape, requires_grad=True)
+    entropy = torch.rand(shape, requires_grad=True)
+    batch = {**rows, "advantages": torch.ones(shape), "ref_logp": torch.randn(shape)}
+    algo = AlgorithmParams(name="grpo", entropy_coef=0.1, kl_coef=0.1, kl_in_reward=False).resolved()
+    loss, _ = policy_loss_fn(algo, 0.1)({"log_probs": log_probs, "entropy": entropy}, batch)
+    loss.backward()
+    sampled = rows["response_mask"].bool()
+    assert (log_probs.grad[observation] == 0).all() and (entropy.grad[observation] == 0).all()
+    assert (log_probs.grad[sampled] != 0).all()

@@ -16,6 +16,7 @@ pairs; ``"sft"`` cross-entropy (SFT, also the SFT warm-up before RL).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,9 +24,11 @@ import torch
 
 from rlflow.algos import logp_mismatch
 from rlflow.algos.overlong import truncated_rows
+from rlflow.data.tokenizer import load_tokenizer
 from rlflow.engine.lora import adapters_disabled
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.multi_turn import MultiTurn
 from rlflow.protocol import DataProto
 from rlflow.workers.advantage import AdvantageEstimator
 from rlflow.workers.context import CallContext, tensors_of
@@ -147,17 +150,40 @@ class ActorInterface(ModelInterface):
             self.num_eval_rollouts += 1
         else:
             self.num_rollouts += 1
-        sampled = engine.generate(prompts, params)
+        sampled = self._sample(engine, prompts, params)
         # An engine that reports log-probs of the top-k/top-p filtered distribution says so (vLLM);
         # logged as <call>/old_logp_filtered (algorithm.recompute_old_logp replaces them).
         filtered = sampled.meta_info.get("old_logp_filtered")
         if repeat > 1:
             sampled = sampled.repeat(repeat, interleave=True)
-        out = rollout_rows(sampled, tensors["prompts"].shape[1])
+        out = rollout_rows(sampled, sampled.batch["prompts"].shape[1])
         out.meta_info["response_length"] = float(out.batch["response_mask"].sum(dim=1).float().mean())
         if filtered is not None:
             out.meta_info["old_logp_filtered"] = float(bool(filtered))
+        if self.multi_turn is not None:  # episode metrics (multi_turn/*, the environment's tools/*)
+            out.meta_info.update(sampled.meta_info)
         return out
+
+    def _sample(self, engine: RolloutEngine, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """One response per sample, or an episode per sample when the run is multi-turn."""
+        if self.multi_turn is None:
+            return engine.generate(prompts, params)
+        run = getattr(engine, "generate_episodes", None)
+        if run is None:
+            raise ValueError(
+                f"rollout.multi_turn: the {self.setup.rollout_engine!r} rollout engine runs no episodes "
+                "(rollout.engine: hf runs them)"
+            )
+        return run(prompts, params, self.multi_turn)
+
+    @cached_property
+    def multi_turn(self) -> MultiTurn | None:
+        """The episodes of ``rollout.multi_turn`` (built once: the episodes share one tool thread pool)."""
+        if self.setup.multi_turn is None:
+            return None
+        return self.setup.multi_turn.build(
+            load_tokenizer(self.setup.tokenizer_path), self.setup.sampling.stop_token_ids
+        )
 
     # ------------------------------------------------------------------ inference
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:

@@ -13,6 +13,12 @@
   completions' token ids and the call's step, in TRL's conventions (conversational rows included).
   It holds no weights and runs on CPU. A sample whose reward raises fails the call or is scored by
   the model's ``reward_errors`` policy (``rlflow.workers.reward_errors``).
+
+Rows of a multi-turn rollout score their episode's environment reward (the ``env_rewards`` column,
+the sum of its step rewards) plus the reward's own score. The text a rule or a reward function
+reads as the completion is the policy's sampled turns only (observation tokens are outside the
+``response_mask``), for a TRL reward model too; a reward model scoring the token ids reads the
+whole sequence, observations included.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from transformers import AutoConfig
 from rlflow.data.formats import is_messages
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.engine.models import is_sequence_classification
+from rlflow.engine.rollout.multi_turn import ENV_REWARDS
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, tensors_of
 from rlflow.workers.interfaces.actor import pair_columns
@@ -42,10 +49,13 @@ if TYPE_CHECKING:
 __all__ = ["RewardModelInterface", "RuleRewardInterface", "decode_rollout", "reward_texts"]
 
 
-def _with_score_mean(rewards: torch.Tensor, errors: RewardErrors | None = None) -> DataProto:
-    """``rewards`` (N,) with NaN (skipped samples) scored 0, and their mean over the samples not skipped;
-    with ``errors`` (policy ``zero`` or ``skip``), the fraction of samples whose reward raised."""
+def _with_score_mean(rewards: torch.Tensor, data: DataProto, errors: RewardErrors | None = None) -> DataProto:
+    """``rewards`` (N,) plus the rows' environment rewards (a multi-turn rollout's ``env_rewards``
+    column), with NaN (skipped samples) scored 0, and their mean over the samples not skipped; with
+    ``errors`` (policy ``zero`` or ``skip``), the fraction of samples whose reward raised."""
     rewards = rewards.float()
+    if ENV_REWARDS in data.non_tensor_keys:
+        rewards = rewards + torch.as_tensor(data.non_tensor_batch[ENV_REWARDS].astype("float64")).to(rewards)
     out = DataProto.from_dict({"rewards": torch.nan_to_num(rewards, nan=0.0)})
     out.meta_info["score_mean"] = nan_mean(rewards)
     if errors is not None and errors.policy != "raise":
@@ -78,7 +88,7 @@ class RewardModelInterface(ModelInterface):
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
         batch = self._text_batch(data) if self.scores_text else tensors_of(data, ("input_ids", "attention_mask"))
         out = engine.forward(batch)
-        return None if out is None else _with_score_mean(out["rewards"])
+        return None if out is None else _with_score_mean(out["rewards"], data)
 
     def _text_batch(self, data: DataProto) -> dict[str, torch.Tensor]:
         """The rows' text tokenized by the reward tokenizer: right padding, no special tokens added (as TRL)."""
@@ -152,7 +162,7 @@ class RuleRewardInterface(ModelInterface):
         else:
             answers = data.non_tensor_batch["answers"].tolist()
             rewards = compute_rule_rewards(self.model.reward_fn, prompts, responses, answers, errors, uids)
-            out = _with_score_mean(rewards, errors)
+            out = _with_score_mean(rewards, data, errors)
         errors.report(ctx.mfc.name)
         return out
 
@@ -182,6 +192,6 @@ def _score_with_funcs(
     rewards, means = score_completions(
         funcs, prompts, completions, columns, errors, uids, completion_ids=completion_ids, step=step
     )
-    out = _with_score_mean(rewards, errors)
+    out = _with_score_mean(rewards, data, errors)
     out.meta_info.update(means)
     return out

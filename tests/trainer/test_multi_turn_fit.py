@@ -1,0 +1,96 @@
+"""Multi-turn GRPO through the public Trainer: tools or an environment, and what is refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rlflow.trainer import ConfigError, Trainer
+from rlflow.workers.environments import Step
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
+TINY = [
+    *(f"models.actor.{o}" for o in ("hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2")),
+    "models.actor.num_kv_heads=2", "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2",
+    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=2",
+    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
+    "logging.console=false", "logging.tensorboard=false", "rollout.max_new_tokens=4",
+    "rollout.multi_turn.max_prompt_tokens=16", "rollout.multi_turn.max_total_tokens=24",
+]  # fmt: skip
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an integer sum such as ``12+34``.
+
+    Args:
+        expression: digits and plus signs.
+    """
+    return str(sum(int(term) for term in expression.split("+")))
+
+
+class Calculator:
+    """Every turn is handed to the calculator; its result (or its error) is the observation. Two turns;
+    a step rewards 0.5 when the turn's text is a number."""
+
+    def reset(self, row):
+        self.turns = 0
+        return row["prompt"]
+
+    def step(self, text):
+        self.turns += 1
+        try:
+            observation = "=" + calculator(text.strip())
+        except ValueError as err:  # what the model wrote is no sum: the error is what it reads
+            observation = f"!{type(err).__name__}"
+        return Step(observation[:6], 0.5 * text.strip().isdigit(), self.turns >= 2)
+
+    def metrics(self):
+        return {"calculator/turns": float(self.turns)}
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if any(k.startswith("actor_train/") for k in r)]
+
+
+def test_grpo_fits_two_steps_over_episodes_of_an_environment(tmp_path):
+    with Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path}"], environment=Calculator) as trainer:
+        trainer.fit()
+    steps = _steps(tmp_path)
+    assert len(steps) == 2
+    for metrics in steps:
+        assert metrics["actor_gen/multi_turn/turns"] == 2.0
+        assert metrics["actor_gen/calculator/turns"] == 2.0
+        assert 0.0 < metrics["actor_gen/multi_turn/observation_share"] < 1.0
+        assert math.isfinite(metrics["actor_train/pg_loss"])
+
+
+def test_grpo_fits_with_tools_and_logs_their_counts(tmp_path):
+    overrides = [*TINY, f"logging.dir={tmp_path}", "trainer.total_steps=1", "rollout.multi_turn.max_prompt_tokens=640"]
+    with Trainer(GRPO, overrides=overrides, tools=[calculator]) as t:  # the tools are listed in the prompt
+        t.fit()
+    (metrics,) = _steps(tmp_path)
+    assert metrics["actor_gen/multi_turn/turns"] >= 1.0
+    for key in ("tools/calls", "tools/errors", "tools/timeouts", "tools/seconds"):
+        assert f"actor_gen/{key}" in metrics
+
+
+class NoStep:
+    def reset(self, row):
+        return row["prompt"]
+
+
+def test_a_bad_environment_or_two_sources_of_episodes_are_refused_at_construction(tmp_path):
+    with pytest.raises(TypeError, match="environment class 'NoStep' has no method 'step'"):
+        Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'a'}"], environment=NoStep)
+    with pytest.raises(ConfigError, match="tools and environment both"):
+        Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'b'}"], environment=Calculator, tools=[calculator])
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.environment: .*'no_such_module:Env'"):
+        Trainer(
+            GRPO,
+            overrides=[*TINY, f"logging.dir={tmp_path / 'c'}", "rollout.multi_turn.environment=no_such_module:Env"],
+        )
