@@ -33,8 +33,8 @@ def calculator(expression: str) -> str:
 
 
 class Calculator:
-    """Every turn is handed to the calculator; its result (or its error) is the observation. Two turns;
-    a step rewards 0.5 when the turn's text is a number."""
+    """Every turn is handed to the calculator; its result (or its error) is the observation. Two turns,
+    each rewarded 0.5."""
 
     def reset(self, row):
         self.turns = 0
@@ -46,7 +46,7 @@ class Calculator:
             observation = "=" + calculator(text.strip())
         except ValueError as err:  # what the model wrote is no sum: the error is what it reads
             observation = f"!{type(err).__name__}"
-        return Step(observation[:6], 0.5 * text.strip().isdigit(), self.turns >= 2)
+        return Step(observation[:6], 0.5, self.turns >= 2)
 
     def metrics(self):
         return {"calculator/turns": float(self.turns)}
@@ -57,8 +57,9 @@ def _steps(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if any(k.startswith("actor_train/") for k in r)]
 
 
-def test_grpo_fits_two_steps_over_episodes_of_an_environment(tmp_path):
-    with Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path}"], environment=Calculator) as trainer:
+def test_grpo_fits_two_steps_over_episodes_of_an_environment_with_old_logp_recomputed_and_a_policy_lag(tmp_path):
+    overrides = [*TINY, f"logging.dir={tmp_path}", "algorithm.recompute_old_logp=true", "algorithm.policy_lag=1"]
+    with Trainer(GRPO, overrides=overrides, environment=Calculator) as trainer:
         trainer.fit()
     steps = _steps(tmp_path)
     assert len(steps) == 2
@@ -66,7 +67,13 @@ def test_grpo_fits_two_steps_over_episodes_of_an_environment(tmp_path):
         assert metrics["actor_gen/multi_turn/turns"] == 2.0
         assert metrics["actor_gen/calculator/turns"] == 2.0
         assert 0.0 < metrics["actor_gen/multi_turn/observation_share"] < 1.0
+        assert metrics["actor_gen/multi_turn/env_reward"] == 1.0
+        # The score is the environment's reward plus the rule's (numeric_match: 0 or 1 a row).
+        assert 1.0 <= metrics["reward_inf/score_mean"] <= 2.0
         assert math.isfinite(metrics["actor_train/pg_loss"])
+        # The recompute's log-probs of the sampled tokens match the sampler's: the contexts are the same.
+        assert metrics["actor_inf/logp_mismatch_max"] < 1e-3
+    assert steps[1]["actor_train/policy_lag"] == 1.0
 
 
 def test_grpo_fits_with_tools_and_logs_their_counts(tmp_path):
