@@ -101,3 +101,16 @@ def test_a_bad_environment_or_two_sources_of_episodes_are_refused_at_constructio
             GRPO,
             overrides=[*TINY, f"logging.dir={tmp_path / 'c'}", "rollout.multi_turn.environment=no_such_module:Env"],
         )
+
+
+def test_a_plan_generating_tensor_or_pipeline_parallel_is_refused_for_multi_turn():
+    from rlflow.dataflow import MFCDef
+    from rlflow.strategy import ParallelStrategy
+    from rlflow.trainer.build import check_multi_turn_calls
+    from rlflow.trainer.runner import CallPlacement
+
+    gen = MFCDef("actor_gen", "actor", "generate", ("prompts", "prompt_mask"), ("input_ids",))
+    check_multi_turn_calls({"actor_gen": CallPlacement(gen, (0, 1), ParallelStrategy(dp=2))})
+    for strategy in (ParallelStrategy(tp=2), ParallelStrategy(pp=2)):
+        with pytest.raises(ConfigError, match="multi-turn rollouts need the built-in sampler on one process per dp"):
+            check_multi_turn_calls({"actor_gen": CallPlacement(gen, (0, 1), strategy)})
