@@ -360,6 +360,11 @@ class MultiTurnConfig(_Section):
     max_prompt_tokens: int = _f(256, "tokens of an episode's first observation (its prompt, tools listed)", ge=1)
     tool_timeout_s: float = _f(30.0, "tools: seconds a call may take before it is reported as timed out", gt=0.0)
     num_threads: int = _f(8, "episodes stepping (running tools) at once on a worker", ge=1)
+    overlap: bool = _f(
+        False,
+        "episodes whose tools answered sample their next turn without waiting for the turn's slowest tool; the "
+        "batches then depend on tool timing, so a seed no longer fixes the samples (false: turn by turn)",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -363,4 +363,5 @@ def multi_turn_setup(cfg: RLFlowConfig, tools: Sequence[Any] | None, environment
         max_total_tokens=mt.max_total_tokens,
         max_prompt_tokens=mt.max_prompt_tokens,
         num_threads=mt.num_threads,
+        overlap=mt.overlap,
     )

@@ -194,6 +194,7 @@ class MultiTurnSetup:
         max_total_tokens: response tokens per episode (sampled + observation).
         max_prompt_tokens: prompt tokens an episode may start from (its first observation rendered).
         num_threads: episodes stepping at once on a worker.
+        overlap: episodes whose step answered go on without waiting for the turn's slower steps.
     """
 
     environment: EnvironmentSpec
@@ -201,6 +202,7 @@ class MultiTurnSetup:
     max_total_tokens: int
     max_prompt_tokens: int
     num_threads: int = 8
+    overlap: bool = False
 
     def build(self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None) -> MultiTurn:
         """The rollout engine's :class:`~rlflow.engine.rollout.multi_turn.MultiTurn` over this environment."""
@@ -210,6 +212,7 @@ class MultiTurnSetup:
             max_total_tokens=self.max_total_tokens,
             max_prompt_tokens=self.max_prompt_tokens,
             num_threads=self.num_threads,
+            overlap=self.overlap,
         )
 
 

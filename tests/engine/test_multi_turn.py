@@ -49,7 +49,7 @@ def _objects(values):
     return out
 
 
-def _run(turns, *, max_turns=4, max_total_tokens=40, n=1, make=Scripted):
+def _run(turns, *, max_turns=4, max_total_tokens=40, n=1, make=Scripted, overlap=False):
     episodes = []
 
     def maker():
@@ -58,7 +58,9 @@ def _run(turns, *, max_turns=4, max_total_tokens=40, n=1, make=Scripted):
 
     engine = HFRolloutEngine(tiny_model(), pad_token_id=PAD)
     params = SamplingParams(n=n, max_new_tokens=6, stop_token_ids=(STOP,), seed=0)
-    multi = MultiTurn(episodes=maker, max_turns=max_turns, max_total_tokens=max_total_tokens, max_prompt_tokens=4)
+    multi = MultiTurn(
+        episodes=maker, max_turns=max_turns, max_total_tokens=max_total_tokens, max_prompt_tokens=4, overlap=overlap
+    )
     return engine, engine.generate_episodes(_prompts(turns), params, multi), episodes
 
 
@@ -167,3 +169,23 @@ def test_observation_tokens_get_no_gradient_from_the_policy_loss_kl_and_entropy(
     sampled = rows["response_mask"].bool()
     assert (log_probs.grad[observation] == 0).all() and (entropy.grad[observation] == 0).all()
     assert (log_probs.grad[sampled] != 0).all()
+
+
+class SlowOneTurn(Scripted):
+    """The one-turn episode's step takes 0.5 s; the others answer at once. Notes when its last step ended."""
+
+    def step(self, ids):
+        if self.turns == 1:
+            time.sleep(0.5)
+        out = super().step(ids)
+        self.ended = time.perf_counter()
+        return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_with_overlap_a_slow_step_stalls_only_its_own_episode(overlap):
+    _, out, (slow, fast, faster) = _run([1, 3, 3], make=SlowOneTurn, overlap=overlap)
+    assert [len(e.seen) for e in (slow, fast, faster)] == [1, 3, 3]
+    # Turn by turn, the fast episodes' second turn waits for the slow step; with overlap they finish first.
+    assert (max(fast.ended, faster.ended) < slow.ended) == overlap
+    assert out.non_tensor_batch[ENV_REWARDS].tolist() == [1.0, 3.0, 3.0]

@@ -9,7 +9,8 @@ Each turn is one batched ``sample`` call over the episodes still running, with e
 context (prompt, earlier turns, observations) as its prompt: the KV cache does not survive a turn,
 so a turn re-reads its context (a prefill of the context per turn). The turn's ``step`` calls run on
 a thread pool, all episodes' at once; the next turn starts when every ``step`` of this one returned,
-so a turn lasts as long as its slowest step, and the sampling stays reproducible for a seed.
+so a turn lasts as long as its slowest step, and the sampling stays reproducible for a seed. With
+``MultiTurn.overlap`` the episodes whose step answered go on at once, while slower steps still run.
 
 Output rows (:func:`run_episodes`) follow :mod:`rlflow.engine.rollout.base`, with ``R =
 max_total_tokens`` and ``P = max_prompt_tokens``; ``response_mask`` is 1 on sampled tokens only
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,6 +81,10 @@ class MultiTurn:
         max_total_tokens: response tokens per episode (sampled + observation), ``R`` of the output.
         max_prompt_tokens: prompt ids an episode's ``reset`` may return, ``P`` of the output.
         num_threads: episodes whose ``step`` runs at once.
+        overlap: episodes whose ``step`` answered sample their next turn without waiting for the
+            slower steps of their turn (a slow tool stalls only its own episode); which episodes
+            share a batched ``sample`` then depends on the steps' timing, so a seed no longer fixes
+            the tokens. False: turn by turn (module docstring).
     """
 
     episodes: Callable[[], Episode]
@@ -86,6 +92,7 @@ class MultiTurn:
     max_total_tokens: int = 256
     max_prompt_tokens: int = 256
     num_threads: int = 8
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_prompt_tokens", "num_threads"):
@@ -153,15 +160,36 @@ def run_episodes(
             )
         records.append(EpisodeRecord(prompt))
     with ThreadPoolExecutor(max_workers=multi.num_threads, thread_name_prefix="episode") as pool:
-        for turn in range(multi.max_turns):
-            running = [i for i, r in enumerate(records) if not r.done]
-            if not running:
-                break
-            _sample_turn(sample, records, running, params, multi, turn)
-            answers = pool.map(lambda i: _step(episodes[i], records[i]), running)
-            for i, (obs, reward, done) in zip(running, answers):
-                _answer(records[i], obs, reward, done, multi)
+        (_run_overlapped if multi.overlap else _run_in_turns)(sample, episodes, records, params, multi, pool)
     return records, episodes
+
+
+def _run_in_turns(sample, episodes, records, params, multi, pool: ThreadPoolExecutor) -> None:
+    """Turn by turn: every running episode samples, then every one steps; the next turn waits for all."""
+    for turn in range(multi.max_turns):
+        running = [i for i, r in enumerate(records) if not r.done]
+        if not running:
+            break
+        _sample_turn(sample, records, running, params, multi, turn)
+        answers = pool.map(lambda i: _step(episodes[i], records[i]), running)
+        for i, (obs, reward, done) in zip(running, answers):
+            _answer(records[i], obs, reward, done, multi)
+
+
+def _run_overlapped(sample, episodes, records, params, multi, pool: ThreadPoolExecutor) -> None:
+    """Episodes whose step answered sample their next turn together while slower steps still run."""
+    ready, pending, calls = list(range(len(records))), {}, 0
+    while ready or pending:
+        if ready:
+            _sample_turn(sample, records, ready, params, multi, calls)
+            calls += 1
+            pending.update({pool.submit(_step, episodes[i], records[i]): i for i in ready})
+            ready = []
+        finished, _ = wait_futures(pending, return_when=FIRST_COMPLETED)
+        for i, future in sorted((pending.pop(f), f) for f in finished):
+            _answer(records[i], *future.result(), multi)
+            if not records[i].done:
+                ready.append(i)
 
 
 def _sample_turn(
