@@ -83,3 +83,16 @@ def test_tool_episodes_keep_sampled_and_observation_ids_and_report_errors_and_ti
     assert metrics["tools/calls"] == pytest.approx(3 / 4)
     assert metrics["tools/errors"] == pytest.approx(1 / 4)
     assert metrics["tools/timeouts"] == pytest.approx(1 / 4)
+
+
+def test_a_rule_reads_the_prompt_before_the_first_sampled_token_and_the_sampled_turns_as_the_response():
+    from rlflow.data.tokenizer import build_char_tokenizer
+    from rlflow.workers.interfaces.reward import decode_rollout
+
+    tok = build_char_tokenizer(add_bos=False)
+    parts = [("1+2=", 0), ("ca", 1), ("=3", 0), ("3", 1)]  # prompt, turn, observation, turn
+    ids = [tok.pad_token_id] + [i for text, _ in parts for i in tok(text, add_special_tokens=False).input_ids]
+    sampled = [0] + [s for text, s in parts for s in [s] * len(text)]
+    attention = [0] + [1] * (len(ids) - 1)  # a left pad, then real tokens
+    prompts, responses = decode_rollout(tok, *(torch.tensor([x]) for x in (ids, attention, sampled)))
+    assert (prompts, responses) == (["1+2="], ["ca3"])

@@ -111,10 +111,15 @@ class RewardModelInterface(ModelInterface):
 
 
 def decode_rollout(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor):
-    """``(prompts, responses)``: the text of every row's prompt and response tokens (special tokens dropped)."""
+    """``(prompts, responses)``: the text of every row's prompt and response tokens (special tokens dropped).
+
+    The prompt is the real tokens before the first response token: a multi-turn row's observations
+    are neither (they follow the first sampled token and are outside ``response_mask``).
+    """
     real, response = attention_mask.bool(), response_mask.bool()
+    before_response = response.long().cumsum(dim=1) == 0
     prompts = [
-        tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(input_ids, real & ~response)
+        tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(input_ids, real & before_response)
     ]
     responses = [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True) for ids, m in zip(input_ids, response)]
     return prompts, responses
