@@ -135,15 +135,17 @@ def planning_workload(cfg: RLFlowConfig) -> Workload:
     )
 
 
-def runtime_capabilities(cfg: RLFlowConfig) -> RuntimeCapabilities:
+def runtime_capabilities(cfg: RLFlowConfig, multi_turn: bool = False) -> RuntimeCapabilities:
     """What the configured rollout engine declares it runs (its ``capabilities``): its parallel
     axes, and a generation on every worker of the pool when it ``spans_world`` (vLLM's external
-    launcher builds groups over the whole world); a LoRA model trains with tp = pp = 1."""
+    launcher builds groups over the whole world); a LoRA model trains with tp = pp = 1; ``multi_turn``
+    rollouts generate on one process per dp rank (no tp or pp: an episode's tools would run once per
+    rank)."""
     rollout = get_rollout_engine(cfg.rollout.engine).capabilities
     world = cfg.placement.num_nodes * cfg.placement.devices_per_node
     return RuntimeCapabilities(
-        pipeline_generate=rollout.pp,
-        tensor_parallel_generate=rollout.tp,
+        pipeline_generate=rollout.pp and not multi_turn,
+        tensor_parallel_generate=rollout.tp and not multi_turn,
         generate_world_size=world if rollout.spans_world else None,
         data_parallel_train_models=frozenset(role for role, m in cfg.models.items() if m.lora is not None),
     )
@@ -161,8 +163,10 @@ def plan_placement(
     use_gpu: bool,
     profile: MachineProfile | None = None,
     progress: bool | None = None,
+    multi_turn: bool = False,
 ) -> Placement:
-    """Plans every MFC of ``graph`` according to ``cfg.placement.mode``.
+    """Plans every MFC of ``graph`` according to ``cfg.placement.mode``; generate calls of
+    ``multi_turn`` rollouts with tp = pp = 1 (:func:`runtime_capabilities`).
 
     Raises:
         ValueError: a manual plan that is not among the valid options (names the MFC), or a
@@ -181,7 +185,7 @@ def plan_placement(
             dict(specs),
             cluster,
             planning_workload(cfg),
-            capabilities=runtime_capabilities(cfg),
+            capabilities=runtime_capabilities(cfg, multi_turn),
             profile=profile,
             policy_lag=getattr(cfg.algorithm, "policy_lag", 0),
         )

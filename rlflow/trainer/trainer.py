@@ -326,6 +326,7 @@ class Trainer:
             use_gpu=self.use_gpu,
             profile=None if found is None else found.profile,
             progress=self.progress_bars,
+            multi_turn=self.multi_turn is not None,
         )
         self._record_startup("plan_s", started)
         if placement.plan is not None:

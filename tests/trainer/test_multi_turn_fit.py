@@ -114,3 +114,19 @@ def test_a_plan_generating_tensor_or_pipeline_parallel_is_refused_for_multi_turn
     for strategy in (ParallelStrategy(tp=2), ParallelStrategy(pp=2)):
         with pytest.raises(ConfigError, match="multi-turn rollouts need the built-in sampler on one process per dp"):
             check_multi_turn_calls({"actor_gen": CallPlacement(gen, (0, 1), strategy)})
+
+
+def test_the_planner_places_multi_turn_generation_without_tensor_or_pipeline_parallelism():
+    from rlflow.planner.model_spec import model_preset
+    from rlflow.trainer import load_config
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement
+
+    cfg = load_config(None, ["placement.mode=heuristic", "placement.devices_per_node=8"])
+    graph = build_dataflow(cfg, rule_reward=True)
+    for multi_turn in (False, True):
+        placement = plan_placement(
+            cfg, graph, {"actor": model_preset("llama2-7b")}, use_gpu=True, progress=False, multi_turn=multi_turn
+        )
+        strategy = placement.calls["actor_gen"].strategy
+        assert (strategy.tp == strategy.pp == 1) == multi_turn
