@@ -424,6 +424,11 @@ class WarmupConfig(_Section):
     lr: float = _f(1e-3, "warm-up learning rate (constant)", gt=0.0)
     eval_every: int = _f(0, "held-out evaluation every this many warm-up steps (logged as warmup/*); 0: none", ge=0)
     target_score: float | None = _f(None, "stop the warm-up once the held-out score reaches this; null: off")
+    tool_traces: str | None = _f(
+        None,
+        "warm up on tool-use traces instead of the answers: import path module:fn of fn(row) -> the turns the "
+        "policy should write (tool calls, then the answer), run through rollout.multi_turn's tools; null: answers",
+    )
 
     def _check(self) -> None:
         # steps=0 turns the warm-up off, target included (a recipe's target survives warmup.steps=0).

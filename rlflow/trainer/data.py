@@ -22,12 +22,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlflow.data.datasets import DatasetFormatError, PreferenceDataset, PromptDataset, SFTDataset
-from rlflow.data.files import data_format
+from rlflow.data.datasets import (
+    DatasetFormatError,
+    PreferenceDataset,
+    PromptDataset,
+    SFTDataset,
+    collate_sft,
+)
+from rlflow.data.files import data_format, read_records
 from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
 from rlflow.protocol import DataProto
 from rlflow.trainer.config import ConfigError, RLFlowConfig
+from rlflow.workers.environments import MultiTurnSetup, import_object, trace_example
 from rlflow.workers.reward_funcs import RewardFuncs, required_columns
 from rlflow.workers.rewards import check_ground_truth
 
@@ -132,7 +139,9 @@ def _records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any]] |
     return task_records(cfg, split, size)
 
 
-def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs | None = None) -> TrainerData:
+def build_trainer_data(
+    cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs | None = None, multi_turn: MultiTurnSetup | None = None
+) -> TrainerData:
     """Datasets and loaders for the algorithm's kind of row (``Algorithm.dataset``) and the warm-up stage.
 
     Args:
@@ -140,6 +149,7 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs |
         tokenizer: encodes prompts (and answers).
         reward_funcs: Python reward functions scoring responses instead of a named rule; they read
             whatever columns they name, so held-out rows need no ``answer`` then.
+        multi_turn: the run's episodes; ``warmup.tool_traces`` runs its traces through them.
 
     Raises:
         ConfigError: a data file of a format not read here (names ``data.train_file`` or ``data.eval_file``).
@@ -168,7 +178,10 @@ def build_trainer_data(cfg: RLFlowConfig, tokenizer, reward_funcs: RewardFuncs |
         train, columns = loader(dataset, "data.batch_size"), dataset.columns
     eval_prompts = _eval_prompts(cfg, tokenizer, reward_fn)
     warmup = None
-    if cfg.warmup.steps > 0:
+    if cfg.warmup.steps > 0 and cfg.warmup.tool_traces is not None:
+        traces = TraceDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, cfg.warmup.tool_traces, multi_turn)
+        warmup = loader(traces, "warmup.batch_size", sft=True, batch_size=cfg.warmup.batch_size)
+    elif cfg.warmup.steps > 0:
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
         from_pairs = isinstance(records, str) and dataset_kind == "pairs"  # DPO's file: SFT on the chosen answers
         sft = SFTDataset(records, tokenizer, max_len, answer_field="chosen" if from_pairs else "answer")
@@ -316,6 +329,47 @@ def prompts_to_proto(batch: dict[str, Any]) -> DataProto:
 
 
 _COLLATED_KEYS = ("index", "input_ids", "attention_mask", "position_ids")  # what collate_prompts adds
+
+
+class TraceDataset:
+    """SFT examples of tool use (``warmup.tool_traces``): each training row's turns, as ``fn(row)``
+    writes them, run through an episode of the run's tools (:func:`~rlflow.workers.environments.trace_example`).
+
+    Raises:
+        ConfigError: no multi-turn tools to run the traces through, or ``fn`` does not import
+            (``warmup.tool_traces``); a row whose trace fails names the row.
+    """
+
+    def __init__(self, source, tokenizer, traces: str, multi_turn: MultiTurnSetup | None) -> None:
+        if multi_turn is None:
+            raise ConfigError(
+                "warmup.tool_traces", "needs tools or an environment (rollout.multi_turn, Trainer(tools=))"
+            )
+        try:
+            fn = import_object(traces)
+        except ValueError as err:
+            raise ConfigError("warmup.tool_traces", str(err)) from None
+        self.tokenizer = tokenizer
+        make = multi_turn.environment.episodes(tokenizer)
+        rows = (
+            read_records(source) if isinstance(source, str) else [(f"<records>:{i}", r) for i, r in enumerate(source)]
+        )
+        self.items = []
+        for index, (where, row) in enumerate(rows):
+            try:
+                ids, mask = trace_example(make(), row, fn(row))
+            except (ValueError, KeyError, TypeError) as err:
+                raise DatasetFormatError(f"{where}: warmup.tool_traces {traces!r}: {err}") from err
+            self.items.append({"index": index, "input_ids": ids, "loss_mask": mask})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+    def collate(self, items):
+        return collate_sft(items, self.tokenizer.pad_token_id)
 
 
 def sft_to_proto(batch: dict[str, Any]) -> DataProto:

@@ -187,7 +187,7 @@ class Trainer:
             inputs.check_reward_tokenizer(self.cfg, self.tokenizer_path)
             self.model_paths = build.materialize_models(self.cfg, self.run_dir, self.tokenizer_path)
             self.data = trainer_data.build_trainer_data(
-                self.cfg, tokenizer_io.load_tokenizer(self.tokenizer_path), self.reward_funcs
+                self.cfg, tokenizer_io.load_tokenizer(self.tokenizer_path), self.reward_funcs, self.multi_turn
             )
             for fn in funcs or ():
                 reward_functions.check_reward_signature(fn, set(self.data.columns) - {"prompt"})

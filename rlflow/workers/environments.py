@@ -48,6 +48,7 @@ __all__ = [
     "check_environment",
     "import_object",
     "pack_environment",
+    "trace_example",
 ]
 
 Observation = str | list[dict[str, Any]]
@@ -322,3 +323,31 @@ class TokenEpisode:
         """The environment's per-episode counts (``tools/calls`` ...); empty when it keeps none."""
         metrics = getattr(self.env, "metrics", None)
         return dict(metrics()) if callable(metrics) else {}
+
+
+def trace_example(episode: TokenEpisode, row: Mapping[str, Any], turns: Sequence[str]) -> tuple[list[int], list[int]]:
+    """A supervised example of an episode in which the policy writes ``turns``: ``(ids, loss_mask)``.
+
+    The ids are what a multi-turn rollout of the same turns keeps — the prompt (``reset(row)``),
+    each turn's ids closed by the stop token, and the observation ``step`` returns after it (the
+    tools really run) — and the loss covers the turns only. An SFT warm-up on such traces teaches
+    the tool-call format with the tokens the rollouts will see.
+
+    Raises:
+        ValueError: the episode ends before its last turn, or ``turns`` is empty.
+    """
+    if not turns:
+        raise ValueError("trace_example: no turns to write")
+    eos = episode.tokenizer.eos_token_id
+    stop = eos if eos in episode.stop_token_ids else min(episode.stop_token_ids)
+    ids = list(episode.reset(row))
+    mask = [0] * len(ids)
+    for i, text in enumerate(turns):
+        sampled = episode.tokenizer(text, add_special_tokens=False).input_ids + [stop]
+        ids, mask = ids + sampled, mask + [1] * len(sampled)
+        observation, _, done = episode.step(sampled)
+        if done and i + 1 < len(turns):
+            raise ValueError(f"trace_example: the episode ended after turn {i} of {len(turns)} ({text!r})")
+        if i + 1 < len(turns):
+            ids, mask = ids + list(observation), mask + [0] * len(observation)
+    return ids, mask

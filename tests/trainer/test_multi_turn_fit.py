@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.trainer import ConfigError, Trainer
+from rlflow.trainer.data import TraceDataset
 from rlflow.workers.environments import Step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,6 +98,9 @@ def test_a_bad_environment_or_two_sources_of_episodes_are_refused_at_constructio
         Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'a'}"], environment=NoStep)
     with pytest.raises(ConfigError, match="tools and environment both"):
         Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'b'}"], environment=Calculator, tools=[calculator])
+    traces = ["warmup.steps=1", "warmup.tool_traces=rlflow.data.tool_tasks:multiply_traces"]
+    with pytest.raises(ConfigError, match="warmup.tool_traces: needs tools or an environment"):
+        Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'd'}", *traces])
     with pytest.raises(ConfigError, match=r"rollout.multi_turn.environment: .*'no_such_module:Env'"):
         Trainer(
             GRPO,
@@ -130,3 +135,25 @@ def test_the_planner_places_multi_turn_generation_without_tensor_or_pipeline_par
         )
         strategy = placement.calls["actor_gen"].strategy
         assert (strategy.tp == strategy.pp == 1) == multi_turn
+
+
+def test_the_tool_recipe_warms_up_on_tool_traces_then_rolls_out_tool_episodes(tmp_path):
+    recipe = REPO / "recipes" / "grpo_tools_arithmetic.yaml"
+    overrides = [
+        *(o for o in TINY if not o.startswith(("rollout.multi_turn.", "rollout.max_new_tokens"))),
+        "warmup.steps=2", "warmup.batch_size=4", "warmup.eval_every=0", "warmup.target_score=null", "trainer.total_steps=1",
+        "placement.devices_per_node=1", "trainer.max_wall_seconds=null", "checkpoint.every_n_steps=0",
+        "checkpoint.save_final=false", "checkpoint.save_hf=false", "rollout.max_new_tokens=8",
+        f"logging.dir={tmp_path}",
+    ]  # fmt: skip
+    with Trainer(recipe, overrides=overrides) as trainer:
+        traces = trainer.data.warmup.dataset
+        assert isinstance(traces, TraceDataset) and len(traces) > 0
+        trainer.fit()
+    # Each trace: the prompt and the tool's result out of the loss, the call and the answer in it.
+    tok = build_char_tokenizer()
+    item = traces[0]
+    written = tok.decode([i for i, m in zip(item["input_ids"], item["loss_mask"]) if m], skip_special_tokens=True)
+    assert written.startswith('<call>{"name": "multiply", "arguments": {"a": ') and "<result" not in written
+    (metrics,) = _steps(tmp_path)
+    assert "actor_gen/tools/calls" in metrics and metrics["actor_gen/multi_turn/turns"] >= 1.0

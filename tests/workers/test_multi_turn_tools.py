@@ -96,3 +96,25 @@ def test_a_rule_reads_the_prompt_before_the_first_sampled_token_and_the_sampled_
     attention = [0] + [1] * (len(ids) - 1)  # a left pad, then real tokens
     prompts, responses = decode_rollout(tok, *(torch.tensor([x]) for x in (ids, attention, sampled)))
     assert (prompts, responses) == (["1+2="], ["ca3"])
+
+
+def test_a_tool_trace_is_the_rollout_of_its_turns_with_the_loss_on_the_turns_only():
+    from rlflow.data.tokenizer import build_char_tokenizer
+    from rlflow.data.tool_tasks import multiply as task_multiply
+    from rlflow.data.tool_tasks import multiply_traces
+    from rlflow.workers.environments import trace_example
+
+    tok = build_char_tokenizer()
+    make = pack_environment(ToolEnvironments([task_multiply])).episodes(tok)
+    row = {"prompt": "123*456=", "answer": "56088"}
+    ids, mask = trace_example(make(), row, multiply_traces(row))
+    episode = make()  # the same episode, stepped by hand
+    prompt = episode.reset(row)
+    call = tok(multiply_traces(row)[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
+    result = episode.step(call).ids
+    answer = tok("56088", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert ids == prompt + call + result + answer
+    assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert tok.decode(result) == '\n<result name="multiply">56088</result>\n'
+    with pytest.raises(ValueError, match="is not of the form 'a\\*b='"):
+        multiply_traces({"prompt": "1+2=", "answer": "3"})
