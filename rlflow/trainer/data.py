@@ -335,9 +335,14 @@ class TraceDataset:
     """SFT examples of tool use (``warmup.tool_traces``): each training row's turns, as ``fn(row)``
     writes them, run through an episode of the run's tools (:func:`~rlflow.workers.environments.trace_example`).
 
+    An example is built when the loader first reads it (the tools run then): a warm-up reads
+    ``steps * batch_size`` rows, often far fewer than the task has. The first row is built at
+    construction, so a trace function that does not fit the rows fails before any work.
+
     Raises:
         ConfigError: no multi-turn tools to run the traces through, or ``fn`` does not import
-            (``warmup.tool_traces``); a row whose trace fails names the row.
+            (``warmup.tool_traces``).
+        DatasetFormatError: a row whose trace fails (the message names the row).
     """
 
     def __init__(self, source, tokenizer, traces: str, multi_turn: MultiTurnSetup | None) -> None:
@@ -346,26 +351,29 @@ class TraceDataset:
                 "warmup.tool_traces", "needs tools or an environment (rollout.multi_turn, Trainer(tools=))"
             )
         try:
-            fn = import_object(traces)
+            self.fn = import_object(traces)
         except ValueError as err:
             raise ConfigError("warmup.tool_traces", str(err)) from None
-        self.tokenizer = tokenizer
-        make = multi_turn.environment.episodes(tokenizer)
-        rows = (
+        self.tokenizer, self.traces = tokenizer, traces
+        self.make = multi_turn.environment.episodes(tokenizer)
+        self.rows = (
             read_records(source) if isinstance(source, str) else [(f"<records>:{i}", r) for i, r in enumerate(source)]
         )
-        self.items = []
-        for index, (where, row) in enumerate(rows):
-            try:
-                ids, mask = trace_example(make(), row, fn(row))
-            except (ValueError, KeyError, TypeError) as err:
-                raise DatasetFormatError(f"{where}: warmup.tool_traces {traces!r}: {err}") from err
-            self.items.append({"index": index, "input_ids": ids, "loss_mask": mask})
+        self.items: dict[int, dict[str, Any]] = {}
+        if self.rows:
+            self.__getitem__(0)  # a trace function that does not fit the rows fails here
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        if index not in self.items:
+            where, row = self.rows[index]
+            try:
+                ids, mask = trace_example(self.make(), row, self.fn(row))
+            except (ValueError, KeyError, TypeError) as err:
+                raise DatasetFormatError(f"{where}: warmup.tool_traces {self.traces!r}: {err}") from err
+            self.items[index] = {"index": index, "input_ids": ids, "loss_mask": mask}
         return self.items[index]
 
     def collate(self, items):

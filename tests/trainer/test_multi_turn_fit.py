@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rlflow.data.files import DatasetFormatError
 from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.trainer import ConfigError, Trainer
 from rlflow.trainer.data import TraceDataset
@@ -101,6 +102,8 @@ def test_a_bad_environment_or_two_sources_of_episodes_are_refused_at_constructio
     traces = ["warmup.steps=1", "warmup.tool_traces=rlflow.data.tool_tasks:multiply_traces"]
     with pytest.raises(ConfigError, match="warmup.tool_traces: needs tools or an environment"):
         Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'd'}", *traces])
+    with pytest.raises(DatasetFormatError, match=r"multiply_traces: prompt '\d+\+\d+=' is not of the form"):
+        Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'e'}", *traces], tools=[calculator])
     with pytest.raises(ConfigError, match=r"rollout.multi_turn.environment: .*'no_such_module:Env'"):
         Trainer(
             GRPO,
