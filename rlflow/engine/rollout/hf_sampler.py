@@ -716,8 +716,8 @@ class HFRolloutEngine:
     def generate_episodes(self, prompts: DataProto, params: SamplingParams, multi: MultiTurn) -> DataProto:
         """``params.n`` multi-turn episodes per row of ``prompts`` (:mod:`~rlflow.engine.rollout.multi_turn`).
 
-        Each episode's ``reset`` reads its row (:func:`~rlflow.engine.rollout.multi_turn.episode_rows`). Outputs are
-        on the host; ``meta_info`` holds :func:`~rlflow.engine.rollout.multi_turn.episode_metrics`.
+        Each episode's ``reset`` reads its row (:func:`~rlflow.engine.rollout.multi_turn.episode_rows`).
+        Outputs are on the host; ``meta_info`` holds :func:`~rlflow.engine.rollout.multi_turn.episode_metrics`.
 
         Raises:
             ValueError: the engine is pipelined or tensor-parallel (an episode's tools would run

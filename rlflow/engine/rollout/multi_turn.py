@@ -12,7 +12,7 @@ a thread pool, all episodes' at once; the next turn starts when every ``step`` o
 so a turn lasts as long as its slowest step, and the sampling stays reproducible for a seed. With
 ``MultiTurn.overlap`` the episodes whose step answered go on at once, while slower steps still run.
 
-Output rows (:func:`run_episodes`) follow :mod:`rlflow.engine.rollout.base`, with ``R =
+Output rows (:func:`assemble_episodes`) follow :mod:`rlflow.engine.rollout.base`, with ``R =
 max_total_tokens`` and ``P = max_prompt_tokens``; ``response_mask`` is 1 on sampled tokens only
 (the loss mask), ``response_attention`` 1 on sampled and observation tokens.
 """

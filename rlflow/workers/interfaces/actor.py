@@ -182,7 +182,7 @@ class ActorInterface(ModelInterface):
         if self.setup.multi_turn is None:
             return None
         return self.setup.multi_turn.build(
-            load_tokenizer(self.setup.tokenizer_path), self.setup.sampling.stop_token_ids
+            load_tokenizer(self.setup.tokenizer_path), self.setup.sampling.stop_token_ids or None
         )
 
     # ------------------------------------------------------------------ inference
