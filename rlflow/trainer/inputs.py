@@ -118,7 +118,8 @@ def check_reward_source(cfg: RLFlowConfig, reward_funcs: RewardFuncs | None) -> 
     if samples and cfg.reward_fn is None and "reward" not in cfg.models:
         raise ConfigError(
             "algorithm.reward_fn",
-            "null, and neither models.reward nor data.task gives a reward (Python: Trainer(reward_funcs=[fn]))",
+            "null, and neither models.reward nor data.task gives a reward (Python: Trainer(reward_funcs=[fn]); "
+            "multi-turn episodes scored by their environment alone: algorithm.reward_fn=environment)",
         )
 
 

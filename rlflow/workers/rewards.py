@@ -436,6 +436,17 @@ format_reward.__doc__ = """1.0 when the response holds exactly one non-empty ``<
 register_reward("code_tests", parse_ground_truth=check_tests)(code_tests_reward)
 
 
+@register_reward("environment", needs_ground_truth=False)
+def environment_reward(prompt: str, response: str, ground_truth: Any = None) -> float:
+    """0.0 for every response: with multi-turn rollouts (``rollout.multi_turn``) a row's score is
+    then its episode's environment reward alone (the reward call adds ``env_rewards`` to the rule's).
+
+    >>> environment_reward("", "anything")
+    0.0
+    """
+    return 0.0
+
+
 # ----------------------------------------------------------------------------- math
 
 # math-verify bounds each parse and comparison with signal.alarm, which only the main thread may

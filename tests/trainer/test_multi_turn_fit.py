@@ -160,3 +160,12 @@ def test_the_tool_recipe_warms_up_on_tool_traces_then_rolls_out_tool_episodes(tm
     assert written.startswith('<call>{"name": "multiply", "arguments": {"a": ') and "<result" not in written
     (metrics,) = _steps(tmp_path)
     assert "actor_gen/tools/calls" in metrics and metrics["actor_gen/multi_turn/turns"] >= 1.0
+
+
+def test_episodes_scored_by_their_environment_alone(tmp_path):
+    overrides = [*TINY, f"logging.dir={tmp_path}", "trainer.total_steps=1", "algorithm.reward_fn=environment"]
+    rows = [{"prompt": f"{a}+{a}="} for a in range(10, 14)]  # no answers: nothing but the environment scores
+    with Trainer(GRPO, overrides=overrides, environment=Calculator, train_dataset=rows) as trainer:
+        trainer.fit()
+    (metrics,) = _steps(tmp_path)
+    assert metrics["reward_inf/score_mean"] == 1.0  # two steps of 0.5

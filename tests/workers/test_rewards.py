@@ -115,7 +115,8 @@ def test_registry_and_batch_helper(monkeypatch):
     with pytest.raises(ValueError, match="'countdown' is already registered"):
         register_reward("countdown")(countdown_reward)
     with pytest.raises(
-        KeyError, match="registered rewards: \\['code_tests', 'countdown', 'format', 'math_verify', 'numeric_match'\\]"
+        KeyError,
+        match="registered rewards: \\['code_tests', 'countdown', 'environment', 'format', 'math_verify', 'numeric_match'\\]",
     ):
         get_reward("exact")
 
