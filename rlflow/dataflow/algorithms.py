@@ -16,13 +16,16 @@ key                         meaning (shape, dtype)
 ``answers``                 dataset: reference answers for rule-based rewards (B,)
 ``input_ids``               prompt + response ids (N, P+R), int64
 ``attention_mask``          (N, P+R), 1 for real tokens
-``response_mask``           (N, P+R), 1 for response tokens
+``response_mask``           (N, P+R), 1 for response tokens the policy sampled (the loss mask: a multi-turn
+                            row's observation tokens are real in ``attention_mask`` but 0 here)
 ``old_logp``                log-prob of every token under the policy the PPO ratio is taken against
                             (N, P+R), float: the rollout's own, or recomputed by the trainer
 ``rollout_logp``            with ``GraphOptions.recompute_old_logp``: the rollout engine's log-probs
 ``ref_logp``                the same under the reference model
 ``values``                  critic values (N, P+R), float
 ``rewards``                 one scalar per sequence (N,), float
+``env_rewards``             multi-turn rollouts: each episode's summed step rewards (N,), a non-tensor column
+                            the reward call adds to its score
 ``greedy_*``                ReMax: the same keys for the greedy (baseline) rollout
 ``loss_mask``               SFT / DPO / RM datasets: 1 for tokens that enter the loss
 ==========================  ==========================================================

@@ -118,12 +118,18 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
     return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=rates)
 
 
-def planning_workload(cfg: RLFlowConfig) -> Workload:
-    """Batch and lengths of one iteration as the cost model sees them."""
+def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False) -> Workload:
+    """Batch and lengths of one iteration as the cost model sees them.
+
+    ``multi_turn`` rows are ``rollout.multi_turn.max_prompt_tokens`` + ``max_total_tokens`` long: the
+    cost model prices their whole response as decoded (observation tokens are prefilled, and each
+    turn prefills its context again: neither is priced apart yet).
+    """
+    mt = cfg.rollout.multi_turn
     return Workload(
         batch_size=cfg.data.batch_size,
-        prompt_len=cfg.data.max_prompt_len,
-        gen_len=cfg.rollout.max_new_tokens or cfg.data.max_response_len,
+        prompt_len=mt.max_prompt_tokens if multi_turn else cfg.data.max_prompt_len,
+        gen_len=mt.max_total_tokens if multi_turn else cfg.rollout.max_new_tokens or cfg.data.max_response_len,
         n_samples_per_prompt=cfg.algorithm.n_samples if _samples(cfg) else 1,
         n_ppo_minibatches=cfg.algorithm.n_minibatches,
         ppo_epochs=cfg.algorithm.ppo_epochs,
@@ -184,7 +190,7 @@ def plan_placement(
             graph,
             dict(specs),
             cluster,
-            planning_workload(cfg),
+            planning_workload(cfg, multi_turn),
             capabilities=runtime_capabilities(cfg, multi_turn),
             profile=profile,
             policy_lag=getattr(cfg.algorithm, "policy_lag", 0),

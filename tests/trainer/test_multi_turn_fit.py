@@ -128,9 +128,10 @@ def test_the_planner_places_multi_turn_generation_without_tensor_or_pipeline_par
     from rlflow.planner.model_spec import model_preset
     from rlflow.trainer import load_config
     from rlflow.trainer.build import build_dataflow
-    from rlflow.trainer.placement import plan_placement
+    from rlflow.trainer.placement import plan_placement, planning_workload
 
-    cfg = load_config(None, ["placement.mode=heuristic", "placement.devices_per_node=8"])
+    lengths = ["rollout.multi_turn.max_prompt_tokens=24", "rollout.multi_turn.max_total_tokens=40"]
+    cfg = load_config(None, ["placement.mode=heuristic", "placement.devices_per_node=8", *lengths])
     graph = build_dataflow(cfg, rule_reward=True)
     for multi_turn in (False, True):
         placement = plan_placement(
@@ -138,6 +139,8 @@ def test_the_planner_places_multi_turn_generation_without_tensor_or_pipeline_par
         )
         strategy = placement.calls["actor_gen"].strategy
         assert (strategy.tp == strategy.pp == 1) == multi_turn
+    workload = planning_workload(cfg, multi_turn=True)  # priced at the rows' lengths
+    assert (workload.prompt_len, workload.gen_len) == (24, 40)
 
 
 def test_the_tool_recipe_warms_up_on_tool_traces_then_rolls_out_tool_episodes(tmp_path):

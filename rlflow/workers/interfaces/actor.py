@@ -8,6 +8,11 @@ row ``i*n + j`` is sample ``j`` of prompt ``i``, so the ``n`` samples of a promp
 consecutive (the GRPO group), and every non-tensor column of the prompts (``answers``...)
 is repeated with its samples, plus a ``uid`` naming the prompt.
 
+With ``rollout.multi_turn`` each sample is an episode (:mod:`rlflow.engine.rollout.multi_turn`,
+on an engine with ``generate_episodes``): its rows hold the episode's prompt (``P`` =
+``max_prompt_tokens``), then its sampled and observation tokens (``R`` = ``max_total_tokens``),
+the observations real in ``attention_mask`` but outside ``response_mask``, with log-prob 0.
+
 The train step runs the objective its MFC declares (``MFCDef.objective``): ``"rl"`` the policy
 loss after computing advantages (PPO family); ``"dpo"`` the DPO/IPO loss over (chosen, rejected)
 pairs; ``"sft"`` cross-entropy (SFT, also the SFT warm-up before RL).
