@@ -172,11 +172,11 @@ def test_observation_tokens_get_no_gradient_from_the_policy_loss_kl_and_entropy(
 
 
 class SlowOneTurn(Scripted):
-    """The one-turn episode's step takes 0.5 s; the others answer at once. Notes when its last step ended."""
+    """The one-turn episode's step takes 1 s; the others answer at once. Notes when its last step ended."""
 
     def step(self, ids):
         if self.turns == 1:
-            time.sleep(0.5)
+            time.sleep(1.0)
         out = super().step(ids)
         self.ended = time.perf_counter()
         return out
