@@ -141,6 +141,13 @@ def _attention_mask(max_seqlen: int, device: torch.device, *, causal: bool, slid
     return mask
 
 
+def _widened_on_cpu(query: torch.Tensor) -> bool:
+    """Whether a 16-bit attention on a CPU runs in float32: torch's CPU flash kernel is slower in
+    bfloat16 than in float32, its backward about 3x (docs/benchmarks.md, "Precision"), and the
+    scores are the most rounding-sensitive part of a layer."""
+    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+
 def varlen_sdpa_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -175,6 +182,15 @@ def varlen_sdpa_attention(
     Returns:
         ``(output, None)`` with output ``(1, total, Hq, D)``, what HF attention functions return.
     """
+    if _widened_on_cpu(query):
+        out, weights = varlen_sdpa_attention(
+            module, query.float(), key.float(), value.float(),
+            attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else attention_mask,
+            dropout=dropout, scaling=scaling, is_causal=is_causal, sliding_window=sliding_window,
+            cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
+            max_length_k=max_length_k, **kwargs,
+        )  # fmt: skip
+        return out.to(query.dtype), weights
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs

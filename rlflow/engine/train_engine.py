@@ -167,7 +167,8 @@ class TrainEngine:
         self.device = _resolve_device(self.config.device)
         self.compute_dtype = mixed_precision_dtype(self.device, self.config.mixed_precision)
         self.packing = self._resolve_packing()
-        if self.packing:
+        widened = self.device.type == "cpu" and self.compute_dtype in (torch.bfloat16, torch.float16)
+        if self.packing or widened:  # rlflow's SDPA: packed rows, and 16-bit attention on CPUs in float32
             model.set_attn_implementation(varlen_implementation(self.device))
         self.hf_class, self.hf_config = type(model), model.config
         self.stage = self._build_stage(model, load_weights)

@@ -149,3 +149,30 @@ def test_packed_stage_equals_padded_hf_model_with_sliding_windows() -> None:
         got = unpack(stage(packed_ids, position_ids=pos, cu_seqlens=cu, max_seqlen=max_seqlen(cu)), mask)
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_16_bit_attention_on_a_cpu_runs_in_float32():
+    # torch's CPU flash kernel is slower in bf16 than in fp32 (its backward about 3x): bf16 models
+    # attend in fp32 there, packed rows and padded batches alike, and the output is rounded back.
+    q, k, v, cu = _packed_qkv([5, 3, 7])
+    module = nn.Module()
+    module.is_causal = True
+    half = [t.bfloat16() for t in (q, k, v)]
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    out, _ = varlen_sdpa_attention(module, *half, None, **kwargs)
+    wide, _ = varlen_sdpa_attention(module, *(t.float() for t in half), None, **kwargs)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.bfloat16())
+    padded = [t.bfloat16() for t in torch.randn(3, 2, 4, 6, 8).unbind(0)]
+    out, _ = varlen_sdpa_attention(module, *padded, None, is_causal=True)
+    wide, _ = sdpa_attention_forward(module, *(t.float() for t in padded), None, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.bfloat16())
+
+
+@pytest.mark.parametrize("precision, widened", [("bf16", True), ("fp32", False)])
+def test_a_cpu_engine_attends_through_rlflows_sdpa_in_16_bit(single_mesh, precision, widened):
+    from rlflow.data.tiny_models import build_tiny_model
+    from rlflow.engine.train_engine import EngineConfig, TrainEngine
+
+    model = build_tiny_model("llama", vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    engine = TrainEngine(model, single_mesh, EngineConfig(device="cpu", mixed_precision=precision))
+    assert (engine.hf_config._attn_implementation == VARLEN_SDPA) == widened
