@@ -65,6 +65,7 @@ class ResourcePool:
         cpus_per_worker: float | None = None,
         ready_timeout_s: float = 120.0,
         name: str | None = None,
+        threads_per_worker: int = 1,
     ) -> None:
         counts = list(process_on_nodes)
         if not counts or any(not isinstance(n, int) or n < 1 for n in counts):
@@ -76,6 +77,9 @@ class ResourcePool:
             raise ValueError(f"cpus_per_worker={cpus_per_worker!r} must be > 0")
         self.process_on_nodes, self.use_gpu = counts, bool(use_gpu)
         self.max_colocate_count, self.cpus_per_worker = max_colocate_count, float(cpus)
+        if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker={threads_per_worker!r} must be a positive int")
+        self.threads_per_worker = threads_per_worker
         self._bundle = bundle_resources(self.use_gpu, self.cpus_per_worker, max_colocate_count)
         node_ids = self._choose_nodes()
         self._groups = [

@@ -42,6 +42,7 @@ class WorkerInfo:
         master_addr: rendezvous host chosen by rank 0.
         master_port: rendezvous port chosen by rank 0.
         use_gpu: the worker owns one GPU (else a share of CPU).
+        threads: torch threads of a CPU worker (1, or every core of a host a plan gives one worker).
     """
 
     rank: int = 0
@@ -53,6 +54,7 @@ class WorkerInfo:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     use_gpu: bool = False
+    threads: int = 1
 
 
 _building: tuple[WorkerInfo, str] | None = None  # set by WorkerHost while it constructs a role object
@@ -177,9 +179,10 @@ class WorkerHost:
         self._driver_threads = (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")) if in_driver else None
         if not info.use_gpu:
             # CPU workers share few cores; one thread each keeps gloo collectives from crawling
-            # (and runs as the machine profile measured a worker).
-            torch.set_num_threads(1)
-            os.environ["OMP_NUM_THREADS"] = "1"
+            # (and runs as the machine profile measured a worker); a plan of one worker on a host
+            # may give it every core (``info.threads``, priced by the profile's host timings).
+            torch.set_num_threads(info.threads)
+            os.environ["OMP_NUM_THREADS"] = str(info.threads)
         self._in_driver = in_driver
         node_id = DRIVER_NODE_ID if in_driver else ray.get_runtime_context().get_node_id()
         self._info = replace(info, node_id=node_id)

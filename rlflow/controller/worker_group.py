@@ -86,15 +86,16 @@ class RayWorkerGroup:
         workers: RayClassWithInitArgs | Mapping[str, RayClassWithInitArgs],
         role: str | None = None,
         use_gpu: bool = False,
+        threads: int = 1,
     ) -> RayWorkerGroup:
         """A group of one worker hosted by this process (:mod:`rlflow.controller.driver_host`), no Ray.
 
         Its methods, views, futures and errors are those of a Ray group of one rank; rows pass
-        between calls as objects, never serialised.
+        between calls as objects, never serialised. ``threads``: its torch threads on CPU.
         """
         specs, bound = _specs(workers, role)
         group = cls.__new__(cls)
-        group._setup(_spawn_in_driver(specs, use_gpu), [0], None, bound)
+        group._setup(_spawn_in_driver(specs, use_gpu, threads), [0], None, bound)
         return group
 
     @classmethod
@@ -380,7 +381,10 @@ def _spawn(pool: ResourcePool, specs: dict[str, RayClassWithInitArgs]) -> _Actor
     host_cls = ray.remote(WorkerHost)
     hosts = []
     for b in pool.bundles():
-        info = WorkerInfo(b.rank, pool.world_size, b.local_rank, b.local_world_size, b.node_rank, use_gpu=pool.use_gpu)
+        info = WorkerInfo(
+            b.rank, pool.world_size, b.local_rank, b.local_world_size, b.node_rank, use_gpu=pool.use_gpu,
+            threads=pool.threads_per_worker,
+        )  # fmt: skip
         hosts.append(host_cls.options(**pool.actor_options(b)).remote(info))
     actors = _Actors(hosts, [b.node_id for b in pool.bundles()], {r: s.cls for r, s in specs.items()})
     first = hosts[0].rendezvous.remote()
@@ -390,9 +394,10 @@ def _spawn(pool: ResourcePool, specs: dict[str, RayClassWithInitArgs]) -> _Actor
     return actors
 
 
-def _spawn_in_driver(specs: dict[str, RayClassWithInitArgs], use_gpu: bool) -> _Actors:
+def _spawn_in_driver(specs: dict[str, RayClassWithInitArgs], use_gpu: bool, threads: int = 1) -> _Actors:
     """One WorkerHost in this process, rank 0 of 1, its roles built (:func:`_spawn`'s counterpart)."""
-    host = DriverHost(partial(WorkerHost, WorkerInfo(0, 1, 0, 1, 0, use_gpu=use_gpu), in_driver=True))
+    info = WorkerInfo(0, 1, 0, 1, 0, use_gpu=use_gpu, threads=threads)
+    host = DriverHost(partial(WorkerHost, info, in_driver=True))
     actors = _Actors([host], [DRIVER_NODE_ID], {r: s.cls for r, s in specs.items()}, in_driver=True)
     try:
         first = host.rendezvous.remote()

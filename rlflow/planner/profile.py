@@ -179,7 +179,7 @@ class BatchTiming:
 _CALL_KINDS = {"generate": RolloutTiming, "forward": BatchTiming, "train": BatchTiming}
 
 
-_OPTIONAL_SUFFIXES = ("_alt", "_alone", "_alone_alt")
+_OPTIONAL_SUFFIXES = ("_alt", "_alone", "_alone_alt", "_host")
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,10 @@ class CallTimings:
       size — what a call spread over the host's workers costs;
     * **alone** (``*_alone``, ``*_alone_alt``; absent from one-worker hosts and older profiles):
       the whole batch, and one worker's share, in one process while the others idle — what a call
-      on one worker costs, without the contention and FSDP of the busy regime.
+      on one worker costs, without the contention and FSDP of the busy regime;
+    * **host** (``*_host``; absent from one-worker hosts and older profiles): the alone regime's
+      whole batch in one process with as many threads as the host has worker processes — what a
+      plan of one worker costs when that worker takes every core (:meth:`host_speedup`).
     """
 
     model: ModelSpec
@@ -210,6 +213,18 @@ class CallTimings:
     generate_alone_alt: RolloutTiming | None = None
     forward_alone_alt: BatchTiming | None = None
     train_alone_alt: BatchTiming | None = None
+    generate_host: RolloutTiming | None = None
+    forward_host: BatchTiming | None = None
+    train_host: BatchTiming | None = None
+
+    def host_speedup(self, kind: str) -> float | None:
+        """How much faster one process with every core of the host runs ``kind`` (``generate``,
+        ``forward``, ``train``) than with one thread, at the same shape (the whole batch):
+        ``alone seconds / host seconds``; None without both timings."""
+        alone, host = getattr(self, f"{kind}_alone"), getattr(self, f"{kind}_host")
+        if alone is None or host is None or host.seconds <= 0:
+            return None
+        return alone.seconds / host.seconds
 
     def timings(self, kind: str, alone: bool = False) -> list[RolloutTiming | BatchTiming]:
         """The timings of ``kind`` (``generate``, ``forward``, ``train``) in one regime: zero

@@ -695,6 +695,7 @@ def start_workers(
     use_gpu: bool,
     ranks: Sequence[int] | None = None,
     in_driver: bool = False,
+    threads: int = 1,
 ) -> tuple[RayWorkerGroup, ResourcePool | None]:
     """One :class:`ModelWorker` per rank (default every device of the pool; see :func:`worker_ranks`);
     process groups and models built.
@@ -702,6 +703,7 @@ def start_workers(
     Args:
         in_driver: run the one worker (``ranks`` must be ``(0,)``) in this process, without Ray
             (:meth:`RayWorkerGroup.in_driver`).
+        threads: torch threads of each CPU worker (:attr:`Placement.threads`).
 
     Returns:
         The worker group and its resource pool (None for a driver-hosted worker);
@@ -713,7 +715,9 @@ def start_workers(
     if in_driver:
         if ranks is None or tuple(ranks) != (0,):
             raise ValueError(f"a driver-hosted worker is rank 0 of 1, got ranks {ranks}")
-        group = RayWorkerGroup.in_driver(RayClassWithInitArgs(ModelWorker, setup), role="model", use_gpu=use_gpu)
+        group = RayWorkerGroup.in_driver(
+            RayClassWithInitArgs(ModelWorker, setup), role="model", use_gpu=use_gpu, threads=threads
+        )
         try:
             group.init_process_group()
             group.build()
@@ -729,7 +733,7 @@ def start_workers(
         sizes = [len(ranks)]
     else:
         sizes = [p.devices_per_node] * p.num_nodes
-    pool = ResourcePool(sizes, use_gpu=use_gpu, cpus_per_worker=p.cpus_per_worker)
+    pool = ResourcePool(sizes, use_gpu=use_gpu, cpus_per_worker=p.cpus_per_worker, threads_per_worker=threads)
     try:
         group = RayWorkerGroup(pool, RayClassWithInitArgs(ModelWorker, setup), role="model")
         group.init_process_group()

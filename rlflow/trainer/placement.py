@@ -33,7 +33,7 @@ from rlflow.planner.cluster import ClusterSpec, cluster_preset
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
-from rlflow.planner.profile import MachineProfile, save_profile
+from rlflow.planner.profile import CallTimings, MachineProfile, save_profile
 from rlflow.planner.search import plan_search
 from rlflow.planner.simulate import simulate
 from rlflow.planner.space import RuntimeCapabilities
@@ -56,12 +56,15 @@ class Placement:
         plan: the chosen plan with its estimates (``None`` for a graph without device calls).
         baselines: the baselines priced by the same simulator, for comparison.
         problem: the planning problem the plan indexes into.
+        threads: torch threads of each CPU worker: 1, or every core of the host for a plan of
+            one worker that runs faster so (:func:`one_worker_on_every_core`).
     """
 
     calls: dict[str, CallPlacement]
     plan: ExecutionPlan | None
     baselines: list[BaselinePlan] = field(default_factory=list)
     problem: PlanProblem | None = None
+    threads: int = 1
 
     def estimated_call_seconds(self) -> dict[str, float]:
         """MFC name -> the cost model's estimate of one call (s)."""
@@ -184,6 +187,7 @@ def plan_placement(
         check_manual_strategies(cfg, device_mfcs, specs)
     problem = plan = None
     baselines: list[BaselinePlan] = []
+    threads = 1
     if device_mfcs:
         cluster = planning_cluster(cfg, use_gpu, profile)
         problem = build_problem(
@@ -198,8 +202,51 @@ def plan_placement(
         generate = [m.name for m in device_mfcs if m.interface_type == "generate"]
         baselines = baseline_plans(problem, generate)
         plan = _choose(p.mode, problem, baselines, generate, cfg, progress)
+        if p.mode == "auto" and not use_gpu and profile is not None and profile.calls is not None:
+            kinds = {m.name: m.interface_type for m in device_mfcs}
+            plan, threads = one_worker_on_every_core(problem, plan, profile.calls, kinds, p.devices_per_node)
     calls = _call_placements(graph, plan, cfg)
-    return Placement(calls, plan, baselines, problem)
+    return Placement(calls, plan, baselines, problem, threads)
+
+
+# The profiled whole call that prices each interface type.
+_PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "train"}
+
+
+def one_worker_on_every_core(
+    problem: PlanProblem, plan: ExecutionPlan, timings: CallTimings, kinds: Mapping[str, str], cores: int
+) -> tuple[ExecutionPlan, int]:
+    """``plan``, or the plan of one worker with a thread per core of its host where that is
+    estimated faster; and the threads its CPU workers take.
+
+    The one-worker plan (every call on device 0, dp = tp = pp = 1) is priced as the simulator
+    prices it with one thread, each call's time divided by its kind's measured speedup on every
+    core (:meth:`CallTimings.host_speedup`: the whole batch in one process, one thread against
+    ``cores``); its transfers are unchanged. Without those timings (a one-worker host, an older
+    profile) ``plan`` stays, with one thread.
+    """
+    speedups = {kind: timings.host_speedup(call) for kind, call in _PROFILED_CALL.items()}
+    if cores < 2 or any(v is None for v in speedups.values()):
+        return plan, 1
+    choice = []
+    for options in problem.options:
+        one = [j for j, o in enumerate(options) if tuple(o.mesh.device_ids) == (0,) and o.strategy.world_size == 1]
+        if not one:
+            return plan, 1
+        choice.append(one[0])
+    base = ExecutionPlan.from_choice(problem, tuple(choice), simulate(problem, tuple(choice)), name="one worker")
+    if not base.fits:
+        return plan, 1
+    calls = tuple(replace(c, time_s=c.time_s / speedups[kinds[c.name]]) for c in base.calls)
+    saved = sum(c.time_s for c in base.calls) - sum(c.time_s for c in calls)
+    estimate = base.iteration_time_s - saved
+    if estimate >= plan.iteration_time_s:
+        return plan, 1
+    logger.info(
+        "one worker on all %d cores: est. %.3f s/iteration, faster than the %s plan's %.3f s; taking it",
+        cores, estimate, plan.name, plan.iteration_time_s,
+    )  # fmt: skip
+    return replace(base, calls=calls, iteration_time_s=estimate, name=f"one worker, {cores} threads"), cores
 
 
 def check_manual_strategies(cfg: RLFlowConfig, mfcs, specs: Mapping[str, ModelSpec]) -> None:
@@ -424,6 +471,8 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
                 "train_alone": {"rows": rows * total // prompts, "seq": p + r},
                 "generate_alone_alt": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
                 "train_alone_alt": {"rows": rows, "seq": p + r},
+                # ... and the whole batch in one process on every core: one worker may take them all
+                "host_threads": cfg.placement.devices_per_node,
             }
     return shapes
 

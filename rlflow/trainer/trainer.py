@@ -271,7 +271,9 @@ class Trainer:
         calls = build.with_hook_ranks(calls, setup)
         self.setup = setup
         started = time.perf_counter()
-        self.workers, self.pool = build.start_workers(cfg, setup, self.use_gpu, ranks, in_driver=in_driver)
+        self.workers, self.pool = build.start_workers(
+            cfg, setup, self.use_gpu, ranks, in_driver=in_driver, threads=self.placement.threads
+        )
         if cfg.trainer.profile_calls:  # a torch.profiler trace of each chosen call, per rank
             loop, directory = cfg.trainer, str(self.run_dir / "profiles")
             self.workers.set_profiler(worker_records.CallProfiler(loop.profile_calls, loop.profile_steps, directory))

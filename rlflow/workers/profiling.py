@@ -354,6 +354,14 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
         dist.barrier()
         if rank == 0:
             seconds.update(_median_call_seconds(rollout, single, calls, alone, rounds))
+        if rank == 0 and calls.get("host_threads"):
+            # The whole batch again with every core of the host: a plan of one worker may take them all.
+            torch.set_num_threads(calls["host_threads"])
+            try:
+                host = {**calls, "generate_host": calls["generate_alone"], "train_host": calls["train_alone"]}
+                seconds.update(_median_call_seconds(rollout, single, host, ["_host"], rounds))
+            finally:
+                torch.set_num_threads(1)
         dist.barrier()  # the others idle until rank 0 is done
     return seconds
 
@@ -364,7 +372,8 @@ def concurrent_call_seconds(calls: dict, processes: int, rounds: int = CALL_ROUN
     rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
     FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them; and the
     ``*_alone`` shapes, when ``calls`` has them, in one process while the others idle (keys
-    ``generate_alone``, ``train_alone_alt``, ...).
+    ``generate_alone``, ``train_alone_alt``, ...), and the whole batch again in that process with
+    ``calls["host_threads"]`` threads, when given (``generate_host``, ``forward_host``, ``train_host``).
 
     A CPU device is one worker process: when a plan keeps every worker of a host busy, they
     share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
@@ -582,8 +591,9 @@ def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
     timings = {}
     for alone in (False, True):
         busy = 1 if alone else processes  # the processes at work while these calls were timed
-        for suffix in _suffixes(calls, alone):
-            shapes = _call_shapes(calls, suffix)
+        suffixes = _suffixes(calls, alone) + (["_host"] if alone and "generate_host" in seconds else [])
+        for suffix in suffixes:
+            shapes = _call_shapes(calls, suffix if suffix != "_host" else "_alone")
             for kind in _CALLS:
                 record, dp = (RolloutTiming, 1) if kind == "generate" else (BatchTiming, busy)
                 seconds_k = seconds[kind + suffix]

@@ -98,6 +98,11 @@ def test_torch_distributed_and_the_thread_count_are_given_back_on_shutdown():
     assert torch.get_num_threads() == threads
     with pytest.raises(RuntimeError, match="was shut down"):
         group.whoami()
+    # a plan of one worker may give it every core of the host (Placement.threads)
+    group = RayWorkerGroup.in_driver(RayClassWithInitArgs(ActorWorker), role="actor", threads=2)
+    assert group.whoami()[0]["threads"] == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+    group.shutdown()
+    assert torch.get_num_threads() == threads
 
 
 def test_driver_host_runs_calls_in_order_and_hands_errors_to_the_waiter():

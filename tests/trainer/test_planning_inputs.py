@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from rlflow.trainer.config import load_config
@@ -162,3 +163,36 @@ def test_the_profile_times_calls_in_the_precision_the_workers_compute_in(monkeyp
     assert profile_shapes(load_config(GRPO, ["models.actor.dtype=float32"]), big)["calls"]["precision"] == "fp32"
     monkeypatch.setattr(parallelize, "cpu_computes_bf16", lambda: False)
     assert profile_shapes(cfg, big)["calls"]["precision"] == "fp32"
+
+
+def test_a_plan_of_one_worker_takes_every_core_where_the_profile_says_it_is_faster() -> None:
+    """The one-worker plan is priced with each call kind's measured speedup on every core (the
+    profile's host timings against one thread at the same shape) and taken where it beats the
+    searched plan; without a speedup the searched plan stays, with one thread per worker."""
+    from rlflow.planner.model_spec import ModelSpec
+    from rlflow.planner.profile import BatchTiming, CallTimings, RolloutTiming
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import one_worker_on_every_core, plan_placement
+
+    cfg = load_config(GRPO, ["placement.devices_per_node=2", "placement.use_gpu=false"])
+    spec = ModelSpec(num_layers=8, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=8, vocab_size=64)
+    placement = plan_placement(cfg, build_dataflow(cfg, rule_reward=True), {"actor": spec}, use_gpu=False)
+    plan, problem = placement.plan, placement.problem
+    kinds = {"actor_gen": "generate", "actor_train": "train_step"}
+
+    def timings(speedup: float) -> CallTimings:
+        gen = RolloutTiming(prompts=32, prompt_len=8, n=8, gen_len=5, seconds=1.0, processes=1, dp=1)
+        batch = BatchTiming(rows=256, seq=13, seconds=1.0, processes=1, dp=1)
+        return CallTimings(
+            model=spec, generate=gen, forward=batch, train=batch, generate_alone=gen, forward_alone=batch,
+            train_alone=batch, generate_host=replace(gen, seconds=1 / speedup),
+            forward_host=replace(batch, seconds=1 / speedup), train_host=replace(batch, seconds=1 / speedup),
+        )  # fmt: skip
+
+    fast, threads = one_worker_on_every_core(problem, plan, timings(100.0), kinds, 2)
+    assert threads == 2 and fast.name == "one worker, 2 threads" and fast.iteration_time_s < plan.iteration_time_s
+    assert all(c.mesh.device_ids == (0,) and c.strategy.world_size == 1 for c in fast.calls)
+    assert one_worker_on_every_core(problem, plan, timings(0.5), kinds, 2) == (plan, 1)  # slower on every core
+    assert one_worker_on_every_core(problem, plan, timings(100.0), kinds, 1) == (plan, 1)  # a one-core host
+    no_host = replace(timings(100.0), generate_host=None)
+    assert one_worker_on_every_core(problem, plan, no_host, kinds, 2) == (plan, 1)

@@ -182,11 +182,18 @@ def test_a_call_on_one_worker_of_a_busy_host_is_priced_at_its_alone_timings(tmp_
         "train_alone": dict(rows=16, seq=9),
         "generate_alone_alt": dict(prompts=4, prompt_len=6, n=2, gen_len=3),
         "train_alone_alt": dict(rows=8, seq=9),
+        "host_threads": 2,
     }
     layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
     prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
                        decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=calls, call_processes=2)  # fmt: skip
     assert load_profile(tmp_path / "p.json") == prof
+    # the whole batch once more in one process on both cores: what a one-worker plan may take
+    for name, shape in (("generate", "generate_alone"), ("forward", "train_alone"), ("train", "train_alone")):
+        host = getattr(prof.calls, f"{name}_host")
+        assert host.seconds > 0 and (host.processes, host.dp) == (1, 1)
+        assert {k: v for k, v in dataclasses.asdict(host).items() if k in calls[shape]} == calls[shape]
+        assert prof.calls.host_speedup(name) == getattr(prof.calls, f"{name}_alone").seconds / host.seconds
     for name in ("generate", "forward", "train"):
         busy, alone = prof.calls.timings(name), prof.calls.timings(name, alone=True)
         assert [t.processes for t in busy] == [2, 2] and [t.processes for t in alone] == [1, 1]
