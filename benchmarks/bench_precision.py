@@ -12,6 +12,11 @@ The compute-bound model of issue 25 (a 21M-parameter Llama: width 512, 8 layers,
   tokens, 128 new tokens, no stop): seconds, and a decode step's weight bytes per second against
   the copy bandwidth (each step reads every weight once; the KV cache is left out).
 
+- two of the kernels the engines choose by precision: causal attention forward + backward at
+  the training step's shape (torch's CPU flash kernel in bf16 and in fp32: a bf16 engine on a
+  CPU attends in fp32), and a decode step's bf16 projection (16 rows, 512 → 2048) as ``x @ w.T``
+  and on a weight packed once for oneDNN (what the lean decoder does).
+
 Run: ``python -m benchmarks.run precision``. Each figure is the best of a few repetitions after a
 warm-up; whether the CPU has native bf16 (``avx512_bf16`` / ``amx_bf16``) is in every record.
 """
@@ -112,6 +117,31 @@ def _generate_seconds(dtype: torch.dtype) -> float:
     return _best(lambda: sampler.generate(prompts, params), repeats=2)
 
 
+def _attention_seconds(dtype: torch.dtype) -> float:
+    """Causal SDPA forward + backward at the training step's shape, one thread."""
+    torch.set_num_threads(1)
+    shape = (ROWS, HEADS, PROMPT + NEW, HIDDEN // HEADS)
+    q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, dtype=dtype)
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return _best(step)
+
+
+def _projection_seconds(packed: bool) -> float:
+    """A decode step's bf16 projection (ROWS rows, HIDDEN -> 2 MLP), plain or on a packed weight."""
+    from rlflow.engine.rollout.fast_decode import _Packed, _project, packs_weights
+
+    torch.set_num_threads(1)
+    weight, x = torch.randn(2 * MLP, HIDDEN).bfloat16(), torch.randn(ROWS, HIDDEN).bfloat16()
+    if packed and not packs_weights(weight):
+        return float("nan")
+    w = _Packed(weight) if packed else weight.t()
+    return _best(lambda: [_project(x, w, None) for _ in range(100)]) / 100
+
+
 def run() -> list[dict]:
     """Records: the machine's limits, then per precision a training step and a generation."""
     from rlflow.engine.parallelize import cpu_computes_bf16
@@ -144,6 +174,13 @@ def run() -> list[dict]:
             "weight_gb_per_s": round(step_bytes * NEW / gen_s / 1e9, 2),
             "share_of_copy_bandwidth": round(step_bytes * NEW / gen_s / copy, 3), "native_bf16": native,
         })  # fmt: skip
+    for precision, dtype in DTYPES.items():
+        records.append({"name": f"attention_fwd_bwd_{precision}", "seconds": round(_attention_seconds(dtype), 5)})
+    plain, packed = _projection_seconds(False), _projection_seconds(True)
+    records.append({
+        "name": "decode_projection_bf16", "plain_us": round(plain * 1e6, 1), "packed_us": round(packed * 1e6, 1),
+        "ratio": round(plain / packed, 3), "native_bf16": native,
+    })  # fmt: skip
     by_name = {r["name"]: r for r in records}
     for call in ("train_step_21m", "generate_21m"):
         records.append({

@@ -142,9 +142,9 @@ def _attention_mask(max_seqlen: int, device: torch.device, *, causal: bool, slid
 
 
 def _widened_on_cpu(query: torch.Tensor) -> bool:
-    """Whether a 16-bit attention on a CPU runs in float32: torch's CPU flash kernel is slower in
-    bfloat16 than in float32, its backward about 3x (docs/benchmarks.md, "Precision"), and the
-    scores are the most rounding-sensitive part of a layer."""
+    """Whether a 16-bit attention on a CPU runs in float32: torch's CPU flash kernel, forward and
+    backward, is slower in bfloat16 than in float32 (docs/benchmarks.md, "Precision", times both),
+    and the scores are the most rounding-sensitive part of a layer."""
     return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
 

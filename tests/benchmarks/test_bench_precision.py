@@ -16,5 +16,7 @@ def test_precision_benchmark_reports_limits_and_both_precisions(monkeypatch):
         assert records[f"train_step_21m_{precision}"]["gflop_per_s"] > 0
         assert records[f"generate_21m_{precision}"]["tokens_per_s"] > 0
         assert records[f"matmul_2048_{precision}_2t"]["gflop_per_s"] == 2.0
+    assert records["attention_fwd_bwd_bf16"]["seconds"] > 0 and records["attention_fwd_bwd_fp32"]["seconds"] > 0
+    assert records["decode_projection_bf16"]["plain_us"] > 0
     assert records["train_step_21m_bf16_speedup"]["ratio"] > 0
     assert records["generate_21m_bf16_speedup"]["ratio"] > 0

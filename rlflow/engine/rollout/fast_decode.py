@@ -197,8 +197,8 @@ def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozen
 
 class _Packed:
     """A bfloat16 ``(out, in)`` weight reordered once into oneDNN's blocked layout, so that each
-    ``x @ w.T`` skips the reorder oneDNN otherwise does on every call (most of a decode step's
-    matmul time on CPUs with AVX512-BF16/AMX; the products are the same, bit for bit)."""
+    ``x @ w.T`` skips the reorder oneDNN otherwise does on every call (docs/benchmarks.md,
+    "Precision", times a decode step's projection both ways; the products are the same, bit for bit)."""
 
     __slots__ = ("nbytes", "weight")
 
