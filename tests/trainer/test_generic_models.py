@@ -5,24 +5,17 @@ manual strategy its model cannot split are refused before any worker starts, nam
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from tiny_fit import DRIVER_FIT, GRPO
 
 from rlflow.data.tiny_models import save_tiny_model_and_tokenizer
 from rlflow.dataflow import mfcs_of
 from rlflow.trainer import ConfigError, Trainer, build, load_config
 from rlflow.trainer.placement import check_manual_strategies, model_specs
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
-TINY = [
-    "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2", "rollout.max_new_tokens=4",
-    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=2",
-    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
-    "logging.console=false", "logging.tensorboard=false", "checkpoint.save_final=false",
-]  # fmt: skip
+TINY = [*DRIVER_FIT, "rollout.max_new_tokens=4", "trainer.total_steps=2", "checkpoint.save_final=false"]
 
 
 @pytest.fixture

@@ -8,20 +8,14 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
+from tiny_fit import DRIVER_FIT, GRPO
 
 from rlflow.data.tiny_models import save_tiny_model_and_tokenizer
 from rlflow.trainer import ConfigError, Trainer, build, load_config
 from rlflow.trainer.hub import resolve_model_dir
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
-TINY = [
-    "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2", "rollout.max_new_tokens=4",
-    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=2",
-    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
-    "logging.console=false", "logging.tensorboard=false", "checkpoint.save_final=false",
-]  # fmt: skip
+TINY = [*DRIVER_FIT, "rollout.max_new_tokens=4", "trainer.total_steps=2", "checkpoint.save_final=false"]
 
 
 @pytest.fixture

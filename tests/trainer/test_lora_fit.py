@@ -10,21 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_fit import DRIVER_FIT, GRPO, TINY_ACTOR
 from transformers import AutoModelForCausalLM
 
 from rlflow.trainer import ConfigError, Trainer, load_config
 
 peft = pytest.importorskip("peft")
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
-TINY = [
-    *(f"models.actor.{o}" for o in ("hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2")),
-    "models.actor.num_kv_heads=2", "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2",
-    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0",
-    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
-    "logging.console=false", "logging.tensorboard=false", "models.actor.dtype=float32",
-]  # fmt: skip
+TINY = [*TINY_ACTOR, *DRIVER_FIT, "models.actor.dtype=float32"]
 LORA = [
     "models.actor.lora.r=4", "models.actor.lora.target_modules=[q_proj,v_proj,down_proj]", "models.actor.lr=0.05",
     "algorithm.entropy_coef=0.1",  # a tiny random model earns no reward: the entropy bonus gives a gradient

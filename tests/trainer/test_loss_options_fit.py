@@ -8,18 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
+from tiny_fit import DRIVER_FIT, GRPO, TINY_ACTOR
 
 from rlflow.trainer import ConfigError, Trainer, load_config
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
-TINY = [
-    *(f"models.actor.{o}" for o in ("hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2")),
-    "models.actor.num_kv_heads=2", "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2",
-    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=2",
-    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
-    "logging.console=false", "logging.tensorboard=false", "algorithm.entropy_coef=0.1",
-]  # fmt: skip
+TINY = [*TINY_ACTOR, *DRIVER_FIT, "trainer.total_steps=2", "algorithm.entropy_coef=0.1"]
 MISMATCH = [
     "algorithm.recompute_old_logp=true",
     "algorithm.tis_cap=2.0",

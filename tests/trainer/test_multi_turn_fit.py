@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from tiny_fit import DRIVER_FIT, GRPO, REPO, TINY_ACTOR
 
 from rlflow.data.files import DatasetFormatError
 from rlflow.data.tokenizer import build_char_tokenizer
@@ -14,14 +15,8 @@ from rlflow.trainer import ConfigError, Trainer
 from rlflow.trainer.data import TraceDataset
 from rlflow.workers.environments import Step
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
 TINY = [
-    *(f"models.actor.{o}" for o in ("hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2")),
-    "models.actor.num_kv_heads=2", "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2",
-    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=2",
-    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
-    "logging.console=false", "logging.tensorboard=false", "rollout.max_new_tokens=4",
+    *TINY_ACTOR, *DRIVER_FIT, "trainer.total_steps=2", "rollout.max_new_tokens=4",
     "rollout.multi_turn.max_prompt_tokens=16", "rollout.multi_turn.max_total_tokens=24",
 ]  # fmt: skip
 

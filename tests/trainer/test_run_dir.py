@@ -10,19 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_fit import DRIVER_FIT, GRPO, TINY_ACTOR
 
 from rlflow.trainer import ConfigError, Trainer, load_config
 from rlflow.trainer.build import materialize_models, materialize_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
-GRPO = REPO / "recipes" / "grpo_arithmetic.yaml"
-TINY = [
-    *(f"models.actor.{o}" for o in ("hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2")),
-    "models.actor.num_kv_heads=2", "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2",
-    "warmup.steps=0", "trainer.eval_before_train=false", "trainer.eval_every=0", "trainer.total_steps=1",
-    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
-    "logging.console=false", "logging.tensorboard=false",
-]  # fmt: skip
+TINY = [*TINY_ACTOR, *DRIVER_FIT, "trainer.total_steps=1"]
 
 
 def fit(run_dir: Path, *overrides: str) -> Trainer:
