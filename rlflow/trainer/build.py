@@ -27,7 +27,6 @@ from rlflow.engine.lora import LoraSpec, linear_module_names, lora_strategy_erro
 from rlflow.engine.models import init_value_model_from_lm, is_sequence_classification, save_model
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
-from rlflow.engine.pipeline import stage_forward_mismatch
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.families import family_of, list_families
@@ -199,6 +198,10 @@ def _checked_family(name: str, path: str, rollout_engine: str) -> str:
     except ValueError as err:
         raise ConfigError(f"models.{name}.path", f"{path}: {err}") from None
     if isinstance(family, GenericFamily):
+        # The engines' import (HF's modeling code) only where a model of no record is checked:
+        # a construction that only plans a run leaves it to the processes that build models.
+        from rlflow.engine.pipeline import stage_forward_mismatch
+
         reason = stage_forward_mismatch(config, family.causal_lm_class)
         if reason is not None:
             raise ConfigError(

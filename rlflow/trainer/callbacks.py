@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from transformers import TrainerCallback, TrainerControl, TrainerState
-
 if TYPE_CHECKING:
     from rlflow.trainer.config import RLFlowConfig
 
@@ -105,9 +103,19 @@ def training_args(cfg: RLFlowConfig, run_dir: str | Path) -> TrainingArgs:
     )
 
 
+def _hf_trainer() -> Any:
+    """transformers' callback module, imported on first use: it imports HF's trainer utilities,
+    and with peft installed HF's modeling code (seconds), which a run without HF callbacks skips."""
+    import transformers.trainer_callback
+
+    return transformers.trainer_callback
+
+
 def is_hf_callback(cb: Any) -> bool:
     """A ``TrainerCallback``, or an object of which some hook of :data:`HF_EVENTS` takes ``(args, state, control)``."""
-    if isinstance(cb, TrainerCallback):
+    if any(c.__module__.startswith("transformers.") for c in type(cb).__mro__) and isinstance(
+        cb, _hf_trainer().TrainerCallback
+    ):
         return True
     return any(_takes_three(getattr(cb, event, None)) for event in HF_EVENTS)
 
@@ -159,14 +167,17 @@ class Callbacks:
             self.hooks.append(hook)
         self.args = args or TrainingArgs()
         self.steps_per_epoch = steps_per_epoch
-        self.state = TrainerState(
-            max_steps=self.args.max_steps,
-            logging_steps=self.args.logging_steps,
-            eval_steps=self.args.eval_steps or 500,
-            save_steps=self.args.save_steps or 500,
-            train_batch_size=self.args.per_device_train_batch_size,
-        )
-        self.control = TrainerControl()
+        self.state = self.control = None  # HF's TrainerState and TrainerControl, with HF callbacks only
+        if self.hf:
+            hf = _hf_trainer()
+            self.state = hf.TrainerState(
+                max_steps=self.args.max_steps,
+                logging_steps=self.args.logging_steps,
+                eval_steps=self.args.eval_steps or 500,
+                save_steps=self.args.save_steps or 500,
+                train_batch_size=self.args.per_device_train_batch_size,
+            )
+            self.control = hf.TrainerControl()
         self.stop_requested = False
         self._began = False
         self._event("on_init_end")
@@ -213,18 +224,22 @@ class Callbacks:
         self._event("on_train_end")
 
     def _at(self, step: int) -> None:
+        if self.state is None:
+            return
         self.state.global_step = step
         if self.steps_per_epoch:
             self.state.epoch = step / self.steps_per_epoch
 
     def _event(self, event: str, **kwargs: Any) -> None:
+        if not self.hf:
+            return
         for cb in self.hf:
             hook = getattr(cb, event, None)
             if hook is None:
                 continue
             result = hook(self.args, self.state, self.control, **kwargs)
             # transformers' handler takes a returned control in place of the one it holds.
-            if isinstance(result, TrainerControl):
+            if isinstance(result, _hf_trainer().TrainerControl):
                 self.control = result
         if self.control.should_training_stop:
             self.stop_requested = True

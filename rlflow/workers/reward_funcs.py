@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 from ray import cloudpickle  # vendored by Ray, which ships these functions to the workers anyway
-from transformers import TrainerState
 
 from rlflow.workers.reward_errors import RewardErrors
 
@@ -304,12 +303,14 @@ def _kwargs_for(fn: RewardFunc, values: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def trainer_state(step: int, max_steps: int | None) -> TrainerState:
+def trainer_state(step: int, max_steps: int | None) -> Any:
     """The ``trainer_state`` keyword: a ``transformers.TrainerState`` at training step ``step``.
 
     >>> trainer_state(3, 10).global_step, trainer_state(3, 10).max_steps
     (3, 10)
     """
+    from transformers import TrainerState  # HF's trainer utilities: on first use (see callbacks)
+
     return TrainerState(global_step=step, max_steps=max_steps if max_steps is not None else 0)
 
 

@@ -217,7 +217,7 @@ def test_manual_strategy_that_does_not_fill_its_mesh_names_the_mfc():
         # two pipeline stages of a one-layer model (pipelined generation itself runs: the hf engine declares pp)
         (
             ["models.actor.num_layers=1", *manual("actor_train", dp=2), *manual("actor_gen", pp=2)],
-            r"'actor_gen' has no option with mesh",
+            r"placement\.manual\.actor_gen\.strategy\.pp: 2 stages for model 'actor''s 1 layers",
         ),
     ],
 )
