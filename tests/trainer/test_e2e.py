@@ -179,7 +179,8 @@ def test_ppo_on_the_searched_plan(ray_session, tmp_path):
     mfcs = ["actor_gen", "critic_inf", "ref_inf", "actor_train", "critic_train"]
     check_run(result, tmp_path, mfcs)
     plan = ExecutionPlan.load(tmp_path / "plan.json")
-    assert plan.name == "search" and plan.fits
+    # the searched plan, or one worker on every core where the profile prices that faster
+    assert (plan.name == "search" or plan.name.startswith("one worker, ")) and plan.fits
     profile = json.loads((tmp_path / "profile.json").read_text())  # measured at the actor's shape
     assert profile["layer"]["hidden_size"] == 64 and profile["hardware"]["collective_latency_s"] > 0
     # The search starts from the baselines, so its plan is estimated no slower than any of them.
