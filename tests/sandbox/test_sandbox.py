@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sandbox_helpers import working_sandbox
 
 import rlflow
-from rlflow.sandbox import Limits, Sandbox, SandboxUnavailable
+from rlflow.sandbox import Limits, Sandbox
 from rlflow.sandbox.uids import lease_uid
 
 LIMITS = Limits(
@@ -33,14 +34,7 @@ UID_BASE = 1_500_000_000  # these tests' own uids, so that a scan for leftover p
 
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
-    if not hasattr(os, "fork") or not Path("/proc/self/ns/net").exists():
-        pytest.skip("the sandbox needs Linux namespaces")
-    box = Sandbox(LIMITS, uid_base=UID_BASE, num_uids=64)
-    try:
-        box.run("pass")
-    except SandboxUnavailable as err:
-        pytest.skip(f"this kernel refuses the sandbox's namespaces: {err}")
-    return box
+    return working_sandbox(LIMITS, uid_base=UID_BASE, num_uids=64)
 
 
 def test_program_output_exit_code_and_isolation(sandbox):

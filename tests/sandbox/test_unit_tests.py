@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
+from sandbox_helpers import working_sandbox
 
-from rlflow.sandbox import Limits, Sandbox, SandboxUnavailable, check_tests, run_tests
+from rlflow.sandbox import Limits, Sandbox, check_tests, run_tests
 
 ADD = "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    input()\n"
 
 
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
-    if not hasattr(os, "fork") or not Path("/proc/self/ns/net").exists():
-        pytest.skip("the sandbox needs Linux namespaces")
-    box = Sandbox(Limits(wall_seconds=1.5, cpu_seconds=1, memory_bytes=256 << 20, output_bytes=1 << 16))
-    try:
-        box.run("pass")
-    except SandboxUnavailable as err:
-        pytest.skip(f"this kernel refuses the sandbox's namespaces: {err}")
-    return box
+    return working_sandbox(Limits(wall_seconds=1.5, cpu_seconds=1, memory_bytes=256 << 20, output_bytes=1 << 16))
 
 
 def test_each_test_passes_or_fails_on_its_own(sandbox):
