@@ -26,6 +26,7 @@ more step runs), then evaluates and saves as at the end of a run.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,9 +114,8 @@ def _hf_trainer() -> Any:
 
 def is_hf_callback(cb: Any) -> bool:
     """A ``TrainerCallback``, or an object of which some hook of :data:`HF_EVENTS` takes ``(args, state, control)``."""
-    if any(c.__module__.startswith("transformers.") for c in type(cb).__mro__) and isinstance(
-        cb, _hf_trainer().TrainerCallback
-    ):
+    hf = sys.modules.get("transformers.trainer_callback")  # a TrainerCallback's maker imported it
+    if hf is not None and isinstance(cb, hf.TrainerCallback):
         return True
     return any(_takes_three(getattr(cb, event, None)) for event in HF_EVENTS)
 
