@@ -70,7 +70,8 @@ class DataConfig(_Section):
 class MultiTurnConfig(_Section):
     """Multi-turn rollouts: each sample is an episode of an environment, or of tools, over several turns.
 
-    The policy samples a turn (up to ``rollout.max_new_tokens``, ending at the EOS / end of turn),
+    The policy samples a turn (up to ``rollout.max_new_tokens``, ending at the EOS / end of turn, or
+    with ``stop_at_call`` at a tool call's closing tag),
     the environment answers, its observation is appended, and so on. Observation tokens are in the
     sequence but out of the loss, KL and entropy. Needs ``rollout.engine: hf`` on one process per
     dp rank (no tensor- or pipeline-parallel generation). Python: ``Trainer(tools=[...])`` or
@@ -90,6 +91,11 @@ class MultiTurnConfig(_Section):
         False,
         "episodes whose tools answered sample their next turn without waiting for the turn's slowest tool; the "
         "batches then depend on tool timing, so a seed no longer fixes the samples (false: turn by turn)",
+    )
+    stop_at_call: bool = _f(
+        True,
+        "a turn also ends at a tool call's closing tag (</tool_call>, </call>; an environment's stop_strings), so "
+        "one call per turn; false: a turn ends at the EOS / end of turn only",
     )
 
     @property

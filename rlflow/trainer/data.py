@@ -355,7 +355,7 @@ class TraceDataset:
         except ValueError as err:
             raise ConfigError("warmup.tool_traces", str(err)) from None
         self.tokenizer, self.traces = tokenizer, traces
-        self.make = multi_turn.environment.episodes(tokenizer)
+        self.make = multi_turn.episodes(tokenizer)
         self.rows = (
             read_records(source) if isinstance(source, str) else [(f"<records>:{i}", r) for i, r in enumerate(source)]
         )

@@ -365,4 +365,5 @@ def multi_turn_setup(cfg: RLFlowConfig, tools: Sequence[Any] | None, environment
         max_prompt_tokens=mt.max_prompt_tokens,
         num_threads=mt.num_threads,
         overlap=mt.overlap,
+        stop_at_call=mt.stop_at_call,
     )

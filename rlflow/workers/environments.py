@@ -15,8 +15,9 @@ An observation is text appended as it is, or chat messages the tokenizer's templ
 episode by calling a *factory*: the class itself, or any callable taking no argument
 (:class:`ToolEnvironments` for tools). The factory reaches the workers pickled by value
 (:func:`pack_environment`), as reward functions do; from YAML it is named by an import path
-``module:name`` (:func:`import_object`). :class:`TokenEpisode` drives an environment in token ids,
-as a rollout loop does.
+``module:name`` (:func:`import_object`). A factory's optional ``stop_strings`` (text such as a
+closing tag) end a turn besides the end-of-turn token; :class:`ToolEnvironments` lists its calls'
+closing tags. :class:`TokenEpisode` drives an environment in token ids, as a rollout loop does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlflow.engine.rollout.multi_turn import MultiTurn
 from rlflow.workers.reward_funcs import dumps_by_value
-from rlflow.workers.tool_render import call_format, render_observation, render_prompt, tool_messages
+from rlflow.workers.tool_render import call_format, render_observation, render_prompt, stop_sequences, tool_messages
 from rlflow.workers.tool_runner import ToolRunner, ToolStats
 from rlflow.workers.tools import CALL_FORMATS, Tool, build_tools, parse_tool_calls
 
@@ -157,6 +158,11 @@ class ToolEnvironments:
     def __call__(self) -> ToolEnvironment:
         return ToolEnvironment(self.runner, self.formats)
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The closing tags of the formats read: a turn ends once it has written a call."""
+        return tuple(CALL_FORMATS[f][1] for f in self.formats)
+
 
 @dataclass(frozen=True)
 class EnvironmentSpec:
@@ -165,21 +171,27 @@ class EnvironmentSpec:
     Attributes:
         name: the factory's name (a class name, or ``ToolEnvironments``).
         payload: ``cloudpickle`` of the factory, the code of its module (and its tools') included.
+        stop_strings: text a turn may end on besides the end-of-turn token, from the factory's
+            ``stop_strings`` (a :class:`ToolEnvironments`: its calls' closing tags).
     """
 
     name: str
     payload: bytes
+    stop_strings: tuple[str, ...] = ()
 
     def load(self) -> Callable[[], Any]:
         """The factory, rebuilt from its pickled code (no import of its module needed)."""
         return cloudpickle.loads(self.payload)
 
     def episodes(
-        self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_token_ids: Sequence[int] | None = None,
+        stop_strings: Sequence[str] = (),
     ) -> Callable[[], TokenEpisode]:
         """A maker of :class:`TokenEpisode` s, each over a new environment: what a rollout loop takes."""
         factory = self.load()  # once: the episodes of a ToolEnvironments share its thread pool
-        return lambda: TokenEpisode(factory(), tokenizer, stop_token_ids)
+        return lambda: TokenEpisode(factory(), tokenizer, stop_token_ids, stop_strings)
 
     def __repr__(self) -> str:
         return f"EnvironmentSpec({self.name!r})"
@@ -196,6 +208,8 @@ class MultiTurnSetup:
         max_prompt_tokens: prompt tokens an episode may start from (its first observation rendered).
         num_threads: episodes stepping at once on a worker.
         overlap: episodes whose step answered go on without waiting for the turn's slower steps.
+        stop_at_call: a turn also ends on the environment's ``stop_strings`` (a tool call's closing
+            tag), sampled as :func:`~rlflow.workers.tool_render.stop_sequences` lists them.
     """
 
     environment: EnvironmentSpec
@@ -204,29 +218,50 @@ class MultiTurnSetup:
     max_prompt_tokens: int
     num_threads: int = 8
     overlap: bool = False
+    stop_at_call: bool = True
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """What a turn ends on besides its end-of-turn token."""
+        return self.environment.stop_strings if self.stop_at_call else ()
+
+    def episodes(
+        self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None
+    ) -> Callable[[], TokenEpisode]:
+        """A maker of the episodes (:meth:`EnvironmentSpec.episodes`), which know the turns' stop strings."""
+        return self.environment.episodes(tokenizer, stop_token_ids, self.stop_strings)
 
     def build(self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None) -> MultiTurn:
         """The rollout engine's :class:`~rlflow.engine.rollout.multi_turn.MultiTurn` over this environment."""
         return MultiTurn(
-            episodes=self.environment.episodes(tokenizer, stop_token_ids),
+            episodes=self.episodes(tokenizer, stop_token_ids),
             max_turns=self.max_turns,
             max_total_tokens=self.max_total_tokens,
             max_prompt_tokens=self.max_prompt_tokens,
             num_threads=self.num_threads,
             overlap=self.overlap,
+            stop_sequences=stop_sequences(tokenizer, self.stop_strings),
         )
 
 
 def pack_environment(factory: Callable[[], Any] | str) -> EnvironmentSpec:
-    """Checks ``factory`` (:func:`check_environment`) and pickles it by value; a string is an import path."""
+    """Checks ``factory`` (:func:`check_environment`) and pickles it by value; a string is an import path.
+
+    Raises:
+        TypeError: the environment is refused (:func:`check_environment`), or the factory's
+            ``stop_strings`` is not a sequence of non-empty strings.
+    """
     if isinstance(factory, str):
         factory = import_object(factory)
     check_environment(factory)
+    stops = getattr(factory, "stop_strings", ())
+    if isinstance(stops, str) or not all(isinstance(t, str) and t for t in stops):
+        raise TypeError(f"environment {factory!r}: stop_strings={stops!r} must be a sequence of non-empty strings")
     code = [factory if isinstance(factory, type) or inspect.isfunction(factory) else type(factory)]
     if isinstance(factory, ToolEnvironments):
         code += [t.fn for t in factory.runner.tools.values()]
     name = getattr(factory, "__name__", type(factory).__name__)
-    return EnvironmentSpec(name, dumps_by_value(factory, code))
+    return EnvironmentSpec(name, dumps_by_value(factory, code), tuple(stops))
 
 
 def import_object(path: str) -> Any:
@@ -272,13 +307,20 @@ class TokenEpisode:
         tokenizer: the policy's tokenizer.
         stop_token_ids: tokens a turn may end on that the template also writes after a turn (its
             end-of-turn token): not written again in the observation. Default: the EOS token.
+        stop_strings: text a turn may also end on (a tool call's closing tag); the observation after
+            such a turn starts with what the template writes after the turn (its end-of-turn token).
     """
 
     def __init__(
-        self, env: Environment, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] | None = None
+        self,
+        env: Environment,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_token_ids: Sequence[int] | None = None,
+        stop_strings: Sequence[str] = (),
     ) -> None:
         self.env, self.tokenizer = env, tokenizer
         self.stop_token_ids = set(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
+        self.stop_strings = tuple(stop_strings)
         self.format = call_format(tokenizer)
 
     def reset(self, row: Mapping[str, Any]) -> list[int]:
@@ -329,8 +371,9 @@ def trace_example(episode: TokenEpisode, row: Mapping[str, Any], turns: Sequence
     """A supervised example of an episode in which the policy writes ``turns``: ``(ids, loss_mask)``.
 
     The ids are what a multi-turn rollout of the same turns keeps — the prompt (``reset(row)``),
-    each turn's ids closed by the stop token, and the observation ``step`` returns after it (the
-    tools really run) — and the loss covers the turns only. An SFT warm-up on such traces teaches
+    each turn's ids closed by the stop token (a turn that ends on one of the episode's
+    ``stop_strings``, a call's closing tag, ends there), and the observation ``step`` returns after
+    it (the tools really run) — and the loss covers the turns only. An SFT warm-up on such traces teaches
     the tool-call format with the tokens the rollouts will see.
 
     Raises:
@@ -343,7 +386,9 @@ def trace_example(episode: TokenEpisode, row: Mapping[str, Any], turns: Sequence
     ids = list(episode.reset(row))
     mask = [0] * len(ids)
     for i, text in enumerate(turns):
-        sampled = episode.tokenizer(text, add_special_tokens=False).input_ids + [stop]
+        sampled = episode.tokenizer(text, add_special_tokens=False).input_ids
+        if not any(text.endswith(s) for s in episode.stop_strings):
+            sampled.append(stop)
         ids, mask = ids + sampled, mask + [1] * len(sampled)
         observation, _, done = episode.step(sampled)
         if done and i + 1 < len(turns):

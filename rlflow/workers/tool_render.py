@@ -31,13 +31,15 @@ from transformers import PreTrainedTokenizerBase
 
 from rlflow.workers.tool_runner import ToolResult
 
-__all__ = ["call_format", "render_observation", "render_prompt", "tag_tools_prompt", "tool_messages"]
+__all__ = ["call_format", "render_observation", "render_prompt", "stop_sequences", "tag_tools_prompt", "tool_messages"]
 
 Messages = list[dict[str, Any]]
 _SENTINEL = "\x00rlflow-sentinel\x00"
 # What a chat template does with tools never changes: each is rendered once per process.
 _FORMAT: dict[str, str] = {}  # chat template -> its call format
 _TOOL_ROLE: dict[str, bool] = {}  # chat template -> whether it renders the tool role
+# What a tool call's JSON ends on before its closing tag; a BPE tokenizer may merge it with the tag's start.
+_BEFORE_TAG = ("", "}", "\n", " ")
 _PROBE_TOOL = {"type": "function", "function": {"name": "rlflow_probe_tool", "description": "probe", "parameters": {}}}
 
 
@@ -145,3 +147,30 @@ def _after_turn(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
     text = tokenizer.apply_chat_template(turn + messages, add_generation_prompt=True, tokenize=False)
     start = text.index(_SENTINEL) + len(_SENTINEL)
     return text[start:]
+
+
+def stop_sequences(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token-id sequences a sampled turn that ends on one of ``strings`` (closing tags) ends with.
+
+    For each string: its tokenization, and its tokenization after what a call's JSON ends on
+    (``}``, a newline, a space), cut to the shortest run of last tokens whose text holds the whole
+    string (a tokenizer that merges ``}</`` into one token gives a sequence starting with it). The
+    sampler matches these ids, not text: the same tag written with other token boundaries is not
+    seen, and the turn goes on to its end-of-turn token or its token limit.
+
+    >>> from rlflow.data.tokenizer import build_char_tokenizer
+    >>> stop_sequences(build_char_tokenizer("</cal>"), ["</call>"])
+    ((4, 5, 6, 7, 8, 8, 9),)
+    """
+    out: dict[tuple[int, ...], None] = {}
+    for string in strings:
+        if not string:
+            raise ValueError("stop_sequences: an empty stop string would end every turn at once")
+        for before in _BEFORE_TAG:
+            ids = tokenizer(before + string, add_special_tokens=False).input_ids
+            start = len(ids) - 1
+            while start > 0 and string not in tokenizer.decode(ids[start:]):
+                start -= 1
+            if string in tokenizer.decode(ids[start:]):
+                out[tuple(ids[start:])] = None
+    return tuple(out)

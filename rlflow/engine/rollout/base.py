@@ -89,6 +89,10 @@ class SamplingParams:
         n: samples per prompt.
         max_new_tokens: response length ``R``.
         stop_token_ids: a row finishes after emitting one of these (it is kept in the response).
+        stop_sequences: a row finishes once its last sampled ids are one of these sequences (kept in
+            the response), from its ``min_new_tokens``-th token on; what a multi-turn turn ends on at
+            a tool call's closing tag. Only the built-in sampler on one pipeline stage honours them
+            (the pipelined sampler and vLLM refuse them).
         min_new_tokens: the stop tokens are kept out of the choice of a row's first this many
             tokens (HF's ``min_new_tokens``, vLLM's ``min_tokens``); ``old_logp`` stays the
             model's own log-prob of the chosen token, which training recomputes.
@@ -104,6 +108,7 @@ class SamplingParams:
     n: int = 1
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = field(default=())
+    stop_sequences: tuple[tuple[int, ...], ...] = field(default=())
     min_new_tokens: int = 0
     greedy: bool = False
     seed: int | None = None
@@ -127,6 +132,10 @@ class SamplingParams:
         if any(t < 0 for t in stop):
             raise ValueError(f"stop_token_ids={stop} must be non-negative token ids")
         object.__setattr__(self, "stop_token_ids", stop)
+        sequences = tuple(tuple(int(t) for t in seq) for seq in self.stop_sequences)
+        if any(not seq or min(seq) < 0 for seq in sequences):
+            raise ValueError(f"stop_sequences={sequences} must be non-empty sequences of non-negative token ids")
+        object.__setattr__(self, "stop_sequences", sequences)
 
 
 # How long an engine lives (RolloutEngine.persistence).

@@ -8,7 +8,8 @@ under tensor parallelism:
    tokens (a prompt's continuation does not depend on how much padding it got), then repeat
    the KV cache ``n`` times for the ``n`` samples of each prompt.
 2. **Decode** one token per step for every unfinished row, feeding the new token with the
-   grown attention mask and its position. A row finishes on a stop token; finished rows are
+   grown attention mask and its position. A row finishes on a stop token (or on a sequence of
+   ``params.stop_sequences``); finished rows are
    pruned from the batch (and the cache) once a quarter of the rows have finished, and the
    loop ends when all rows are done or after ``max_new_tokens``.
 
@@ -328,12 +329,13 @@ def _decode(
         response_mask[:, :start] = 1
         if start == max_new:
             return
+    sequences = _StopSequences(params, responses.device) if params.stop_sequences else None
     if native_decode and native_sampling_blocker(logits, params, tp_group) is None:
         _native_sampling_loop(
-            decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp, start
+            decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp, start, sequences
         )  # fmt: skip
         return
-    if not params.stop_token_ids:  # every row decodes every step: plain column writes, no syncs
+    if sequences is None and not params.stop_token_ids:  # every row decodes every step: column writes, no syncs
         for step in range(max_new):
             tokens = _choose_synced(logits, params, generator, tp_group)
             responses[:, step] = tokens
@@ -354,6 +356,8 @@ def _decode(
         response_mask[rows, step] = alive.long()
         old_logp[rows, step] = token_logprobs(logits, tokens, temperature).masked_fill_(~alive, 0.0)
         alive &= ~torch.isin(tokens, stop_ids)
+        if sequences is not None:
+            alive &= ~sequences.ended(responses, rows, step)
         num_alive = int(alive.sum())
         if num_alive == 0 or step == max_new - 1:
             break
@@ -376,11 +380,12 @@ def _decode_unstoppable(decoder, logits, params, generator, tp_group, responses,
 
 
 def _native_sampling_loop(
-    decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp, start: int = 0
+    decoder, logits, params, pad_token_id, generator, responses, response_mask, old_logp, start: int = 0,
+    sequences: _StopSequences | None = None,
 ) -> None:  # fmt: skip
-    """The decoding loop above with each step's choice, outputs and stop checks in one C++ call
+    """The decoding loop above with each step's choice, outputs and stop-token checks in one C++ call
     (:func:`~rlflow.engine.rollout.native_decode.sample_step`): the same draws from ``generator``,
-    the same tokens, outputs and pruning."""
+    the same tokens, outputs and pruning. Stop sequences are checked after the call, on the outputs."""
     num_rows, max_new = responses.shape
     stop_ids = np.asarray(params.stop_token_ids, dtype=np.int64)
     rows = torch.arange(num_rows)  # output row of each decoding row
@@ -388,9 +393,36 @@ def _native_sampling_loop(
     for step in range(start, max_new):
         tokens, num_alive = sample_step(logits, params, generator, stop_ids, alive, rows, step, pad_token_id,
                                         responses, response_mask, old_logp)  # fmt: skip
+        if sequences is not None and num_alive:
+            alive &= ~sequences.ended(responses, rows, step)  # in place: the C++ step reads this buffer
+            num_alive = int(alive.sum())
         if num_alive == 0 or step == max_new - 1:
             break
         logits, rows, alive = _advance(decoder, tokens, rows, alive, num_alive, step)
+
+
+class _StopSequences:
+    """The rows whose sampled ids end on one of ``params.stop_sequences`` (token ids, not text).
+
+    A sequence matches when the row's response tokens ``step - len + 1 .. step`` are exactly its
+    ids; the same text sampled with other token boundaries does not match (the workers list the
+    tokenizations of a tag that the sampler should stop on:
+    :func:`rlflow.workers.tool_render.stop_sequences`). Checked from token ``min_new_tokens`` on.
+    """
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self._first = min(params.min_new_tokens, params.max_new_tokens)
+        self._seqs = [torch.tensor(seq, dtype=torch.long, device=device) for seq in params.stop_sequences]
+
+    def ended(self, responses: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """``(len(rows),)`` bool: the decoding rows ``rows`` (output rows) whose token ``step`` ends a sequence."""
+        hit = torch.zeros(rows.shape[0], dtype=torch.bool, device=responses.device)
+        if step < self._first:
+            return hit
+        for seq in self._seqs:
+            if seq.numel() <= step + 1:
+                hit |= (responses[rows, step + 1 - seq.numel() : step + 1] == seq).all(dim=1)
+        return hit
 
 
 def _advance(decoder, tokens, rows, alive, num_alive: int, step: int):

@@ -85,6 +85,9 @@ class MultiTurn:
             slower steps of their turn (a slow tool stalls only its own episode); which episodes
             share a batched ``sample`` then depends on the steps' timing, so a seed no longer fixes
             the tokens. False: turn by turn (module docstring).
+        stop_sequences: token-id sequences a turn also ends on, besides the stop tokens (a tool
+            call's closing tag, :attr:`SamplingParams.stop_sequences`): the turn keeps the sampled
+            ids up to and including the sequence, nothing after.
     """
 
     episodes: Callable[[], Episode]
@@ -93,6 +96,7 @@ class MultiTurn:
     max_prompt_tokens: int = 256
     num_threads: int = 8
     overlap: bool = False
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_prompt_tokens", "num_threads"):
@@ -100,6 +104,10 @@ class MultiTurn:
                 raise ValueError(f"MultiTurn.{name}={getattr(self, name)} must be >= 1")
         if not callable(self.episodes):
             raise TypeError(f"MultiTurn.episodes={self.episodes!r} must be a callable making episodes")
+        sequences = tuple(tuple(int(t) for t in seq) for seq in self.stop_sequences)
+        if any(not seq or min(seq) < 0 for seq in sequences):
+            raise ValueError(f"MultiTurn.stop_sequences={sequences} must be non-empty sequences of token ids")
+        object.__setattr__(self, "stop_sequences", sequences)
 
 
 @dataclass
@@ -143,7 +151,7 @@ def run_episodes(
     """Runs ``params.n`` episodes per row, interleaved as rollouts are (row ``i*n + j``).
 
     Each turn samples at most ``params.max_new_tokens`` tokens (ending on a stop token of
-    ``params``) and no more than the episode's token budget has left; an observation that would
+    ``params`` or a sequence of ``multi.stop_sequences``) and no more than the episode's token budget has left; an observation that would
     leave no room to sample, or that follows the last turn, is not appended (the episode ends).
 
     Raises:
@@ -207,7 +215,7 @@ def _sample_turn(
     max_new = min(params.max_new_tokens, max(room))
     seed = None if params.seed is None else (params.seed + _TURN_SEED_STRIDE * turn) % 2**62
     turn_params = replace(params, n=1, max_new_tokens=max_new, min_new_tokens=min(params.min_new_tokens, max_new),
-                          seed=seed)  # fmt: skip
+                          seed=seed, stop_sequences=params.stop_sequences + multi.stop_sequences)  # fmt: skip
     responses, response_mask, old_logp = (t.cpu() for t in sample(ids, mask, turn_params))
     for row, i in enumerate(running):
         keep = response_mask[row].bool()

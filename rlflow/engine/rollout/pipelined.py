@@ -295,7 +295,12 @@ def pipelined_sample(
 
     Returns:
         ``(responses, response_mask, old_logp)``, each ``(B*n, R)`` as at pp = 1, on every rank.
+
+    Raises:
+        ValueError: ``params.stop_sequences`` (pipelined stages stop on single tokens only).
     """
+    if params.stop_sequences:
+        raise ValueError(f"stop_sequences={params.stop_sequences}: pipelined generation stops on single tokens only")
     pp, batch = dist.get_world_size(pp_group), input_ids.shape[0]
     num_micro_batches = min(num_micro_batches or pp, batch)
     if num_micro_batches < 1:

@@ -177,6 +177,11 @@ def to_vllm_sampling_params(params: SamplingParams, *, seed: int | None) -> Any:
     Stop tokens are ours only (``ignore_eos=True``): vLLM would otherwise also stop at the
     model's EOS. Greedy is vLLM's ``temperature=0``.
     """
+    if params.stop_sequences:
+        raise ValueError(
+            f"stop_sequences={params.stop_sequences}: the vllm engine stops on single tokens only "
+            "(multi-turn rollouts run on the hf engine)"
+        )
     vllm = _import_vllm()
     return vllm.SamplingParams(
         n=params.n,
