@@ -29,7 +29,10 @@ logits of the last position only; then ``gen_len - 1`` decode steps over every r
 prefill's logits give the first token), each reading the weights and the KV cache, appending to
 the cache, all-gathering the rows' logits over tp and sampling over the full vocabulary.
 Generation is priced to ``gen_len`` tokens; the sampler stops earlier when every row has hit a
-stop token.
+stop token. A multi-turn generation (``Workload.turns`` > 1, ``rlflow.engine.rollout.multi_turn``)
+is priced turn by turn: each turn prefills every episode's whole context (prompt, earlier turns and
+observations) and decodes ``turn_len`` tokens; each turn but the last then waits for the episodes'
+steps, ``tool_threads`` at a time on a rank, ``tool_s`` each.
 
 Training (``TrainEngine.train_step``): per mini-batch and epoch, forward, backward (2x the
 forward FLOPs), recomputation under gradient checkpointing, the gradient-norm clip and one
@@ -105,6 +108,11 @@ class Workload:
         gradient_checkpointing: recompute activations in backward.
         max_tokens_per_mb: token budget of one micro-batch (``None``: one micro-batch per
             mini-batch and dp rank, the engine's default without a budget).
+        turns: sampled turns of a multi-turn generation (``gen_len`` is then each row's whole
+            response: the turns and the observations between them); 1: one response per row.
+        observation_len: tokens an environment appends after each turn but the last.
+        tool_s: seconds one episode's step (its tool calls) takes after a turn.
+        tool_threads: episodes stepping at once on a dp rank (``rollout.multi_turn.num_threads``).
     """
 
     batch_size: int
@@ -115,11 +123,25 @@ class Workload:
     ppo_epochs: int = 1
     gradient_checkpointing: bool = True
     max_tokens_per_mb: int | None = DEFAULT_MAX_TOKENS_PER_MB
+    turns: int = 1
+    observation_len: int = 0
+    tool_s: float = 0.0
+    tool_threads: int = 1
 
     def __post_init__(self) -> None:
         for attr in ("batch_size", "prompt_len", "n_samples_per_prompt", "n_ppo_minibatches", "ppo_epochs"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"Workload.{attr}={getattr(self, attr)} must be >= 1")
+        if self.turns < 1 or self.tool_threads < 1 or self.observation_len < 0 or self.tool_s < 0:
+            raise ValueError(
+                f"Workload turns={self.turns}, tool_threads={self.tool_threads} must be >= 1 and "
+                f"observation_len={self.observation_len}, tool_s={self.tool_s} >= 0"
+            )
+        if self.turns > 1 and self.turn_len < 1:
+            raise ValueError(
+                f"Workload: gen_len={self.gen_len} leaves no token to sample in each of turns={self.turns} "
+                f"after {self.turns - 1} observations of observation_len={self.observation_len}"
+            )
         if self.gen_len < 0:
             raise ValueError(f"Workload.gen_len={self.gen_len} must be >= 0")
         if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
@@ -128,6 +150,11 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
+
+    @property
+    def turn_len(self) -> int:
+        """Tokens sampled per turn: the response less its observations, shared by the turns."""
+        return (self.gen_len - (self.turns - 1) * self.observation_len) // self.turns
 
     def n_seqs(self, mfc: MFCDef) -> int:
         """Sequences the call processes: its own ``n_seqs`` or ``batch_size * n_samples_per_prompt``."""
@@ -223,17 +250,46 @@ def _decode_latency_s(model, strategy, cluster) -> float:
 
 def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     prec = cluster.precision
-    b, tp = prec.generate_bytes, strategy.tp
     n = workload.n_seqs(mfc)
     rows = seqs_per_rank(n, strategy.dp)
     prompts = seqs_per_rank(workload.n_prompts(mfc), strategy.dp)
     # The sampler cuts micro-batches of whole prompts: in flight under pp, one after another at pp = 1.
     n_mbs = min(num_microbatches(mfc, strategy, n, workload.seq_len), prompts)
+    parts = [_rollout_s(model, strategy, mesh, cluster, rates, prompts, rows, n_mbs, workload.prompt_len,
+                        workload.gen_len)] if workload.turns == 1 else [
+        # Multi-turn (rlflow.engine.rollout.multi_turn): every turn, each episode prefills its whole
+        # context (the KV cache does not survive a turn) and samples its turn's tokens.
+        _rollout_s(model, strategy, mesh, cluster, rates, rows, rows, n_mbs,
+                   workload.prompt_len + t * (workload.turn_len + workload.observation_len), workload.turn_len)
+        for t in range(workload.turns)
+    ]  # fmt: skip
+    busy = busy_devices(mesh)
+    scale, fixed = rates.call_scale("generate", busy), rates.call_fixed_s("generate", busy)
+    prefill, repeat, decode = (sum(x) * scale for x in zip(*parts))
+    first = parts[0][0] * scale
+    breakdown = {"fixed_s": fixed, "prefill_s": prefill, "kv_repeat_s": repeat, "decode_s": decode}
+    tool = 0.0
+    if workload.turns > 1:
+        # Each turn but the last waits for its episodes' steps: tool_threads at a time on this rank
+        # (with overlap the wait hides behind other episodes' decoding: an upper bound then).
+        tool = (workload.turns - 1) * math.ceil(rows / workload.tool_threads) * workload.tool_s
+        breakdown["tool_s"] = tool
+    act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, workload.prompt_len, workload.gen_len)
+    weights = memory.weight_bytes(model, strategy, prec, generate=True)
+    if cluster.rollout_memory_fraction is not None:  # vLLM takes its share whatever the batch needs
+        act = max(act, cluster.rollout_memory_fraction * cluster.device_memory_bytes - weights)
+    return CallCost(fixed + prefill + repeat + decode + tool, act, weights, 0.0, first, breakdown)
+
+
+def _rollout_s(model, strategy, mesh, cluster, rates, prompts, rows, n_mbs, p_len, gen_len) -> tuple[float, ...]:
+    """``(prefill, kv_repeat, decode)`` seconds (uncalibrated) of sampling ``gen_len`` tokens for
+    ``rows`` rows of ``prompts`` prompts of ``p_len`` tokens on one rank, in ``n_mbs`` micro-batches."""
+    b, tp = cluster.precision.generate_bytes, strategy.tp
     mb, prompt_mb = math.ceil(rows / n_mbs), math.ceil(prompts / n_mbs)
     cross = mesh.num_nodes > 1
     # A lock-step pipeline runs pp - 1 tokens more (its cache holds them too: not priced, a few tokens).
-    tokens = workload.gen_len + (strategy.pp - 1 if strategy.pp > 1 and cluster.pipeline_lockstep else 0)
-    p_len, steps = workload.prompt_len, np.arange(max(0, tokens - 1))
+    tokens = gen_len + (strategy.pp - 1 if strategy.pp > 1 and cluster.pipeline_lockstep else 0)
+    steps = np.arange(max(0, tokens - 1))
     hidden = model.hidden_size * b
     prefill_pass = StagePass(prompt_mb, p_len, p_len * (p_len + 1) / 2, b, 0, prompt_mb)
     prefill_slot = stage_pass_s(model, strategy, cluster, rates, prefill_pass)
@@ -254,22 +310,7 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
         decode_steps = _pipelined_decode_step_s(decode_slot, *hops, n_mbs, strategy.pp)
     else:
         decode_steps = decode_slot * n_mbs
-    decode = float(np.sum(decode_steps)) + per_token
-    busy = busy_devices(mesh)
-    scale, fixed = rates.call_scale("generate", busy), rates.call_fixed_s("generate", busy)
-    prefill, repeat, decode = prefill * scale, repeat * scale, decode * scale
-    act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, p_len, workload.gen_len)
-    weights = memory.weight_bytes(model, strategy, prec, generate=True)
-    if cluster.rollout_memory_fraction is not None:  # vLLM takes its share whatever the batch needs
-        act = max(act, cluster.rollout_memory_fraction * cluster.device_memory_bytes - weights)
-    return CallCost(
-        fixed + prefill + repeat + decode,
-        act,
-        weights,
-        0.0,
-        prefill,
-        {"fixed_s": fixed, "prefill_s": prefill, "kv_repeat_s": repeat, "decode_s": decode},
-    )
+    return prefill, repeat, float(np.sum(decode_steps)) + per_token
 
 
 def _inference(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:

@@ -92,6 +92,12 @@ class MultiTurnConfig(_Section):
         "episodes whose tools answered sample their next turn without waiting for the turn's slowest tool; the "
         "batches then depend on tool timing, so a seed no longer fixes the samples (false: turn by turn)",
     )
+    tool_seconds: float = _f(
+        0.0,
+        "planner: seconds one episode's step (its tool calls) takes after a turn, priced into the generate call; "
+        "the run logs the measured mean as multi_turn/step_s over multi_turn/turns (0: tools not priced)",
+        ge=0.0,
+    )
     stop_at_call: bool = _f(
         True,
         "a turn also ends at a tool call's closing tag (</tool_call>, </call>; an environment's stop_strings), so "

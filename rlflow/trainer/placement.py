@@ -124,15 +124,25 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
 def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False) -> Workload:
     """Batch and lengths of one iteration as the cost model sees them.
 
-    ``multi_turn`` rows are ``rollout.multi_turn.max_prompt_tokens`` + ``max_total_tokens`` long: the
-    cost model prices their whole response as decoded (observation tokens are prefilled, and each
-    turn prefills its context again: neither is priced apart yet).
+    ``multi_turn`` rows are ``rollout.multi_turn.max_prompt_tokens`` + ``max_total_tokens`` long,
+    priced as ``max_turns`` turns of ``rollout.max_new_tokens`` sampled tokens (fewer when the budget
+    holds fewer) with the rest of the budget as observations between them, each turn prefilling
+    its context again and, but the last, waiting ``rollout.multi_turn.tool_seconds`` per episode step.
     """
     mt = cfg.rollout.multi_turn
+    turn = cfg.rollout.max_new_tokens or cfg.data.max_response_len
+    multi = {}
+    if multi_turn:
+        turn = min(turn, mt.max_total_tokens)
+        turns = min(mt.max_turns, mt.max_total_tokens // turn)
+        observation = (mt.max_total_tokens - turns * turn) // (turns - 1) if turns > 1 else 0
+        multi = {"turns": turns, "observation_len": observation, "tool_s": mt.tool_seconds,
+                 "tool_threads": mt.num_threads}  # fmt: skip
     return Workload(
         batch_size=cfg.data.batch_size,
         prompt_len=mt.max_prompt_tokens if multi_turn else cfg.data.max_prompt_len,
-        gen_len=mt.max_total_tokens if multi_turn else cfg.rollout.max_new_tokens or cfg.data.max_response_len,
+        gen_len=mt.max_total_tokens if multi_turn else turn,
+        **multi,
         n_samples_per_prompt=cfg.algorithm.n_samples if _samples(cfg) else 1,
         n_ppo_minibatches=cfg.algorithm.n_minibatches,
         ppo_epochs=cfg.algorithm.ppo_epochs,

@@ -186,6 +186,35 @@ def test_generation_prefills_the_prompts_once_and_decodes_gen_len_minus_one_step
     assert one_token.breakdown["decode_s"] == 0  # the prefill's logits give the only token
 
 
+def test_a_multi_turn_generation_prefills_each_turns_context_and_waits_for_its_tools():
+    model = model_preset("llama2-7b")
+    # 8 prompts x 2 episodes on 2 ranks: 8 episodes per rank, 3 turns of 16 tokens, 2 observations of 8
+    w = Workload(batch_size=8, prompt_len=32, gen_len=3 * 16 + 2 * 8, n_samples_per_prompt=2, turns=3,
+                 observation_len=8, tool_s=0.1, tool_threads=4)  # fmt: skip
+    assert w.turn_len == 16 and w.seq_len == 32 + 64
+    multi = call_cost(GEN, model, S(dp=2), DeviceMesh(1, 2), A100, w)
+    # each turn: every episode its own prompt, the context so far, then the turn's 16 tokens
+    turns = [
+        call_cost(
+            GEN, model, S(dp=2), DeviceMesh(1, 2), A100, Workload(batch_size=16, prompt_len=32 + t * 24, gen_len=16)
+        )
+        for t in range(3)
+    ]
+    for key in ("prefill_s", "decode_s"):
+        assert multi.breakdown[key] == pytest.approx(sum(c.breakdown[key] for c in turns), rel=1e-12)
+    assert multi.breakdown["kv_repeat_s"] == 0
+    # two waits (not after the last turn) of two rounds of 4 episodes' steps at 0.1 s
+    assert multi.breakdown["tool_s"] == pytest.approx(2 * 2 * 0.1)
+    assert multi.time_s == pytest.approx(sum(multi.breakdown.values()))
+    eight = call_cost(GEN, model, S(dp=2), DeviceMesh(1, 2), A100, dataclasses.replace(w, tool_threads=8))
+    assert eight.breakdown["tool_s"] == pytest.approx(0.2)
+    one_rank = call_cost(GEN, model, S(), DeviceMesh(1, 1), A100, w)
+    assert one_rank.breakdown["tool_s"] == pytest.approx(2 * 4 * 0.1)  # 16 episodes on one rank
+    assert "tool_s" not in call_cost(GEN, model, S(dp=2), DeviceMesh(1, 2), A100, PAPER).breakdown
+    with pytest.raises(ValueError, match="leaves no token to sample"):
+        Workload(batch_size=1, prompt_len=4, gen_len=10, turns=3, observation_len=5)
+
+
 def test_ppo_epochs_repeat_the_rl_train_step_only():
     two = dataclasses.replace(PAPER, ppo_epochs=2)
     once = call_cost(TRAIN, LLAMA7B, S(dp=8), DeviceMesh(1, 8), A100, PAPER).time_s

@@ -136,6 +136,11 @@ def test_the_planner_places_multi_turn_generation_without_tensor_or_pipeline_par
         assert (strategy.tp == strategy.pp == 1) == multi_turn
     workload = planning_workload(cfg, multi_turn=True)  # priced at the rows' lengths
     assert (workload.prompt_len, workload.gen_len) == (24, 40)
+    turns = ["rollout.max_new_tokens=8", "rollout.multi_turn.max_turns=3", "rollout.multi_turn.tool_seconds=0.5"]
+    workload = planning_workload(load_config(None, [*lengths, *turns]), multi_turn=True)
+    # 3 turns of 8 sampled tokens, the 16 tokens left as 2 observations of 8; each step 0.5 s
+    assert (workload.turns, workload.turn_len, workload.observation_len, workload.tool_s) == (3, 8, 8, 0.5)
+    assert workload.tool_threads == 8 and planning_workload(cfg).turns == 1
 
 
 def test_the_tool_recipe_warms_up_on_tool_traces_then_rolls_out_tool_episodes(tmp_path):
