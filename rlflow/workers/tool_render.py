@@ -38,8 +38,9 @@ _SENTINEL = "\x00rlflow-sentinel\x00"
 # What a chat template does with tools never changes: each is rendered once per process.
 _FORMAT: dict[str, str] = {}  # chat template -> its call format
 _TOOL_ROLE: dict[str, bool] = {}  # chat template -> whether it renders the tool role
-# What a tool call's JSON ends on before its closing tag; a BPE tokenizer may merge it with the tag's start.
-_BEFORE_TAG = ("", "}", "\n", " ")
+# What a tool call's JSON ends on before its closing tag (the arguments' last value, then one or two
+# braces), or a space or newline: a BPE tokenizer may merge such a run of punctuation with the tag's start.
+_BEFORE_TAG = ("", "}", "}}", "}}}", '"}}', "]}}", "\n", "}\n", " ")
 _PROBE_TOOL = {"type": "function", "function": {"name": "rlflow_probe_tool", "description": "probe", "parameters": {}}}
 
 
@@ -152,11 +153,12 @@ def _after_turn(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
 def stop_sequences(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     """The token-id sequences a sampled turn that ends on one of ``strings`` (closing tags) ends with.
 
-    For each string: its tokenization, and its tokenization after what a call's JSON ends on
-    (``}``, a newline, a space), cut to the shortest run of last tokens whose text holds the whole
-    string (a tokenizer that merges ``}</`` into one token gives a sequence starting with it). The
-    sampler matches these ids, not text: the same tag written with other token boundaries is not
-    seen, and the turn goes on to its end-of-turn token or its token limit.
+    For each string: its tokenization, and its tokenization after what a call's JSON may end on
+    (``}``, ``}}``, ``"}}``, ``]}}``..., a newline, a space), cut to the shortest run of last tokens
+    whose text holds the whole string (a tokenizer that merges ``}}</`` into one token gives a
+    sequence starting with it). The sampler matches these ids, not text: the same tag written with
+    other token boundaries is not seen, and the turn goes on to its end-of-turn token or its token
+    limit.
 
     >>> from rlflow.data.tokenizer import build_char_tokenizer
     >>> stop_sequences(build_char_tokenizer("</cal>"), ["</call>"])

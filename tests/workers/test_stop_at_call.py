@@ -123,3 +123,21 @@ def test_a_trace_turn_that_ends_on_the_tag_is_not_closed_by_the_end_of_turn_toke
     assert call_text.endswith("</call>")
     assert ids == prompt + call + result + answer
     assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * len(answer)
+
+
+def test_a_bpe_tokenizer_that_merges_the_calls_closing_braces_with_the_tag_is_stopped_at_the_merged_token():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    call = '<call>{"name": "f", "arguments": {"a": 1}}</call>'
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([call] * 20 + ["a </call> b"] * 5, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    ids = tok(call, add_special_tokens=False).input_ids
+    assert tok.decode(ids[-3:-2]) == "}}</"  # the braces and the tag's start are one token
+    sequences = stop_sequences(tok, ["</call>"])
+    assert tuple(ids[-3:]) in sequences and tuple(tok("</call>", add_special_tokens=False).input_ids) in sequences
+    assert all(tok.decode(list(seq)).endswith("</call>") for seq in sequences)
