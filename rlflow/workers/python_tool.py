@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from rlflow.sandbox import Limits, Sandbox
+from rlflow.sandbox import Limits, RunResult, Sandbox
 
 __all__ = ["PYTHON_TOOL_LIMITS", "PythonToolError", "make_python_tool", "python"]
 
@@ -27,9 +27,6 @@ PYTHON_TOOL_LIMITS = Limits(
 )
 # What the model reads of a failed run's output: the end of its traceback is what says why.
 _ERROR_TAIL_CHARS = 2_000
-
-_sandboxes: dict[tuple[Limits, str], Sandbox] = {}
-_sandboxes_lock = threading.Lock()
 
 
 class PythonToolError(RuntimeError):
@@ -59,9 +56,9 @@ def make_python_tool(
     >>> tool("print(6 * 7)")  # doctest: +SKIP
     '42\\n'
     """
-    limits = limits or PYTHON_TOOL_LIMITS
     if network not in ("deny", "best_effort"):
         raise ValueError(f"make_python_tool(network={network!r}): expected 'deny' or 'best_effort'")
+    box = sandbox or _SandboxOnFirstUse(limits or PYTHON_TOOL_LIMITS, network)
 
     def python(code: str) -> str:
         """Runs a Python program in a sandbox (no network, no files outside its own directory, limited time and memory) and returns what it printed.
@@ -69,7 +66,7 @@ def make_python_tool(
         Args:
             code: the program's source; print the values you want to see.
         """
-        result = (sandbox or _sandbox(limits, network)).run(code)
+        result = box.run(code)
         output = result.stdout + (f"\n[stderr]\n{result.stderr}" if result.stderr else "")
         if not result.ok:
             tail = f"; its output ends:\n{output[-_ERROR_TAIL_CHARS:]}" if output else ""
@@ -79,12 +76,26 @@ def make_python_tool(
     return python
 
 
-def _sandbox(limits: Limits, network: str) -> Sandbox:
-    """The process's sandbox of ``(limits, network)``, made on first use where the tools run."""
-    with _sandboxes_lock:
-        if (limits, network) not in _sandboxes:
-            _sandboxes[limits, network] = Sandbox(limits, network=network)
-        return _sandboxes[limits, network]
+class _SandboxOnFirstUse:
+    """A :class:`Sandbox` made on the first run in the process that runs the tool (a worker, where
+    its interpreter and uids are); it pickles as its settings, without the sandbox or the lock."""
+
+    def __init__(self, limits: Limits, network: str) -> None:
+        self.limits, self.network = limits, network
+        self._box: Sandbox | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"limits": self.limits, "network": self.network}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def run(self, code: str) -> RunResult:
+        with self._lock:
+            if self._box is None:
+                self._box = Sandbox(self.limits, network=self.network)
+        return self._box.run(code)
 
 
 python = make_python_tool()

@@ -66,3 +66,15 @@ def test_the_python_tool_by_import_path_is_a_documented_tool_that_pickles_to_the
     assert tool.name == "python"
     assert tool.schema["function"]["parameters"]["required"] == ["code"]
     assert "sandbox" in tool.schema["function"]["description"]
+    # pickled with its module's code too (a source tree that is not an installed package): the lazily
+    # made sandbox travels as its settings
+    from ray import cloudpickle
+
+    import rlflow.workers.python_tool as module
+
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        copy = cloudpickle.loads(cloudpickle.dumps(make_python_tool(LIMITS)))
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    assert copy.__name__ == "python" and copy.__closure__ is not None
