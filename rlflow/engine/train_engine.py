@@ -27,6 +27,7 @@ of the last pipeline stage (every tp rank: logits are gathered) and ``None`` els
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from rlflow.engine.packing import max_seqlen, pack, position_ids_from_mask, unpa
 from rlflow.engine.parallelize import ParallelDims, apply_ac, apply_fsdp, mixed_precision_dtype
 from rlflow.engine.pipeline import DecoderStage, build_stage, tied_embedding_group
 from rlflow.engine.pipeline_runner import PipelineRunner
+from rlflow.engine.router_loss import RouterLogitsRecorder, resolve_router_aux_loss_coef, router_aux_loss
 from rlflow.parallel.tensor_parallel import apply_tp
 
 __all__ = ["ENGINE_CAPABILITIES", "EngineConfig", "LossFn", "TrainEngine", "strategy_error"]
@@ -94,6 +96,9 @@ class EngineConfig:
         compute_entropy: return per-token entropies from LM forwards.
         lora: train low-rank adapters on these linear modules instead of every weight
             (:mod:`rlflow.engine.lora`; ``tp = pp = 1``); ``None`` trains every parameter.
+        router_aux_loss_coef: a mixture-of-experts model's training loss adds this times the
+            router's load-balancing loss (:mod:`rlflow.engine.router_loss`; ``pp = 1``); ``None``:
+            the model config's ``router_aux_loss_coef`` (0 for a dense model); 0: off.
         device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``None`` for CUDA when available.
     """
 
@@ -106,6 +111,7 @@ class EngineConfig:
     pp_schedule: str = "1f1b"
     compute_entropy: bool = True
     lora: LoraSpec | None = None
+    router_aux_loss_coef: float | None = None
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -179,6 +185,7 @@ class TrainEngine:
         if self.config.optim is not None:
             self.optimizer = build_optimizer(self.stage.parameters(), self.config.optim)
             self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.router_aux_loss_coef, self.router_recorder = self._router_aux_loss(model)
         self.runner = PipelineRunner(self) if self.dims.pp > 1 else None
         self.global_step = 0
 
@@ -232,6 +239,22 @@ class TrainEngine:
         stage.compute_entropy = self.config.compute_entropy
         return stage
 
+    def _router_aux_loss(self, model: nn.Module) -> tuple[float, RouterLogitsRecorder | None]:
+        """The router auxiliary loss's coefficient and the hooks that collect its logits (a trained MoE model)."""
+        if self.optimizer is None:
+            return 0.0, None
+        coef = resolve_router_aux_loss_coef(model.config, self.config.router_aux_loss_coef)
+        if coef == 0:
+            return 0.0, None
+        # HF's loss pools the routing statistics of every layer of a forward: a pipeline stage
+        # sees its own layers only, and its loss would be another one.
+        if self.dims.pp > 1:
+            raise ValueError(
+                f"router_aux_loss_coef={coef}: the router auxiliary loss runs with pp=1 (got pp={self.dims.pp}); "
+                "set it to 0 to train this mixture-of-experts model with pipeline parallelism"
+            )
+        return coef, RouterLogitsRecorder(self.stage, self.hf_class)
+
     def _tied_param(self) -> nn.Parameter | None:
         if self.tied_group is None:
             return None
@@ -248,28 +271,39 @@ class TrainEngine:
         ids = data["input_ids"].to(self.device)
         return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
 
-    def run_micro_batch(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_micro_batch(self, data: Mapping[str, torch.Tensor], router_aux: bool = False) -> dict[str, torch.Tensor]:
         """Forward one micro-batch through the (single) stage: ``{log_probs, entropy, logits}`` or ``{values}``.
 
         Every output is ``(b, t[, V])`` aligned with ``data["attention_mask"]``; with packing
         the micro-batch runs as one packed row ``(1, total)`` with its ``cu_seqlens`` and
         ``max_seqlen`` given to the varlen attention, and the outputs are scattered back.
+        ``router_aux`` (a trained MoE model) adds ``router_aux_loss``, a scalar: HF's
+        load-balancing loss over the micro-batch's real tokens.
         """
         inp = self.stage_inputs(data)
         is_lm = self.kind == "lm"
-        if not self.packing:
-            ids, mask = inp["input_ids"], inp["attention_mask"]
-            out = self.stage(ids, attention_mask=mask, position_ids=inp["position_ids"], labels=ids if is_lm else None)
-            return self.named_outputs(out)
-        ids, cu_seqlens, pos = pack(inp["input_ids"], inp["attention_mask"])
-        out = self.stage(
-            ids,
-            position_ids=pos,
-            labels=ids if is_lm else None,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen(cu_seqlens),
-        )
-        return {k: unpack(v, inp["attention_mask"]) for k, v in self.named_outputs(out).items()}
+        recording = self.router_recorder.recording() if router_aux else contextlib.nullcontext()
+        with recording as router_logits:
+            if not self.packing:
+                ids, mask = inp["input_ids"], inp["attention_mask"]
+                out = self.stage(
+                    ids, attention_mask=mask, position_ids=inp["position_ids"], labels=ids if is_lm else None
+                )
+                named = self.named_outputs(out)
+            else:
+                ids, cu_seqlens, pos = pack(inp["input_ids"], inp["attention_mask"])
+                out = self.stage(
+                    ids,
+                    position_ids=pos,
+                    labels=ids if is_lm else None,
+                    cu_seqlens=cu_seqlens,
+                    max_seqlen=max_seqlen(cu_seqlens),
+                )
+                named = {k: unpack(v, inp["attention_mask"]) for k, v in self.named_outputs(out).items()}
+        if router_aux:  # a packed row holds real tokens only
+            mask = None if self.packing else inp["attention_mask"]
+            named["router_aux_loss"] = router_aux_loss(self.router_recorder, self.hf_config, router_logits, mask)
+        return named
 
     def named_outputs(self, out) -> dict[str, torch.Tensor]:
         """Name the last stage's raw outputs."""
@@ -324,7 +358,10 @@ class TrainEngine:
 
         Returns:
             Means over the mini-batches of ``loss`` (the global mini-batch mean), the loss's
-            metrics (weighted like the loss), ``grad_norm`` (before clipping), and ``lr``.
+            metrics (weighted like the loss), ``grad_norm`` (before clipping), and ``lr``; for a
+            mixture-of-experts model trained with its router loss, ``router_aux_loss`` (HF's
+            load-balancing loss, the token-weighted mean over micro-batches, before its
+            coefficient; ``loss`` leaves it out, the gradient has it).
         """
         if self.optimizer is None:
             raise RuntimeError("this engine was built with optim=None (inference only)")
@@ -369,9 +406,19 @@ class TrainEngine:
             sums = self.runner.train(mini, weighted_loss)
         else:
             sums = {}
+            router_aux = self.router_recorder is not None
+            # The router loss of each micro-batch is weighted by its share of the global mini-batch's
+            # real tokens: over dp ranks and micro-batches, the token-weighted mean of HF's loss.
+            tokens = self._global_units(mini, "attention_mask") if router_aux else 0.0
             for mb in split_micro_batches(mini, **self.config.split_kwargs()):
                 data = self.to_device(mb.data)
-                loss, mb_sums = weighted_loss(self.run_micro_batch(data), data)
+                outputs = self.run_micro_batch(data, router_aux=router_aux)
+                aux = outputs.pop("router_aux_loss", None)
+                loss, mb_sums = weighted_loss(outputs, data)
+                if aux is not None:
+                    share = self._loss_units(data, "attention_mask") / tokens
+                    loss = loss + aux * (self.router_aux_loss_coef * share * self.dims.dp)
+                    mb_sums["router_aux_loss"] = float(aux.detach()) * share
                 loss.backward()
                 for k, v in mb_sums.items():
                     sums[k] = sums.get(k, 0.0) + v

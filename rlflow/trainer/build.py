@@ -29,6 +29,7 @@ from rlflow.engine.optim import OptimConfig
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.router_loss import resolve_router_aux_loss_coef
 from rlflow.families import family_of, list_families
 from rlflow.families.generic import GenericFamily
 from rlflow.files import write_atomic
@@ -365,8 +366,31 @@ def model_setups(
             value_head=name in VALUE_ROLES,
             compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu", _layer_params(paths[name])),
             lora=_lora_spec(cfg, name, paths[name], calls) if m.lora is not None else None,
+            router_aux_loss_coef=_router_aux_loss_coef(cfg, name, paths[name], calls) if trainable else None,
         )
     return setups
+
+
+def _router_aux_loss_coef(cfg: RLFlowConfig, name: str, path: str, calls: Mapping[str, CallPlacement]) -> float | None:
+    """``models.<name>.router_aux_loss_coef`` checked against the model and its training strategy.
+
+    Raises:
+        ConfigError: a positive coefficient for a dense model, or a mixture-of-experts model trained
+            with its router loss by a call placed with pp > 1.
+    """
+    key = f"models.{name}.router_aux_loss_coef"
+    override = cfg.models[name].router_aux_loss_coef
+    try:
+        coef = resolve_router_aux_loss_coef(AutoConfig.from_pretrained(path, local_files_only=True), override, key)
+    except ValueError as err:
+        raise ConfigError(key, str(err).removeprefix(f"{key}={override}: ")) from None
+    for call in calls.values():
+        if coef > 0 and call.mfc.model_name == name and call.mfc.is_train and call.strategy.pp > 1:
+            raise ConfigError(
+                key,
+                f"{coef}: the router auxiliary loss runs with pp=1; place {call.mfc.name!r} with pp=1 or set it to 0",
+            )
+    return override
 
 
 def _lora_spec(cfg: RLFlowConfig, name: str, path: str, calls: Mapping[str, CallPlacement]) -> LoraSpec:

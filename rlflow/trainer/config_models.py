@@ -76,6 +76,12 @@ class ModelConfig(_Section):
     lora: LoraConfig | None = _f(
         None, "train low-rank adapters instead of every weight (actor only, tp = pp = 1); null: full-parameter"
     )
+    router_aux_loss_coef: float | None = _f(
+        None,
+        "mixture-of-experts models: the training loss adds this times the router's load-balancing loss (HF's, "
+        "logged as router_aux_loss; pp = 1); null: the model config's router_aux_loss_coef; 0: off",
+        ge=0.0,
+    )
 
     def _check(self) -> None:
         if (self.init == "path") != (self.path is not None):

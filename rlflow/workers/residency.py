@@ -180,6 +180,7 @@ class Residency:
             mixed_precision="bf16" if model.compute_dtype == torch.bfloat16 else "fp32",
             # The adapters live at the trainable home only; every copy holds merged weights.
             lora=model.lora if train else None,
+            router_aux_loss_coef=model.router_aux_loss_coef,
             device=self.device.type,
             **split,
         )

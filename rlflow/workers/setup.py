@@ -106,6 +106,8 @@ class ModelSetup:
             optimizer state stay in :data:`PARAM_DTYPE` either way.
         lora: a trainable causal LM's low-rank adapters (:mod:`rlflow.engine.lora`): only they
             train, at its home; ``None`` trains every weight.
+        router_aux_loss_coef: weight of a mixture-of-experts model's router loss in training
+            (:mod:`rlflow.engine.router_loss`); ``None``: its config's; 0: off.
     """
 
     name: str
@@ -120,6 +122,7 @@ class ModelSetup:
     value_head: bool = False
     compute_dtype: torch.dtype = torch.float32
     lora: LoraSpec | None = None
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
