@@ -8,7 +8,8 @@ A 4-layer, 128-wide Llama over the char tokenizer's 100-token vocabulary has abo
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,6 +76,7 @@ def build_tiny_model(
     eos_token_id: int | None = 2,
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
+    config_fields: Mapping[str, Any] | None = None,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM of a registered model family (``LlamaForCausalLM`` …).
 
@@ -94,6 +96,8 @@ def build_tiny_model(
         eos_token_id: as above.
         attn_implementation: ``"sdpa"`` or ``"eager"``.
         dtype: parameter dtype.
+        config_fields: further fields set on the HF config (a mixture-of-experts model's
+            ``num_experts``, ``moe_intermediate_size`` …).
 
     Returns:
         The model, in train mode, on CPU.
@@ -107,6 +111,8 @@ def build_tiny_model(
         tie_word_embeddings, max_position_embeddings, pad_token_id, bos_token_id, eos_token_id,
         attn_implementation,
     )  # fmt: skip
+    for key, value in (config_fields or {}).items():
+        setattr(config, key, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_family(family).causal_lm_class(config)

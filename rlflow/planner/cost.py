@@ -217,8 +217,10 @@ def _fsdp_exposed_s(model, strategy, mesh, cluster, compute_s: float, gathers: i
     stage = memory.max_stage_params(model, strategy.pp) / strategy.tp
     units = max(1, int(model.stage_layers(strategy.pp).max())) + 1
     gather = units * float(collective_s(cluster, stage * prec.compute_bytes / units, strategy.dp, cross, "all_gather"))
+    # Only trained parameters have gradients to reduce (a LoRA model: its adapters).
+    trained = model.stage_trainable_params(strategy.pp) / strategy.tp
     scatter = units * float(
-        collective_s(cluster, stage * prec.grad_bytes / units, strategy.dp, cross, "reduce_scatter")
+        collective_s(cluster, trained * prec.grad_bytes / units, strategy.dp, cross, "reduce_scatter")
     )
     comm = gathers * gather + (scatter if train else 0.0)
     if not cluster.comm_overlaps_compute:
@@ -364,7 +366,7 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     # Layers are resharded after forward (and gathered again in backward) only without pipelining.
     gathers = n_mbs * (2 if strategy.pp == 1 else 1)
     fsdp = _fsdp_exposed_s(model, strategy, mesh, cluster, compute, gathers, train=True)
-    opt_params = memory.max_stage_params(model, strategy.pp) / (strategy.tp * strategy.dp)
+    opt_params = model.stage_trainable_params(strategy.pp) / (strategy.tp * strategy.dp)
     optimizer = float(rates.memory_s(adam_step_bytes_per_param(prec) * opt_params)) * scale
     sync = _step_sync_s(strategy, mesh, cluster)
     fixed = rates.call_fixed_s("train_step", busy)

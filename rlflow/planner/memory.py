@@ -7,7 +7,9 @@ Static (lives across calls). Every call but a generation runs on FSDP2 over dp
 model's weights on such a layout are its fp32 master shards: ``param_bytes * P_stage / (tp * dp)``.
 A trained model adds its fp32 gradient shards and AdamW's two fp32 moments:
 ``(grad_bytes + optimizer_bytes) * P_stage / (tp * dp)`` — 16 bytes per parameter in all, on CPU
-and GPU alike. A generation runs on a dp-replicated tensor-parallel copy in the generation dtype
+and GPU alike. A LoRA model (:attr:`ModelSpec.trainable_params`) holds its full base weights, and
+its adapters with their gradients and moments: ``(param_bytes + grad_bytes + optimizer_bytes) * A / dp``
+for ``A`` adapter parameters (tp = pp = 1). A generation runs on a dp-replicated tensor-parallel copy in the generation dtype
 (bf16 for vLLM on GPUs; the HF sampler's copy is in the model's compute dtype):
 ``generate_bytes * P_stage / tp``.
 
@@ -73,9 +75,13 @@ def weight_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precis
 
 
 def train_state_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precision) -> float:
-    """Gradient shards and optimizer state per device of a model trained under ``strategy`` (FSDP over dp)."""
+    """Gradient shards and optimizer state per device of a model trained under ``strategy`` (FSDP over dp),
+    over the parameters it trains. A LoRA model's adapters add their fp32 weights here too: they live at the
+    trained home only, while :func:`weight_bytes` (the base) prices every FSDP copy, merged ones included."""
     per_param = precision.grad_bytes + precision.optimizer_bytes
-    return max_stage_params(model, strategy.pp) * per_param / (strategy.tp * strategy.dp)
+    if model.trainable_params is not None:
+        per_param += precision.param_bytes
+    return model.stage_trainable_params(strategy.pp) * per_param / (strategy.tp * strategy.dp)
 
 
 def kv_cache_bytes(model: ModelSpec, strategy: ParallelStrategy, seqs: int, seq_len: int, nbytes: int) -> float:
@@ -105,15 +111,16 @@ def logits_bytes(model: ModelSpec, tp: int, tokens: float, precision: Precision,
 
 def fsdp_buffer_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precision, train: bool) -> float:
     """Weights FSDP2 gathers in the compute dtype: two layers (current and prefetched) and the root
-    group (embedding, norm, head are kept gathered), plus one layer's unsharded gradients in training.
+    group (embedding, norm, head are kept gathered), plus one layer's unsharded gradients in training
+    (of its trained parameters: a LoRA layer's adapters).
 
     Nothing when ``dp == 1`` and the compute dtype is the master dtype (the shard is the tensor).
     """
     if strategy.dp == 1 and precision.compute_bytes == precision.param_bytes:
         return 0.0
-    layers = 3 if train else 2
+    layers = 2 * model.layer_params + (model.layer_trainable_params if train else 0)
     root = (model.embedding_params + model.final_norm_params + model.head_params) / strategy.tp
-    return (layers * model.layer_params / strategy.tp + root) * precision.compute_bytes
+    return (layers / strategy.tp + root) * precision.compute_bytes
 
 
 def generate_act_bytes(

@@ -41,6 +41,17 @@ class ModelSpec:
         tp_blocker, pp_blocker: why the model runs with tp = 1 (pp = 1) only (its family's
             :attr:`~rlflow.families.ModelFamily.tp_blocker` / ``pp_blocker``); None: any degree its
             heads (layers) allow.
+        num_experts, experts_per_token: a mixture-of-experts layer's routed experts and how many
+            of them each token runs through (top-k); 0 for a dense model.
+        layer_expert_params: parameters of one layer's routed experts (every expert), part of
+            ``layer_params``: memory holds all of them, a token computes with
+            ``experts_per_token / num_experts`` of them.
+        layer_active_matmul_count: multiplying parameters a token runs through in one layer (a
+            mixture-of-experts layer: attention, router, shared experts and its top-k experts);
+            None: counted from the dimensions (a Llama-style layer).
+        trainable_params: parameters its optimizer trains, all inside the decoder layers (a LoRA
+            model's adapters, :func:`lora_param_count`); the base weights stay frozen beside them.
+            None: every parameter trains.
 
     Shapes only: the bytes of a weight or an activation depend on the engine and the device,
     and come from the cluster (:class:`rlflow.planner.cluster.Precision`).
@@ -68,6 +79,11 @@ class ModelSpec:
     layer_tensor_count: int | None = None
     tp_blocker: str | None = None
     pp_blocker: str | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    layer_expert_params: int = 0
+    layer_active_matmul_count: int | None = None
+    trainable_params: int | None = None
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -75,6 +91,10 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{attr}={getattr(self, attr)} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be in [1, num_experts={self.num_experts}]"
+            )
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}; give head_dim"
@@ -109,7 +129,10 @@ class ModelSpec:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of the layer's matmuls (q, k, v, o, gate, up, down): what its FLOPs scale with."""
+        """Weights of the layer's matmuls a token runs through (q, k, v, o, gate, up, down; of a
+        mixture-of-experts layer, its router and active experts only): what its FLOPs scale with."""
+        if self.layer_active_matmul_count is not None:
+            return self.layer_active_matmul_count
         h = self.hidden_size
         return h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * self.intermediate_size
 
@@ -137,6 +160,32 @@ class ModelSpec:
         tied = self.tie_embeddings and not self.value_head
         head = 0 if tied else self.head_params
         return self.embedding_params + self.num_layers * self.layer_params + self.final_norm_params + head
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters a token computes with: all of them, but only ``experts_per_token / num_experts``
+        of every layer's routed experts (a mixture-of-experts model)."""
+        if not self.num_experts:
+            return self.num_params
+        idle = self.layer_expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
+        return self.num_params - self.num_layers * idle
+
+    @property
+    def adapter_params(self) -> int:
+        """Parameters beside the base weights (a LoRA model's adapters): ``trainable_params`` or 0."""
+        return self.trainable_params or 0
+
+    def stage_trainable_params(self, pp: int) -> int:
+        """Trained parameters of the largest pipeline stage: all its parameters, or its share of the adapters."""
+        stage = int(self.stage_params(pp).max())
+        if self.trainable_params is None:
+            return stage
+        return self.trainable_params * max(1, int(self.stage_layers(pp).max())) // self.num_layers
+
+    @property
+    def layer_trainable_params(self) -> int:
+        """Trained parameters of one decoder layer (a LoRA model: its adapters)."""
+        return self.layer_params if self.trainable_params is None else self.trainable_params // self.num_layers
 
     @cached_property
     def item_params(self) -> np.ndarray:
@@ -201,6 +250,7 @@ class ModelSpec:
         family = family_of(config)
         dims, features = family.dims(config), family.features(config)
         layer = family.layer_param_shapes(config, 0)
+        experts = _experts(config, layer)
         return cls(
             num_layers=dims.num_layers,
             hidden_size=dims.hidden_size,
@@ -220,7 +270,58 @@ class ModelSpec:
             layer_tensor_count=len(layer),
             tp_blocker=family.tp_blocker,
             pp_blocker=family.pp_blocker,
+            **experts,
         )
+
+
+def lora_param_count(config: Any, r: int, target_modules: Sequence[str]) -> int:
+    """Parameters of LoRA adapters of rank ``r`` on the named linear modules of every decoder layer:
+    ``r * (in_features + out_features)`` per adapted linear (peft's ``lora_A`` and ``lora_B``).
+
+    Args:
+        config: an HF decoder config of a registered model family (object or dict).
+        r: rank of the adapters.
+        target_modules: last components of the linear module paths, as ``models.<role>.lora`` names them.
+    """
+    from rlflow.families import family_of
+
+    family, targets = family_of(config), set(target_modules)
+    total = 0
+    for layer in range(family.dims(config).num_layers):
+        for name, shape in family.layer_param_shapes(config, layer).items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and len(shape) == 2 and module.rpartition(".")[2] in targets:
+                total += r * (shape[0] + shape[1])
+    return total
+
+
+# Config keys of a mixture-of-experts model's routed experts, and of its top-k.
+_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERT_MARKER = ".experts."  # parameter paths of routed experts (shared experts are named otherwise)
+
+
+def _experts(config: Any, layer: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The :class:`ModelSpec` fields of a mixture-of-experts layer (read from its parameter shapes), or none.
+
+    Layer 0 stands for every layer: a model whose layers differ (dense layers between sparse ones)
+    is priced as if all were like the first.
+    """
+    from rlflow.families import config_value
+
+    num = next((n for k in _NUM_EXPERTS_KEYS if isinstance(n := config_value(config, k), int) and n > 0), 0)
+    expert = {name: math.prod(shape) for name, shape in layer.items() if _EXPERT_MARKER in name}
+    if not num or not expert:
+        return {}
+    top_k = int(config_value(config, "num_experts_per_tok"))
+    # Multiplying parameters: every matrix (biases and norms are vectors), experts at top_k / num.
+    matmul = sum(math.prod(shape) for name, shape in layer.items() if len(shape) >= 2 and name not in expert)
+    expert_matmul = sum(math.prod(layer[name]) for name in expert if len(layer[name]) >= 2)
+    return dict(
+        num_experts=num,
+        experts_per_token=top_k,
+        layer_expert_params=sum(expert.values()),
+        layer_active_matmul_count=matmul + expert_matmul * top_k // num,
+    )
 
 
 @lru_cache(maxsize=4096)

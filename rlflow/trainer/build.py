@@ -162,6 +162,7 @@ def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) ->
         else:
             source = paths[m.init_from]
             paths[name] = _copy_model(name, source, run_dir / "models" / name)
+    _checked_router_loss(cfg, paths)
     return paths
 
 
@@ -366,31 +367,39 @@ def model_setups(
             value_head=name in VALUE_ROLES,
             compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu", _layer_params(paths[name])),
             lora=_lora_spec(cfg, name, paths[name], calls) if m.lora is not None else None,
-            router_aux_loss_coef=_router_aux_loss_coef(cfg, name, paths[name], calls) if trainable else None,
+            router_aux_loss_coef=_router_aux_loss_coef(cfg, name, paths[name], calls),
         )
     return setups
 
 
 def _router_aux_loss_coef(cfg: RLFlowConfig, name: str, path: str, calls: Mapping[str, CallPlacement]) -> float | None:
-    """``models.<name>.router_aux_loss_coef`` checked against the model and its training strategy.
+    """``models.<name>.router_aux_loss_coef``, once no train call of a mixture-of-experts model with
+    its router loss on runs with pp > 1 (a manual plan; the planner offers such calls pp = 1 only).
 
     Raises:
-        ConfigError: a positive coefficient for a dense model, or a mixture-of-experts model trained
-            with its router loss by a call placed with pp > 1.
+        ConfigError: such a call.
     """
-    key = f"models.{name}.router_aux_loss_coef"
-    override = cfg.models[name].router_aux_loss_coef
-    try:
-        coef = resolve_router_aux_loss_coef(AutoConfig.from_pretrained(path, local_files_only=True), override, key)
-    except ValueError as err:
-        raise ConfigError(key, str(err).removeprefix(f"{key}={override}: ")) from None
+    key, override = f"models.{name}.router_aux_loss_coef", cfg.models[name].router_aux_loss_coef
     for call in calls.values():
-        if coef > 0 and call.mfc.model_name == name and call.mfc.is_train and call.strategy.pp > 1:
-            raise ConfigError(
-                key,
-                f"{coef}: the router auxiliary loss runs with pp=1; place {call.mfc.name!r} with pp=1 or set it to 0",
-            )
+        if call.mfc.model_name == name and call.mfc.is_train and call.strategy.pp > 1 and override != 0:
+            coef = resolve_router_aux_loss_coef(AutoConfig.from_pretrained(path, local_files_only=True), override, key)
+            if coef > 0:
+                raise ConfigError(
+                    key, f"{coef}: the router auxiliary loss runs with pp=1; place {call.mfc.name!r} with pp=1 or set 0"
+                )
     return override
+
+
+def _checked_router_loss(cfg: RLFlowConfig, paths: Mapping[str, str]) -> None:
+    """A positive ``models.<name>.router_aux_loss_coef`` is refused for a model without a router."""
+    for name, m in cfg.models.items():
+        if m.router_aux_loss_coef:
+            key = f"models.{name}.router_aux_loss_coef"
+            try:
+                config = AutoConfig.from_pretrained(paths[name], local_files_only=True)
+                resolve_router_aux_loss_coef(config, m.router_aux_loss_coef, key)
+            except ValueError as err:
+                raise ConfigError(key, str(err).removeprefix(f"{key}={m.router_aux_loss_coef}: ")) from None
 
 
 def _lora_spec(cfg: RLFlowConfig, name: str, path: str, calls: Mapping[str, CallPlacement]) -> LoraSpec:

@@ -30,7 +30,7 @@ from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
 from rlflow.planner.cluster import ClusterSpec, cluster_preset
-from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.model_spec import ModelSpec, lora_param_count
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.profile import CallTimings, MachineProfile, save_profile
@@ -38,7 +38,7 @@ from rlflow.planner.search import plan_search
 from rlflow.planner.simulate import simulate
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
-from rlflow.trainer.config import ConfigError, RLFlowConfig
+from rlflow.trainer.config import ConfigError, LoraConfig, RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
 from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
 
@@ -84,13 +84,22 @@ class Placement:
         return 0 if self.problem is None else self.problem.num_devices
 
 
-def model_specs(model_paths: Mapping[str, str | None], value_heads: set[str]) -> dict[str, ModelSpec]:
-    """Planner specs of the models that have weights, read from their HF configs."""
-    return {
-        name: ModelSpec.from_hf_config(AutoConfig.from_pretrained(path), value_head=name in value_heads, name=name)
-        for name, path in model_paths.items()
-        if path is not None
-    }
+def model_specs(
+    model_paths: Mapping[str, str | None], value_heads: set[str], lora: Mapping[str, LoraConfig] | None = None
+) -> dict[str, ModelSpec]:
+    """Planner specs of the models that have weights, read from their HF configs; a model of ``lora``
+    (``models.<role>.lora``) trains its adapters only (:attr:`ModelSpec.trainable_params`)."""
+    specs = {}
+    for name, path in model_paths.items():
+        if path is None:
+            continue
+        config = AutoConfig.from_pretrained(path)
+        spec = ModelSpec.from_hf_config(config, value_head=name in value_heads, name=name)
+        if lora and name in lora:
+            adapters = lora_param_count(config, lora[name].r, lora[name].target_modules)
+            spec = replace(spec, trainable_params=adapters)
+        specs[name] = spec
+    return specs
 
 
 def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile | None) -> ClusterSpec:
@@ -154,19 +163,28 @@ def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False) -> Workload:
     )
 
 
-def runtime_capabilities(cfg: RLFlowConfig, multi_turn: bool = False) -> RuntimeCapabilities:
+def runtime_capabilities(
+    cfg: RLFlowConfig, multi_turn: bool = False, specs: Mapping[str, ModelSpec] | None = None
+) -> RuntimeCapabilities:
     """What the configured rollout engine declares it runs (its ``capabilities``): its parallel
     axes, and a generation on every worker of the pool when it ``spans_world`` (vLLM's external
-    launcher builds groups over the whole world); a LoRA model trains with tp = pp = 1; ``multi_turn``
-    rollouts generate on one process per dp rank (no tp or pp: an episode's tools would run once per
-    rank)."""
+    launcher builds groups over the whole world); a LoRA model, and a mixture-of-experts model of
+    ``specs`` whose ``router_aux_loss_coef`` is not 0 (the router loss pools every layer of a forward),
+    train with tp = pp = 1; ``multi_turn`` rollouts generate on one process per dp rank (no tp or pp:
+    an episode's tools would run once per rank)."""
     rollout = get_rollout_engine(cfg.rollout.engine).capabilities
     world = cfg.placement.num_nodes * cfg.placement.devices_per_node
+    lora = {role for role, m in cfg.models.items() if m.lora is not None}
+    routed = {
+        role
+        for role, spec in (specs or {}).items()
+        if spec.num_experts and role in cfg.models and cfg.models[role].router_aux_loss_coef != 0
+    }
     return RuntimeCapabilities(
         pipeline_generate=rollout.pp and not multi_turn,
         tensor_parallel_generate=rollout.tp and not multi_turn,
         generate_world_size=world if rollout.spans_world else None,
-        data_parallel_train_models=frozenset(role for role, m in cfg.models.items() if m.lora is not None),
+        data_parallel_train_models=frozenset(lora | routed),
     )
 
 
@@ -205,7 +223,7 @@ def plan_placement(
             dict(specs),
             cluster,
             planning_workload(cfg, multi_turn),
-            capabilities=runtime_capabilities(cfg, multi_turn),
+            capabilities=runtime_capabilities(cfg, multi_turn, specs),
             profile=profile,
             policy_lag=getattr(cfg.algorithm, "policy_lag", 0),
         )

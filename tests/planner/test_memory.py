@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rlflow.planner import memory
@@ -95,3 +97,56 @@ def test_generation_holds_the_kv_cache():
     # one layer's cache more while DynamicCache concatenates; the prefill runs on the 8 prompts
     assert act == pytest.approx(kv * (1 + 1 / 32) + 8 * 128 * memory.saved_bytes_per_token(m, 1, 4))
     assert memory.generate_act_bytes(m, S(dp=8), GPU_PRECISION, 8, 64, 128, 128) == pytest.approx(act / 2)
+
+
+# ---------------------------------------------------------------- mixture of experts, LoRA (tiny HF models)
+
+
+def _tiny_hf(model_type: str, **extra):
+    from rlflow.families import family_of
+
+    family = family_of({"model_type": model_type})
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return family.causal_lm_class(family.build_config(**shape, **extra))
+
+
+def test_a_moe_models_flops_count_its_active_experts_and_its_memory_all_of_them():
+    from rlflow.planner.passes import layer_work
+
+    hf = _tiny_hf("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    spec = ModelSpec.from_hf_config(hf.config)
+    total = sum(p.numel() for p in hf.parameters())
+    layer = dict(hf.model.layers[0].named_parameters())
+    experts = sum(p.numel() for n, p in layer.items() if ".experts." in n)
+    matrices = sum(p.numel() for n, p in layer.items() if p.dim() == 2)  # attention and router
+    assert spec.num_params == total and spec.num_active_params == total - 2 * experts * 6 // 8
+    # FLOPs: 2 per multiplying parameter a token runs through (attention, router, 2 of 8 experts) ...
+    flops, _, _ = layer_work(spec, 1, seqs=1, new_tokens=1, pairs=0, nbytes=4)
+    assert flops == 2 * (matrices + experts * 2 // 8)
+    # ... memory: every expert's weights, gradients and moments.
+    assert memory.weight_bytes(spec, S(), CPU_PRECISION) == total * CPU_PRECISION.param_bytes
+    per_param = CPU_PRECISION.grad_bytes + CPU_PRECISION.optimizer_bytes
+    assert memory.train_state_bytes(spec, S(dp=2), CPU_PRECISION) == total * per_param / 2
+
+
+def test_a_lora_actor_holds_its_base_and_trains_state_for_the_adapters_only():
+    peft = pytest.importorskip("peft")
+    from rlflow.planner.model_spec import lora_param_count
+
+    targets = ("q_proj", "v_proj", "down_proj")
+    hf = _tiny_hf("llama")
+    total = sum(p.numel() for p in hf.parameters())
+    config = hf.config
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    trainable, _ = adapted.get_nb_trainable_parameters()
+    assert lora_param_count(config, 4, targets) == trainable
+
+    full = ModelSpec.from_hf_config(config)
+    lora = dataclasses.replace(full, trainable_params=trainable)
+    p, s = CPU_PRECISION, S(dp=2)
+    assert memory.weight_bytes(lora, s, p) == memory.weight_bytes(full, s, p) == total * p.param_bytes / 2
+    # Gradients and AdamW moments of the adapters, and the adapters' own fp32 weights; not the base's.
+    assert memory.train_state_bytes(full, s, p) == total * (p.grad_bytes + p.optimizer_bytes) / 2
+    assert memory.train_state_bytes(lora, s, p) == trainable * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) / 2
+    assert trainable < total / 10

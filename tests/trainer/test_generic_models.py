@@ -15,6 +15,7 @@ from rlflow.trainer import ConfigError, Trainer, build, load_config
 from rlflow.trainer.placement import check_manual_strategies, model_specs
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)}
 TINY = [*DRIVER_FIT, "rollout.max_new_tokens=4", "trainer.total_steps=2", "checkpoint.save_final=false"]
 
 
@@ -27,14 +28,26 @@ def no_ray(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("model_type", ["olmo2"])
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3_moe"])
 def test_grpo_trains_a_model_type_of_the_generic_family(tmp_path, model_type):
-    model = save_tiny_model_and_tokenizer(tmp_path / model_type, family=model_type, **SHAPE)
+    fields = MOE.get(model_type)
+    model = save_tiny_model_and_tokenizer(tmp_path / model_type, family=model_type, config_fields=fields, **SHAPE)
     with Trainer(GRPO, overrides=[*TINY, f"logging.dir={tmp_path / 'run'}"], model=model, progress_bars=False) as t:
         assert t.fit().steps == 2
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["actor_train/loss"] for r in records if "actor_train/loss" in r]
     assert len(losses) == 2 and all(loss == loss for loss in losses)  # trained, finite
+    # A mixture-of-experts model trains with its router's load-balancing loss (the config's coefficient).
+    router = [r["actor_train/router_aux_loss"] for r in records if "actor_train/router_aux_loss" in r]
+    assert len(router) == (2 if fields else 0) and all(x > 0 for x in router)
+
+
+def test_the_router_loss_coefficient_is_checked_against_the_model(tmp_path, no_ray):
+    olmo = save_tiny_model_and_tokenizer(tmp_path / "olmo2", family="olmo2", **SHAPE)
+    overrides = [*TINY, f"logging.dir={tmp_path / 'run'}", "models.actor.router_aux_loss_coef=0.01"]
+    with pytest.raises(ConfigError, match="model_type='olmo2' has no router") as err:
+        Trainer(GRPO, overrides=overrides, model=olmo)
+    assert err.value.key == "models.actor.router_aux_loss_coef"
 
 
 def test_a_model_whose_forward_rlflow_cannot_run_is_refused_before_the_workers(tmp_path, no_ray):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from rlflow.trainer.config import load_config
 from rlflow.trainer.placement import planning_cluster, planning_workload
 
@@ -196,3 +198,47 @@ def test_a_plan_of_one_worker_takes_every_core_where_the_profile_says_it_is_fast
     assert one_worker_on_every_core(problem, plan, timings(100.0), kinds, 1) == (plan, 1)  # a one-core host
     no_host = replace(timings(100.0), generate_host=None)
     assert one_worker_on_every_core(problem, plan, no_host, kinds, 2) == (plan, 1)
+
+
+# ----------------------------------------------------------------- LoRA and mixture-of-experts actors
+ON_4_GPUS = ["placement.devices_per_node=4", "placement.mode=heuristic", "data.batch_size=16"]
+
+
+def _actor_train_options(tmp_path: Path, model_type: str, extra: list[str], fields: dict | None = None):
+    from rlflow.data.tiny_models import save_tiny_model_and_tokenizer
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import model_specs, plan_placement
+
+    path = save_tiny_model_and_tokenizer(
+        tmp_path / model_type, family=model_type, hidden_size=64, intermediate_size=128, num_layers=4,
+        num_heads=4, num_kv_heads=2, config_fields=fields,
+    )  # fmt: skip
+    cfg = load_config(GRPO, [*ON_4_GPUS, "models.actor.init=path", f"models.actor.path={path}", *extra])
+    lora = {"actor": cfg.models["actor"].lora} if cfg.models["actor"].lora is not None else None
+    specs = model_specs({"actor": path}, set(), lora)
+    placement = plan_placement(cfg, build_dataflow(cfg, rule_reward=True), specs, use_gpu=True, progress=False)
+    problem = placement.problem
+    return specs["actor"], problem, problem.options[problem.mfc_names.index("actor_train")]
+
+
+def test_a_lora_actor_is_priced_with_optimizer_state_for_its_adapters_and_no_reference(tmp_path) -> None:
+    pytest.importorskip("peft")
+    lora = ["models.actor.lora.r=4", "models.actor.lora.target_modules=[q_proj,v_proj]", "algorithm.kl_coef=0.1",
+            "algorithm.kl_in_reward=false"]  # fmt: skip
+    spec, problem, options = _actor_train_options(tmp_path, "llama", lora)
+    # r * (in + out) for q (64 -> 64) and v (64 -> 32) of 4 layers
+    assert spec.trainable_params == 4 * 4 * ((64 + 64) + (64 + 32))
+    assert "ref_inf" not in problem.mfc_names  # the reference is the base, adapters disabled
+    per_param = 4 + 4 + 8  # the adapters' fp32 weights, gradients and two AdamW moments
+    assert options and all(o.strategy.tp == o.strategy.pp == 1 for o in options)
+    for o in options:
+        assert o.train_state_bytes == spec.trainable_params * per_param / o.strategy.dp
+        assert o.weight_bytes == spec.num_params * 4 / o.strategy.dp  # the whole base, fp32 master shards
+
+
+def test_a_moe_actor_with_its_router_loss_trains_without_pipeline_stages(tmp_path) -> None:
+    fields = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    _, _, options = _actor_train_options(tmp_path / "on", "qwen3_moe", [], fields)
+    assert options and all(o.strategy.pp == 1 for o in options)
+    _, _, options = _actor_train_options(tmp_path / "off", "qwen3_moe", ["models.actor.router_aux_loss_coef=0"], fields)
+    assert any(o.strategy.pp > 1 for o in options)
