@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ __all__ = [
     "ADAPTER_NAME",
     "LoraSpec",
     "MergedViews",
+    "adapted_weight_names",
     "adapter_state_dict",
     "adapters_disabled",
     "apply_lora",
@@ -124,6 +125,16 @@ def linear_module_names(module: nn.Module) -> list[str]:
             for path, sub in module.named_modules()
             if isinstance(sub, nn.Linear) and ".layers." in f".{path}"
         }
+    )
+
+
+def adapted_weight_names(names: Iterable[str], spec: LoraSpec) -> frozenset[str]:
+    """Which of the HF parameter ``names`` the adapters of ``spec`` change: the weights of the targeted
+    linear modules of the decoder layers (what a LoRA home's weight push must move after a step)."""
+    return frozenset(
+        name
+        for name in names
+        if name.endswith(".weight") and ".layers." in name and name.rsplit(".", 2)[-2] in spec.target_modules
     )
 
 

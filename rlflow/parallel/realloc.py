@@ -17,7 +17,9 @@ Calling protocol (what the worker/trainer layer must do; ``U = home.ranks ∪ la
 3. after the call: ``post_call(m, layout)`` on the ranks of ``layout`` (frees the copy unless
    the model was registered with ``keep_copies``; offloads a frozen model's home module when so
    registered). A kept copy carries the home version it was made from; ``pre_call`` reshards
-   it only when the home changed since (counted in ``stats["skipped"]`` otherwise);
+   it only when the home changed since (counted in ``stats["skipped"]`` otherwise), and then
+   only the parameters registered as ``changing`` when every rank's copy was filled before (a
+   LoRA home: the adapted weights; the frozen rest of a kept copy is current already);
 4. after each optimizer step of ``m``: ``bump_version(m)`` on the ranks of ``m``'s home layout;
 5. an EMA reference: ``ema_update(ref, actor, eta)`` on every rank of both home layouts;
 6. a model that starts as a copy of another (``init: copy``): ``copy_weights(target, source)``
@@ -64,6 +66,7 @@ class _Model:
     trainable: bool
     offload_home: bool
     keep_copies: bool = False
+    changing: frozenset[str] | None = None
     version: int = 0
     copies: dict[Layout, _Copy] = field(default_factory=dict)
     offloaded: Offload | None = None
@@ -103,7 +106,9 @@ class ReallocManager:
             "received_bytes": 0,
             "sent_intra_host_bytes": 0,
             "sent_inter_host_bytes": 0,
+            "copied_bytes": 0,
             "skipped": 0,
+            "partial": 0,
         }
 
     # ---- registration and versions ----
@@ -119,6 +124,7 @@ class ReallocManager:
         trainable: bool = True,
         offload_home: bool = False,
         keep_copies: bool = False,
+        changing: frozenset[str] | None = None,
     ) -> None:
         """Declare model ``name`` with its home layout (every pool rank calls it).
 
@@ -132,6 +138,9 @@ class ReallocManager:
             offload_home: frozen models only: keep the home module on host between calls.
             keep_copies: keep this rank's copies of the model in other layouts after their
                 calls; they are resharded only when the home version changed.
+            changing: names of the only parameters whose values a version bump can change (a
+                LoRA home: its adapted weights, merged; the rest is its frozen base); a kept copy
+                filled before gets only these (counted in ``stats["partial"]``). None: all of them.
         """
         if name in self._models:
             raise ValueError(f"model {name!r} is already registered")
@@ -142,7 +151,7 @@ class ReallocManager:
             raise ValueError(
                 f"{name!r}: offload_home is for frozen models; a trainable model keeps its optimizer state"
             )
-        entry = _Model(home, module, factory, dtype, trainable, offload_home, keep_copies)
+        entry = _Model(home, module, factory, dtype, trainable, offload_home, keep_copies, changing)
         if offload_home and module is not None:
             entry.offloaded = offload_module(module)
         self._models[name] = entry
@@ -197,9 +206,9 @@ class ReallocManager:
             if m.offloaded is not None and m.offloaded.offloaded:
                 m.offloaded.reload()
             return m.module
-        stale, version = self._agree_staleness(m, layout)
+        stale, version, filled = self._agree_staleness(m, layout)
         if stale:
-            self._reshard(m, layout, version)
+            self._reshard(m, layout, version, filled)
         else:
             self.stats["skipped"] += 1
         copy = m.copies.get(layout)
@@ -287,8 +296,9 @@ class ReallocManager:
             self._plans[key] = plan_reshard(src, dst, self.host_of)
         return self._plans[key]
 
-    def _agree_staleness(self, m: _Model, layout: Layout) -> tuple[bool, int]:
-        """Coordinator (first home rank) collects copy versions, decides, and tells everyone."""
+    def _agree_staleness(self, m: _Model, layout: Layout) -> tuple[bool, int, bool]:
+        """Coordinator (first home rank) collects copy versions, decides, and tells everyone:
+        ``(stale, home version, every rank's copy was filled at some version)``."""
         coordinator = m.home.ranks[0]
         participants = sorted(set(m.home.ranks) | set(layout.ranks))
         if self.rank == coordinator:
@@ -300,18 +310,18 @@ class ReallocManager:
                     buf = torch.empty(1, dtype=torch.int64, device=self.device)
                     dist.recv(buf, r, group=self.group)
                     versions.append(int(buf))
-            stale = any(v != m.version for v in versions)
-            decision = torch.tensor([int(stale), m.version], dtype=torch.int64, device=self.device)
+            stale, filled = any(v != m.version for v in versions), all(v >= 0 for v in versions)
+            decision = torch.tensor([int(stale), m.version, int(filled)], dtype=torch.int64, device=self.device)
             for r in participants:
                 if r != self.rank:
                     dist.send(decision, r, group=self.group)
-            return stale, m.version
+            return stale, m.version, filled
         if self.rank in layout.ranks:
             mine = torch.tensor([self._copy_version(m, layout)], dtype=torch.int64, device=self.device)
             dist.send(mine, coordinator, group=self.group)
-        decision = torch.empty(2, dtype=torch.int64, device=self.device)
+        decision = torch.empty(3, dtype=torch.int64, device=self.device)
         dist.recv(decision, coordinator, group=self.group)
-        return bool(decision[0]), int(decision[1])
+        return bool(decision[0]), int(decision[1]), bool(decision[2])
 
     @staticmethod
     def _copy_version(m: _Model, layout: Layout) -> int:
@@ -326,17 +336,23 @@ class ReallocManager:
             return True
         return False
 
-    def _reshard(self, m: _Model, layout: Layout, version: int) -> None:
+    def _reshard(self, m: _Model, layout: Layout, version: int, filled: bool) -> None:
         src = dst = None
         reloaded = self._reload_home(m)
+        src_layout, dst_layout = _changing_layouts(m, layout) if filled else (m.home, layout)
+        partial = dst_layout is not layout
         if m.module is not None:
             src = module_param_tensors(m.module)
+            src = _restrict(src, src_layout, self.rank) if partial else src
         if self.rank in layout.ranks:
             copy = m.copies.get(layout)
             if copy is None:
                 copy = m.copies[layout] = _Copy(m.factory(layout), -1)  # current once filled
             dst = module_param_tensors(copy.module)
-        self._count(execute_reshard(self._plan(m.home, layout), self.rank, src, dst, dtype=m.dtype, group=self.group))
+            dst = _restrict(dst, dst_layout, self.rank) if partial else dst
+        plan = self._plan(src_layout, dst_layout)
+        self._count(execute_reshard(plan, self.rank, src, dst, dtype=m.dtype, group=self.group))
+        self.stats["partial"] += int(partial)
         if self.rank in layout.ranks:
             copy = m.copies[layout]
             copy.version = version
@@ -352,6 +368,19 @@ class ReallocManager:
         self.stats["received_bytes"] += stats.received_bytes
         self.stats["sent_intra_host_bytes"] += stats.sent_intra_host_bytes
         self.stats["sent_inter_host_bytes"] += stats.sent_inter_host_bytes
+        self.stats["copied_bytes"] += stats.copied_bytes
+
+
+def _changing_layouts(m: _Model, layout: Layout) -> tuple[Layout, Layout]:
+    """``m``'s home and ``layout`` cut down to its ``changing`` parameters; the whole layouts when it
+    registered none, or when ``layout`` names them otherwise (a fused layout: every tensor moves)."""
+    if m.changing is None or not m.changing <= {p.name for p in layout.params}:
+        return m.home, layout
+
+    def cut(lay: Layout) -> Layout:
+        return replace(lay, params=tuple(p for p in lay.params if p.name in m.changing))
+
+    return cut(m.home), cut(layout)
 
 
 def _shared_layouts(src: Layout, dst: Layout, source: str, target: str) -> tuple[Layout, Layout, tuple[str, ...]]:

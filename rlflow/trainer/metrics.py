@@ -332,6 +332,14 @@ def mean_metrics(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {key: sum(values) / len(values) for key, values in sums.items()}
 
 
+# What a hook's weights moved over, and the CallRecord metric that counts it.
+LINK_BYTES = {
+    "intra_host": "realloc_sent_intra_host_bytes",
+    "inter_host": "realloc_sent_inter_host_bytes",
+    "local": "realloc_copied_bytes",
+}
+
+
 def call_metrics(records: Sequence[CallRecord]) -> dict[str, float]:
     """The metrics of the calls and hooks of ``records`` (every rank's records of one step).
 
@@ -341,7 +349,8 @@ def call_metrics(records: Sequence[CallRecord]) -> dict[str, float]:
         (slowest rank). A call issued twice within ``records`` is timed by its slowest record.
         A call whose hooks moved weights also gets ``realloc/<mfc>/bytes_intra_host`` and
         ``realloc/<mfc>/bytes_inter_host``: the wire bytes its hooks sent within a host and
-        between hosts, summed over ranks (a byte sent to ``k`` ranks counts ``k`` times).
+        between hosts, summed over ranks (a byte sent to ``k`` ranks counts ``k`` times); and
+        ``realloc/<mfc>/bytes_local``: what they copied within a rank (home and copy on one device).
 
     >>> from rlflow.workers.records import CallRecord
     >>> records = [CallRecord("ref_inf", "ref", "call", "call", r, 3, 0.0, 1.0 + r, {"tokens": 8.0 * r})
@@ -358,9 +367,9 @@ def call_metrics(records: Sequence[CallRecord]) -> dict[str, float]:
         if kind != "call":
             metrics[f"time/{mfc}/{kind}"] = seconds
             if sum(r.metrics.get("realloc_reshards", 0.0) for r in group) > 0:
-                for link in ("intra_host", "inter_host"):
-                    key, sent = f"realloc/{mfc}/bytes_{link}", f"realloc_sent_{link}_bytes"
-                    metrics[key] = metrics.get(key, 0.0) + sum(r.metrics.get(sent, 0.0) for r in group)
+                for link, moved in LINK_BYTES.items():
+                    key = f"realloc/{mfc}/bytes_{link}"
+                    metrics[key] = metrics.get(key, 0.0) + sum(r.metrics.get(moved, 0.0) for r in group)
             continue
         metrics[f"time/{mfc}"] = seconds
         metrics.update({f"{mfc}/{k}": v for k, v in mean_metrics([r.metrics for r in group]).items()})

@@ -165,6 +165,7 @@ class ModelWorker(Worker):
                 "received_bytes",
                 "sent_intra_host_bytes",
                 "sent_inter_host_bytes",
+                "copied_bytes",
                 "skipped",
             )
         }

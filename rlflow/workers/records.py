@@ -48,7 +48,8 @@ class CallRecord:
             hooks: ``realloc_reshards``, ``realloc_reshard_seconds``, ``realloc_sent_bytes``,
             ``realloc_received_bytes``, ``realloc_sent_intra_host_bytes`` and
             ``realloc_sent_inter_host_bytes`` (what the rank sent to its own host / other hosts),
-            ``realloc_skipped`` — calls whose kept copy was current).
+            ``realloc_copied_bytes`` (what it copied within itself), ``realloc_skipped`` — calls
+            whose kept copy was current).
     """
 
     mfc: str

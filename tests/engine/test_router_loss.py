@@ -75,7 +75,8 @@ def test_the_router_loss_is_hfs_over_the_real_tokens(single_mesh, model_type, pa
     assert abs(float(unmasked.aux_loss) - float(expected)) > 1e-4
 
 
-def test_a_train_step_takes_hfs_loss_plus_the_weighted_router_loss(single_mesh) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_train_step_takes_hfs_loss_plus_the_weighted_router_loss(single_mesh, checkpointing) -> None:
     batch = _batch()
     reference = _model("qwen3_moe")
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
@@ -88,7 +89,8 @@ def test_a_train_step_takes_hfs_loss_plus_the_weighted_router_loss(single_mesh) 
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     opt.step()
 
-    engine = _engine(single_mesh, _model("qwen3_moe"))  # one forward, as the reference
+    # One forward, as the reference; a checkpointed layer's router logits reach backward by recomputation.
+    engine = _engine(single_mesh, _model("qwen3_moe"), gradient_checkpointing=checkpointing)
     metrics = engine.train_step(batch, _loss)
     expected = dict(reference.named_parameters())
     for name, param in engine.stage.named_parameters():
