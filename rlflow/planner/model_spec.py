@@ -170,11 +170,6 @@ class ModelSpec:
         idle = self.layer_expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
         return self.num_params - self.num_layers * idle
 
-    @property
-    def adapter_params(self) -> int:
-        """Parameters beside the base weights (a LoRA model's adapters): ``trainable_params`` or 0."""
-        return self.trainable_params or 0
-
     def stage_trainable_params(self, pp: int) -> int:
         """Trained parameters of the largest pipeline stage: all its parameters, or its share of the adapters."""
         stage = int(self.stage_params(pp).max())

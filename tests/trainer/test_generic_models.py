@@ -89,3 +89,21 @@ def test_a_manual_strategy_the_model_cannot_split_names_its_field(tmp_path):
     with pytest.raises(ConfigError, match="strategy.tp: 4 does not divide .*num_key_value_heads=1; tp may be \\[1\\]"):
         check(llama, tp=4)
     check(llama, tp=1, pp=2)  # what the model allows passes
+
+
+def test_a_manual_pipeline_for_a_moe_actor_with_its_router_loss_names_the_field(tmp_path):
+    from types import SimpleNamespace
+
+    from rlflow.strategy import ParallelStrategy
+
+    moe = save_tiny_model_and_tokenizer(tmp_path / "moe", family="qwen3_moe", config_fields=MOE["qwen3_moe"], **SHAPE)
+    mfc = SimpleNamespace(name="actor_train", model_name="actor", is_train=True)
+    calls = {"actor_train": SimpleNamespace(mfc=mfc, strategy=ParallelStrategy(pp=2))}
+    actor = ["models.actor.init=path", f"models.actor.path={moe}"]
+    with pytest.raises(
+        ConfigError, match="0.001: the router auxiliary loss runs with pp=1; place 'actor_train'"
+    ) as err:
+        build._router_aux_loss_coef(load_config(GRPO, actor), "actor", moe, calls)
+    assert err.value.key == "models.actor.router_aux_loss_coef"
+    off = load_config(GRPO, [*actor, "models.actor.router_aux_loss_coef=0"])
+    assert build._router_aux_loss_coef(off, "actor", moe, calls) == 0.0
