@@ -116,7 +116,7 @@ class AlgorithmParams:
         "auto",
         "decoupled: clip the PPO ratio around the weights before this step (recomputed log-probs) and weight each "
         "token by min(pi_prox / pi_rollout, is_cap); none: ratio against the rollout's log-probs; auto: decoupled "
-        "when policy_lag > 0",
+        "when policy_lag > 0 or rollout.partial_tokens > 0",
         choices=BEHAVIOUR_CORRECTIONS,
     )
     is_cap: float = declared_field(

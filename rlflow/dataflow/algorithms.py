@@ -21,6 +21,8 @@ key                         meaning (shape, dtype)
 ``old_logp``                log-prob of every token under the policy the PPO ratio is taken against
                             (N, P+R), float: the rollout's own, or recomputed by the trainer
 ``rollout_logp``            with ``GraphOptions.recompute_old_logp``: the rollout engine's log-probs
+``token_version``           with ``GraphOptions.token_versions`` (partial rollouts): the weights version that
+                            sampled each response token (N, P+R), int64, 0 elsewhere
 ``ref_logp``                the same under the reference model
 ``values``                  critic values (N, P+R), float
 ``rewards``                 one scalar per sequence (N,), float
@@ -56,11 +58,13 @@ __all__ = [
     "list_algorithms",
     "register_algorithm",
     "with_old_logp_recompute",
+    "with_token_versions",
 ]
 
 ROLLOUT_KEYS = ("input_ids", "attention_mask", "response_mask")
 GEN_OUTPUT_KEYS = ROLLOUT_KEYS + ("old_logp",)
 PROMPT_KEYS = ("prompts", "prompt_mask")
+TOKEN_VERSION = "token_version"
 PAIR_KEYS = ("input_ids", "attention_mask", "loss_mask")
 # What one training row is: a prompt to sample from, a (chosen, rejected) pair, a prompt+response example.
 DATASETS = ("prompts", "pairs", "examples")
@@ -93,6 +97,8 @@ class GraphOptions:
         recompute_old_logp: recompute the behaviour log-probs with the trainer's model and engine
             in an inference call after the rollout (:func:`with_old_logp_recompute`); only for
             algorithms that sample responses.
+        token_versions: the rollout records each token's weights version and the policy's train
+            calls read it (partial rollouts, :func:`with_token_versions`).
     """
 
     n_seqs: int | None = None
@@ -102,6 +108,7 @@ class GraphOptions:
     use_ref: bool = True
     ref_ema_eta: float = DEFAULT_REF_EMA_ETA
     recompute_old_logp: bool = False
+    token_versions: bool = False
 
 
 # --- The record ---
@@ -218,6 +225,8 @@ class Algorithm:
             if not self.samples_responses:
                 raise ValueError(f"algorithm {self.name!r} samples nothing: it has no old log-probs to recompute")
             mfcs = with_old_logp_recompute(mfcs)
+        if options.token_versions:
+            mfcs = with_token_versions(mfcs)
         graph = build_graph(mfcs)
         graph.graph["algorithm"] = self.name
         return graph
@@ -335,6 +344,30 @@ def with_old_logp_recompute(mfcs: list[MFCDef]) -> list[MFCDef]:
             out.append(replace(mfc, input_keys=mfc.input_keys + ("rollout_logp",)))
         else:
             out.append(mfc)
+    return out
+
+
+def with_token_versions(mfcs: list[MFCDef]) -> list[MFCDef]:
+    """The MFCs with ``token_version`` written by the sampling generate call and read by the ``rl``
+    train calls of its model (partial rollouts: the train call logs the tokens' staleness).
+
+    Raises:
+        ValueError: not exactly one sampling (not greedy) generate call.
+
+    >>> [m.output_keys[-1] for m in with_token_versions(algorithm_mfcs("grpo")) if m.name == "actor_gen"]
+    ['token_version']
+    """
+    gens = [m for m in mfcs if m.interface_type == "generate" and not m.greedy]
+    if len(gens) != 1:
+        raise ValueError(f"token versions need one sampling generate call; got {[m.name for m in gens]}")
+    (gen,) = gens
+    out: list[MFCDef] = []
+    for mfc in mfcs:
+        if mfc is gen:
+            mfc = replace(mfc, output_keys=mfc.output_keys + (TOKEN_VERSION,))
+        elif mfc.objective == "rl" and mfc.model_name == gen.model_name:
+            mfc = replace(mfc, input_keys=mfc.input_keys + (TOKEN_VERSION,))
+        out.append(mfc)
     return out
 
 

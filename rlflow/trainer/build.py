@@ -17,6 +17,7 @@ import networkx as nx
 import ray
 from transformers import AutoConfig
 
+from rlflow.algos.params import AlgorithmParams
 from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourceError, ResourcePool
 from rlflow.controller.resource_pool import alive_nodes, bundle_resources, bundles_per_node, describe_nodes
 from rlflow.data.tiny_models import build_tiny_model
@@ -283,6 +284,7 @@ def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
         use_ref="ref" in cfg.required_models(),  # a KL term reads it; without one it is not built
         ref_ema_eta=algo.ema_eta,
         recompute_old_logp=algo.recomputes_old_logp(cfg.rollout, cfg.placement.use_gpu, cfg.model_dtype("actor")),
+        token_versions=cfg.rollout.partial_tokens > 0,
     )
     graph = algo.record.graph(options)
     graph.graph["old_logp_mismatch"] = algo.old_logp_mismatch(
@@ -501,7 +503,7 @@ def worker_setup(
         models=models,
         mfcs={name: c.mfc for name, c in calls.items()},
         layouts={name: CallLayout(c.ranks, c.strategy) for name, c in calls.items()},
-        algo=cfg.algorithm.resolved(),
+        algo=worker_algorithm(cfg),
         sampling=sample,
         eval_sampling=evaluate,
         tokenizer_path=str(Path(tokenizer_path).resolve()),
@@ -512,6 +514,16 @@ def worker_setup(
         log_level=cfg.logging.level,
         multi_turn=multi_turn,
     )
+
+
+def worker_algorithm(cfg: RLFlowConfig) -> AlgorithmParams:
+    """The algorithm the workers get (:meth:`AlgorithmParams.resolved`); ``behaviour_correction: auto``
+    is decoupled under partial rollouts too (``rollout.partial_tokens``): their carried tokens were
+    sampled by older weights."""
+    algo = cfg.algorithm.resolved()
+    if cfg.rollout.partial_tokens and cfg.algorithm.behaviour_correction == "auto":
+        algo = replace(algo, behaviour_correction="decoupled")
+    return algo
 
 
 def check_multi_turn_calls(calls: Mapping[str, CallPlacement]) -> None:

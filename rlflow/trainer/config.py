@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rlflow.algos.params import AlgorithmParams, estimator_reads
-from rlflow.dataflow.algorithms import Algorithm, get_algorithm
+from rlflow.dataflow.algorithms import Algorithm, GraphOptions, get_algorithm
 from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
 from rlflow.engine.rollout.base import PER_PROCESS
 from rlflow.trainer.config_data import DataConfig, MultiTurnConfig, RolloutConfig, WarmupConfig
@@ -307,6 +307,8 @@ class RLFlowConfig(_Section):
         self._check_models()
         self._check_algorithm()
         self._check_sampling()
+        if self.rollout.partial_tokens:
+            self._check_partial()
 
     @property
     def run_dir(self) -> Path:
@@ -501,6 +503,37 @@ class RLFlowConfig(_Section):
                 "process and kept (its own processes and process-wide settings); run it in a Ray worker "
                 "(placement.worker_host: ray or auto)",
             )
+
+    def _check_partial(self) -> None:
+        """Partial rollouts (``rollout.partial_tokens``) run where the driver can carry responses from
+        one step to the next: the built-in sampler, single-turn, one sampling generate call, no
+        whole-step lag or dynamic sampling, and the decoupled correction free to resolve."""
+        rollout, algo, key = self.rollout, self.algorithm, "rollout.partial_tokens"
+        why = None
+        generates = []
+        if algo.record.samples_responses:
+            generates = [m for m in algo.record.build_mfcs(GraphOptions()) if m.interface_type == "generate"]
+        if not algo.record.samples_responses:
+            why = f"algorithm {algo.name!r} samples no responses"
+        elif len(generates) != 1:
+            why = f"algorithm {algo.name!r} has {len(generates)} generate calls (a greedy baseline); one is continued"
+        elif rollout.engine != "hf":
+            why = f"rollout.engine={rollout.engine!r}; carried responses continue on the built-in sampler (hf)"
+        elif rollout.multi_turn.enabled:
+            why = "rollout.multi_turn is on; an episode is not split across calls"
+        elif algo.policy_lag:
+            why = (
+                f"algorithm.policy_lag={algo.policy_lag}; partial rollouts bound staleness with rollout.partial_max_lag"
+            )
+        elif algo.dynamic_sampling:
+            why = "algorithm.dynamic_sampling is on"
+        elif rollout.min_new_tokens > rollout.partial_tokens:
+            why = f"rollout.min_new_tokens={rollout.min_new_tokens} is more (the first call keeps the stop tokens out)"
+        elif algo.behaviour_correction == "auto" and (algo.tis_cap is not None or algo.mismatch_options()):
+            option = "tis_cap" if algo.tis_cap is not None else next(iter(algo.mismatch_options()))
+            why = f"algorithm.{option} is set; partial rollouts take the decoupled correction (algorithm.is_cap)"
+        if why is not None:
+            raise ConfigError(key, f"{rollout.partial_tokens} cannot run: {why}")
 
 
 def driver_can_host(rollout_engine: str) -> bool:

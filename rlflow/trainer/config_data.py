@@ -136,6 +136,20 @@ class RolloutConfig(_Section):
         0.5, "vllm: share of each GPU's memory vLLM takes while generating (weights + KV cache)", gt=0.0, le=1.0
     )
     multi_turn: MultiTurnConfig = _f(MultiTurnConfig(), "multi-turn rollouts with tools or an environment")
+    partial_tokens: int = _f(
+        0,
+        "partial (interruptible) rollouts: a generate call samples at most this many new tokens per response; "
+        "unfinished responses continue in the next call under its newer weights (each token's weights version "
+        "recorded, the loss corrected per token), and a step trains on data.batch_size groups whose responses "
+        "are all finished; 0: off (every response sampled whole in its step)",
+        ge=0,
+    )
+    partial_max_lag: int = _f(
+        2,
+        "partial rollouts: a group whose oldest token was sampled by weights more than this many versions older "
+        "than the weights training on it is dropped (counted: partial/groups_dropped) and its slot refilled",
+        ge=1,
+    )
 
     def _check(self) -> None:
         if self.multi_turn.enabled and self.engine != "hf":

@@ -60,6 +60,7 @@ trainer_checkpoint = LazyModule("rlflow.trainer.checkpoint")
 trainer_config = LazyModule("rlflow.trainer.config")
 trainer_data = LazyModule("rlflow.trainer.data")
 dynamic_sampling = LazyModule("rlflow.trainer.dynamic_sampling")
+partial_rollouts = LazyModule("rlflow.trainer.partial_rollouts")
 trainer_metrics = LazyModule("rlflow.trainer.metrics")
 trainer_placement = LazyModule("rlflow.trainer.placement")
 trainer_runner = LazyModule("rlflow.trainer.runner")
@@ -281,7 +282,10 @@ class Trainer:
         group_size = cfg.row_group_size()
         main = {n: calls[n] for n in self.placement.calls}
         self.runner = trainer_runner.DataflowRunner(self.workers, self.graph, main, row_group_size=group_size)
-        self.sampler = dynamic_sampling.build_sampler(cfg, self.runner)
+        # At most one of them (the config refuses both): DAPO's refills, or partial rollouts.
+        self.sampler = dynamic_sampling.build_sampler(cfg, self.runner) or partial_rollouts.build_sampler(
+            cfg, self.runner, setup.sampling
+        )
         self.issuer = trainer_runner.LaggedIssuer(
             self.runner,
             self.cfg.algorithm.policy_lag,
@@ -684,6 +688,7 @@ class Trainer:
                     "warmup_history": self.result.warmup_history,
                     "warmup_steps": self.result.warmup_steps,
                     "rollouts_ahead": ahead,
+                    "partial_rollouts": self._save_partial(directory / PARTIAL_DIR),
                 },
             )
 
@@ -692,6 +697,12 @@ class Trainer:
         if self._last_saved is not None:
             self.callbacks.save(self.step)
         return self._last_saved
+
+    def _save_partial(self, directory: Path) -> dict | None:
+        """The carried and finished rows of partial rollouts, written under ``directory``; None without them."""
+        if not isinstance(self.sampler, partial_rollouts.PartialRollouts):
+            return None
+        return self.sampler.save(directory)
 
     def _resume(self, checkpoint: Path | None = None) -> None:
         """Restores ``checkpoint`` (default: what ``checkpoint.resume`` names, if anything) into
@@ -709,6 +720,9 @@ class Trainer:
         self.result.warmup_history = [tuple(e) for e in state["extra"].get("warmup_history", [])]
         self.result.warmup_steps = int(state["extra"].get("warmup_steps", 0))
         self.issuer.load(path / AHEAD_DIR, state["extra"].get("rollouts_ahead", []))
+        partial = state["extra"].get("partial_rollouts")
+        if partial is not None and isinstance(self.sampler, partial_rollouts.PartialRollouts):
+            self.sampler.load(path / PARTIAL_DIR, partial)
         log.info(f"resumed from {path} at step {self.step}")
 
     def _load_workers(self, path: Path) -> None:
@@ -788,6 +802,8 @@ def is_recoverable(err: Exception) -> bool:
 
 # Where a checkpoint keeps the rollouts issued ahead of its step (algorithm.policy_lag > 0).
 AHEAD_DIR = "rollouts_ahead"
+# Where it keeps the responses partial rollouts carry to later steps (rollout.partial_tokens > 0).
+PARTIAL_DIR = "partial_rollouts"
 
 
 def _side_runner(workers, calls) -> DataflowRunner:

@@ -50,15 +50,23 @@ from safetensors.torch import load_file, save_file
 
 from rlflow.controller import Dispatch, Worker, register
 from rlflow.dataflow.mfc import MFCDef
+from rlflow.engine.rollout.partial import PartialCall
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext
 from rlflow.workers.hf_export import complete_hf_export
 from rlflow.workers.interfaces import build_interface, check_calls
-from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION
+from rlflow.workers.interfaces.actor import POLICY_LAG, POLICY_VERSION, row_versions, token_lag_metrics
 from rlflow.workers.logs import configure_logging
 from rlflow.workers.records import CallProfiler, CallRecord, call_error
 from rlflow.workers.residency import Residency
-from rlflow.workers.rows import dataflow_rows, interface_rows, num_tokens, peak_memory_bytes, reduce_metrics
+from rlflow.workers.rows import (
+    carried_rows,
+    dataflow_rows,
+    interface_rows,
+    num_tokens,
+    peak_memory_bytes,
+    reduce_metrics,
+)
 from rlflow.workers.setup import WorkerSetup
 
 if TYPE_CHECKING:
@@ -220,6 +228,8 @@ class ModelWorker(Worker):
         *,
         step: int,
         hooks: bool = False,
+        partial_tokens: int | None = None,
+        resume: bool = False,
     ) -> DataProto | None:
         """Rollout rows for ``prompts`` (see :mod:`rlflow.workers.interfaces.actor`).
 
@@ -233,20 +243,28 @@ class ModelWorker(Worker):
             hooks: run the call's pre- and post-hooks around it in this task (the driver then
                 issues them apart only to hook ranks outside the call's mesh): one Ray task per
                 call instead of three on its ranks, in the same order.
+            partial_tokens: a partial rollout's call (``rollout.partial_tokens``): at most this many
+                new tokens per response, each token's weights version recorded (``token_version``).
+            resume: with ``partial_tokens``, ``prompts`` are carried rollout rows to continue.
         """
         mfc = self._mfc(mfc_name, "generate")
-
         greedy = greedy or mfc.greedy  # the graph's greedy calls (ReMax's baseline) decode greedily
 
         residency = self._residency()
 
         def run(interface, engine, data, ctx):
-            out = interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
-            # Which weights sampled the rows: the train call measures the policy lag against it.
-            out.non_tensor_batch[POLICY_VERSION] = np.full(len(out), residency.weights_version(mfc), dtype=np.int64)
+            version = residency.weights_version(mfc)
+            if partial_tokens is None:
+                out = interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate)
+            else:
+                call = PartialCall(partial_tokens, version, resume)
+                out = interface.generate(engine, data, ctx, greedy=greedy, evaluate=evaluate, partial=call)
+            # Which weights sampled the rows (a partial row: its oldest token's): the train call
+            # measures the policy lag against it.
+            out.non_tensor_batch[POLICY_VERSION] = row_versions(out, version)
             return out
 
-        return self._call(mfc, (prompts,), run, step, hooks)
+        return self._call(mfc, (prompts,), run, step, hooks, rows=carried_rows if resume else interface_rows)
 
     @register(dispatch_mode=Dispatch.MESH_PROTO, blocking=False)
     def inference(self, mfc_name: str, *inputs: DataProto, step: int, hooks: bool = False) -> DataProto | None:
@@ -275,32 +293,36 @@ class ModelWorker(Worker):
             if sampled_by is not None:
                 version = residency.weights_version(mfc)
                 data.non_tensor_batch[POLICY_LAG] = version - np.asarray(sampled_by, dtype=np.int64)
+            staleness = token_lag_metrics(data, residency.weights_version(mfc))  # partial rollouts' tokens
             with residency.optimizer_for(mfc.model_name, mfc.name, lr):
-                metrics = interface.train_step(engine, data, ctx)
+                metrics = {**interface.train_step(engine, data, ctx), **staleness}
             residency.step_done(mfc.model_name)
             return DataProto(meta_info=metrics)
 
         return self._call(mfc, inputs, run, step, hooks)
 
-    def _call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int, hooks: bool) -> DataProto | None:
+    def _call(
+        self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int, hooks: bool, rows=interface_rows
+    ) -> DataProto | None:
+        """Runs ``run`` on the call's rows (``rows(mfc, inputs)``) between its hooks."""
         if hooks:
             self._hook("pre_call", mfc, self._residency().prepare, step)
         try:
-            out = self._run_call(mfc, inputs, run, step)
+            out = self._run_call(mfc, inputs, run, step, rows)
         except Exception as exc:
             raise call_error(mfc.name, mfc.model_name, "call", self.rank, exc) from exc
         if hooks:
             self._hook("post_call", mfc, self._residency().release, step)
         return out
 
-    def _run_call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int) -> DataProto | None:
+    def _run_call(self, mfc: MFCDef, inputs: tuple[DataProto, ...], run, step: int, rows) -> DataProto | None:
         layout = self.setup.layouts[mfc.name]
         coords = layout.local_coords(self.rank)
         if coords is None:
             raise RuntimeError(f"rank {self.rank} is not in the layout {layout.ranks} of MFC {mfc.name!r}")
         residency = self._residency()
         ctx = CallContext(mfc, residency.call_groups(layout), step)
-        data = interface_rows(mfc, inputs)
+        data = rows(mfc, inputs)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         wall_start, start = time.time(), time.perf_counter()

@@ -2,6 +2,8 @@
 
 * :func:`interface_rows` — the rows an interface receives: the union of the producers' rows
   (row-aligned), dataflow keys renamed to interface names (``input_key_remap``);
+* :func:`carried_rows` — the rows a generate call continues (partial rollouts): the rows it wrote
+  before, under its interface's names;
 * :func:`dataflow_rows` — the interface's output under the dataflow names (``output_key_remap``);
 * :func:`reduce_metrics` — per-rank metrics combined over the call's dp ranks, identical on all
   of them so that the dp parts' ``meta_info`` concatenate without conflicts.
@@ -20,7 +22,7 @@ from rlflow.dataflow.mfc import MFCDef
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext
 
-__all__ = ["dataflow_rows", "interface_rows", "num_tokens", "peak_memory_bytes", "reduce_metrics"]
+__all__ = ["carried_rows", "dataflow_rows", "interface_rows", "num_tokens", "peak_memory_bytes", "reduce_metrics"]
 
 # How per-rank metrics combine over the dp ranks of a call; any other key is a row-weighted mean.
 _MAX_KEYS = ("time_s", "peak_memory_bytes", "logp_mismatch_max")
@@ -47,6 +49,22 @@ def interface_rows(mfc: MFCDef, inputs: tuple[DataProto, ...]) -> DataProto:
     tensors = {names[k]: merged.batch[k] for k in mfc.input_keys if k in merged.batch_keys}
     columns = {names.get(k, k): v for k, v in merged.non_tensor_batch.items()}
     return DataProto.from_dict(tensors, columns)
+
+
+def carried_rows(mfc: MFCDef, inputs: tuple[DataProto, ...]) -> DataProto:
+    """A resumed generate call's rows (``rollout.partial_tokens``): the output keys it wrote before,
+    renamed back to what its interface returned, and every non-tensor column.
+
+    Raises:
+        KeyError: an output key of the call is missing from the rows.
+    """
+    (data,) = inputs
+    names = {key: name for name, key in mfc.interface_outputs().items()}  # dataflow key -> interface name
+    missing = [k for k in mfc.output_keys if k not in data.batch_keys]
+    if missing:
+        raise KeyError(f"MFC {mfc.name!r} continues rows it wrote, but they lack {missing}")
+    tensors = {names[k]: data.batch[k] for k in mfc.output_keys}
+    return DataProto.from_dict(tensors, dict(data.non_tensor_batch))
 
 
 def dataflow_rows(mfc: MFCDef, out: DataProto, passthrough: bool) -> DataProto:

@@ -34,6 +34,7 @@ from rlflow.engine.lora import adapters_disabled
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.multi_turn import MultiTurn
+from rlflow.engine.rollout.partial import TOKEN_VERSION, PartialCall, append_tokens, prefix_prompts, widen_rows
 from rlflow.protocol import DataProto
 from rlflow.workers.advantage import AdvantageEstimator
 from rlflow.workers.context import CallContext, tensors_of
@@ -45,7 +46,16 @@ if TYPE_CHECKING:
     from rlflow.engine.rollout.base import RolloutEngine
     from rlflow.engine.train_engine import TrainEngine
 
-__all__ = ["POLICY_LAG", "POLICY_VERSION", "ActorInterface", "pair_columns", "policy_lag_metrics", "rollout_rows"]
+__all__ = [
+    "POLICY_LAG",
+    "POLICY_VERSION",
+    "ActorInterface",
+    "pair_columns",
+    "policy_lag_metrics",
+    "rollout_rows",
+    "row_versions",
+    "token_lag_metrics",
+]
 
 # Non-tensor columns of rollout rows: the version of the weights that sampled each row (set by the
 # generate call), and how many optimizer steps older they are than the weights training on it
@@ -90,6 +100,34 @@ def policy_lag_metrics(data: DataProto) -> dict[str, float]:
         return {}
     lag = np.asarray(lag, dtype=np.float64)
     return {"policy_lag": float(lag.mean()), "policy_lag_max": float(lag.max())}
+
+
+def row_versions(data: DataProto, version: int) -> np.ndarray:
+    """``(N,)`` int64 version of the weights that sampled each row: ``version`` for a whole response,
+    its oldest token's for a partial rollout's row (``token_version``)."""
+    if TOKEN_VERSION not in data.batch_keys:
+        return np.full(len(data), version, dtype=np.int64)
+    mask = data.batch["response_mask"].bool()
+    oldest = data.batch[TOKEN_VERSION].masked_fill(~mask, version).min(dim=1).values
+    return oldest.numpy().astype(np.int64)
+
+
+def token_lag_metrics(data: DataProto, version: int) -> dict[str, float]:
+    """Staleness of a partial rollout's tokens against the weights ``version`` training on them:
+    ``token_lag`` (mean versions behind, over response tokens), ``token_lag_max`` and
+    ``stale_token_fraction`` (the share sampled by older weights); nothing for rows without
+    ``token_version``."""
+    if TOKEN_VERSION not in data.batch_keys or len(data) == 0:
+        return {}
+    mask = data.batch["response_mask"].bool()
+    lag = (version - data.batch[TOKEN_VERSION])[mask].double()
+    if lag.numel() == 0:
+        return {}
+    return {
+        "token_lag": float(lag.mean()),
+        "token_lag_max": float(lag.max()),
+        "stale_token_fraction": float((lag > 0).double().mean()),
+    }
 
 
 def pair_columns(num_rows: int) -> dict[str, torch.Tensor]:
@@ -139,11 +177,28 @@ class ActorInterface(ModelInterface):
         return params, 1
 
     def generate(
-        self, engine: RolloutEngine, data: DataProto, ctx: CallContext, *, greedy: bool = False, evaluate: bool = False
+        self,
+        engine: RolloutEngine,
+        data: DataProto,
+        ctx: CallContext,
+        *,
+        greedy: bool = False,
+        evaluate: bool = False,
+        partial: PartialCall | None = None,
     ) -> DataProto:
-        """Sample responses to ``prompts`` / ``prompt_mask`` ``(B, P)``; see the module docstring."""
+        """Sample responses to ``prompts`` / ``prompt_mask`` ``(B, P)``; see the module docstring.
+
+        With ``partial`` (``rollout.partial_tokens``), at most ``partial.max_tokens`` tokens per
+        response, the rows as wide as whole responses and with ``token_version``; with
+        ``partial.resume`` the rows given are carried responses, continued
+        (:meth:`continue_rows`).
+        """
+        if partial is not None and partial.resume:
+            return self.continue_rows(engine, data, partial)
         tensors = tensors_of(data, ("prompts", "prompt_mask"))
         params, repeat = self.sampling_params(greedy=greedy, evaluate=evaluate)
+        if partial is not None:
+            params = replace(params, max_new_tokens=min(partial.max_tokens, params.max_new_tokens))
         columns = dict(data.non_tensor_batch)
         if not greedy and not evaluate and "uid" not in columns:
             dp_rank = ctx.coords.dp
@@ -162,11 +217,47 @@ class ActorInterface(ModelInterface):
         if repeat > 1:
             sampled = sampled.repeat(repeat, interleave=True)
         out = rollout_rows(sampled, sampled.batch["prompts"].shape[1])
+        if partial is not None:
+            out = self._partial_rows(out, sampled.batch["prompts"].shape[1], engine.pad_token_id, partial.version)
         out.meta_info["response_length"] = float(out.batch["response_mask"].sum(dim=1).float().mean())
         if filtered is not None:
             out.meta_info["old_logp_filtered"] = float(bool(filtered))
         if self.multi_turn is not None:  # episode metrics (multi_turn/*, the environment's tools/*)
             out.meta_info.update(sampled.meta_info)
+        return out
+
+    def _partial_rows(self, out: DataProto, prompt_width: int, pad_token_id: int, version: int) -> DataProto:
+        """A partial call's fresh rows: as wide as whole responses, each token's version beside it."""
+        width = prompt_width + self.setup.sampling.max_new_tokens
+        rows = widen_rows({k: out.batch[k] for k in out.batch_keys}, width, pad_token_id)
+        rows[TOKEN_VERSION] = rows["response_mask"].long() * version
+        return DataProto.from_dict(rows, dict(out.non_tensor_batch))
+
+    def continue_rows(self, engine: RolloutEngine, data: DataProto, partial: PartialCall) -> DataProto:
+        """Sample up to ``partial.max_tokens`` more tokens for each carried row (rollout rows with
+        ``token_version``, none finished): its prompt and response so far are prefilled under the
+        current weights, the new tokens written after them (:mod:`rlflow.engine.rollout.partial`).
+        The rows' earlier tokens, log-probs and versions are kept as they are."""
+        keys = ("input_ids", "attention_mask", "response_mask", "old_logp", TOKEN_VERSION)
+        rows = {k: t.clone() for k, t in tensors_of(data, keys).items()}
+        limit = self.setup.sampling.max_new_tokens
+        prompt_width = rows["input_ids"].shape[1] - limit
+        lengths = rows["response_mask"].sum(dim=1)
+        if len(data) == 0 or int(lengths.max()) >= limit:
+            raise ValueError(f"continue_rows: needs rows with fewer than max_new_tokens={limit} response tokens")
+        room = limit - int(lengths.min())  # rows with less room keep what fits (append_tokens)
+        ids, mask = prefix_prompts(rows["input_ids"], rows["attention_mask"])
+        params, _ = self.sampling_params(greedy=False, evaluate=False)
+        self.num_rollouts += 1
+        # One sample per row; the stop tokens are free again (partial_tokens >= min_new_tokens).
+        params = replace(params, n=1, min_new_tokens=0, max_new_tokens=min(partial.max_tokens, room))
+        sampled = engine.generate(DataProto.from_dict({"input_ids": ids, "attention_mask": mask.long()}), params)
+        new = sampled.batch if isinstance(sampled, DataProto) else sampled
+        append_tokens(
+            rows, prompt_width, new["responses"], new["response_mask"], new["old_logp"], partial.version
+        )  # fmt: skip
+        out = DataProto.from_dict(rows, dict(data.non_tensor_batch))
+        out.meta_info["response_length"] = float(rows["response_mask"].sum(dim=1).float().mean())
         return out
 
     def _sample(self, engine: RolloutEngine, prompts: DataProto, params: SamplingParams) -> DataProto:
