@@ -188,13 +188,24 @@ def test_responses_that_fit_in_one_call_train_as_without_partial_rollouts(tmp_pa
 def test_grpo_with_responses_carried_over_steps_learns_on_the_tasks_prompts(tmp_path):
     """The arithmetic task's prompts, 6-token responses sampled 2 tokens a call (3 calls each, so
     most responses span steps), groups at most 1 version stale, the reward the share of digits in a
-    response: the untrained policy writes few digits (about 0.1); twelve steps lift that near 1."""
-    steps = fit(
-        tmp_path,
-        rollout={"partial_tokens": 2, "partial_max_lag": 1},
-        trainer={"total_steps": 12},
-        models={"actor": {**RUN["models"]["actor"], "lr": 3e-2}},
-    )
+    response: the untrained policy writes few digits (about 0.1); twelve steps lift that near 1.
+    A run resumed from the checkpoint at step 6 continues the responses it carried and ends where
+    the whole run does."""
+    learning = {
+        "rollout": {"partial_tokens": 2, "partial_max_lag": 1},
+        "trainer": {"total_steps": 12},
+        "models": {"actor": {**RUN["models"]["actor"], "lr": 3e-2}},
+    }
+    steps = fit(tmp_path / "whole", **learning, checkpoint={"every_n_steps": 6, "keep_last": 0})
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_6"
+    assert (checkpoint / "partial_rollouts" / "carried.safetensors").is_file()
+    resumed = fit(tmp_path / "resumed", **learning, checkpoint={"resume": str(checkpoint)})
+    assert sorted(resumed) == list(range(7, 13))
+    for step in resumed:
+        for key in ("actor_train/score_mean", "actor_train/loss", "partial/groups_dropped"):
+            assert resumed[step][key] == pytest.approx(steps[step][key], rel=1e-6, abs=1e-9), (step, key)
+    want, got = final_weights(tmp_path / "whole"), final_weights(tmp_path / "resumed")
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
     score = [steps[s]["actor_train/score_mean"] for s in range(1, 13)]
     assert np.mean(score[:3]) < 0.25 and np.mean(score[-3:]) > 0.8, score
     for step in range(2, 13):
