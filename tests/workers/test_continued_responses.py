@@ -3,6 +3,8 @@ tokens, their log-probs and the version of the weights that sampled each of them
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 import torch
 from test_interfaces import CTX, setup_for
@@ -11,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlflow.algos.params import AlgorithmParams
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout import SamplingParams
+from rlflow.engine.rollout import partial as partial_module
 from rlflow.engine.rollout.hf_sampler import HFRolloutEngine
 from rlflow.engine.rollout.partial import TOKEN_VERSION, PartialCall, prefix_prompts, unfinished_rows
 from rlflow.protocol import DataProto
@@ -64,6 +67,11 @@ def forward_logp(model: LlamaForCausalLM, rows: DataProto) -> torch.Tensor:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros(len(ids), 1), logp], dim=1) * rows.batch["response_mask"]
+
+
+def test_the_partial_modules_examples_hold():
+    results = doctest.testmod(partial_module)
+    assert results.attempted > 0 and results.failed == 0
 
 
 def test_prefix_prompts_left_pads_each_rows_prompt_and_response_so_far():
