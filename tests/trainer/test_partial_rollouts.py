@@ -175,7 +175,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_responses_that_fit_in_one_call_train_as_without_partial_rollouts(tmp_path):
     """partial_tokens >= max_new_tokens: every response ends in its first call, so each step samples
     what the synchronous run samples and trains on the same rows (the loss kept plain PPO to compare)."""
-    plain = fit(tmp_path / "plain")
+    plain = fit(tmp_path / "plain", rollout={"partial_tokens": 0})  # off: the synchronous run
     partial_run = fit(tmp_path / "partial", rollout={"partial_tokens": 6}, algorithm={"behaviour_correction": "none"})
     want, got = final_weights(tmp_path / "plain"), final_weights(tmp_path / "partial")
     assert all(torch.equal(want[k], got[k]) for k in want)
