@@ -248,6 +248,7 @@ class ModelWorker(Worker):
             resume: with ``partial_tokens``, ``prompts`` are carried rollout rows to continue.
         """
         mfc = self._mfc(mfc_name, "generate")
+
         greedy = greedy or mfc.greedy  # the graph's greedy calls (ReMax's baseline) decode greedily
 
         residency = self._residency()

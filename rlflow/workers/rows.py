@@ -25,7 +25,7 @@ from rlflow.workers.context import CallContext
 __all__ = ["carried_rows", "dataflow_rows", "interface_rows", "num_tokens", "peak_memory_bytes", "reduce_metrics"]
 
 # How per-rank metrics combine over the dp ranks of a call; any other key is a row-weighted mean.
-_MAX_KEYS = ("time_s", "peak_memory_bytes", "logp_mismatch_max")
+_MAX_KEYS = ("time_s", "peak_memory_bytes", "logp_mismatch_max", "token_lag_max")
 _SUM_KEYS = ("tokens", "rows")
 
 
@@ -88,8 +88,8 @@ def dataflow_rows(mfc: MFCDef, out: DataProto, passthrough: bool) -> DataProto:
 def reduce_metrics(local: Mapping[str, float], rows: int, ctx: CallContext) -> dict[str, float]:
     """Combine one call's per-rank metrics over its dp ranks (same result on each of them).
 
-    ``time_s`` and ``peak_memory_bytes`` take the maximum, ``tokens`` and ``rows`` the sum, and
-    any other value the mean weighted by rows.
+    ``time_s``, ``peak_memory_bytes`` and the ``*_max`` figures of ``_MAX_KEYS`` take the
+    maximum, ``tokens`` and ``rows`` the sum, and any other value the mean weighted by rows.
     """
     entries: list[Any] = [(dict(local), rows)]
     if ctx.dp_size > 1:
