@@ -9,8 +9,8 @@ prompt) is finished. Each round takes in fresh prompts for the groups the batch 
 responses that need k calls keep about k - 1 batches of groups open. Rounds go on (one at least,
 while responses are carried) until ``data.batch_size`` groups are finished; the step trains on
 them, oldest first, and the rest wait for a later step. A group whose oldest token is more
-than ``rollout.partial_max_lag`` weight versions behind is dropped (counted) and a fresh prompt
-takes its slot. Everything carried is DataProto rows in the driver, so a checkpoint saves it.
+than ``rollout.partial_max_lag`` weight versions behind is dropped (counted), whether it is still
+sampled or waits, and a fresh prompt takes its slot. Everything carried is DataProto rows in the driver, so a checkpoint saves it.
 """
 
 from __future__ import annotations
@@ -64,12 +64,16 @@ class PartialRollouts:
         self.done: DataProto | None = None  # finished rows of groups not trained yet
         self.prompts: DataProto | None = None  # dataset prompts drawn, not sampled yet
         self.num_drawn = 0  # prompts drawn so far: names each group uniquely
+        self.seen: tuple[int, int] | None = None  # (step, weights version) of the last round
         self.metrics: dict[int, dict[str, float]] = {}  # step -> its counts, popped when the step is logged
 
     def sample(self, step: int, batches: Iterator[DataProto]) -> tuple[DataProto, Submitted]:
         """Runs ``step``'s generation rounds (waiting for each); returns the training rows of
         ``num_groups`` finished groups and the submission of the other rollout calls on them."""
-        rounds = dropped = 0
+        rounds = 0
+        # Groups that waited since the last round may have grown stale without a round to see it:
+        # the weights gain one version per step.
+        dropped = self._drop_stale(self.seen[1] + step - self.seen[0]) if self.seen is not None else 0
         # Every step continues the carried responses at least once; rounds go on until enough groups
         # are finished, each taking in fresh prompts for the groups the batch still lacks.
         while (rounds == 0 and self.carried is not None) or len(self._finished_groups()) < self.num_groups:
@@ -82,6 +86,7 @@ class PartialRollouts:
             rows = DataProto.concat(sampled)
             rounds += 1
             version = int(rows.batch[TOKEN_VERSION].max())  # every row got a token of this call
+            self.seen = (step, version)
             width = rows.batch["input_ids"].shape[1] - self.sampling.max_new_tokens
             open_rows = unfinished_rows(
                 rows.batch["input_ids"], rows.batch["response_mask"], width, self.sampling.stop_token_ids
@@ -164,18 +169,19 @@ class PartialRollouts:
         self.done = _without(self.done, set(groups))
         return taken
 
-    def save(self, directory: Path) -> dict[str, int]:
+    def save(self, directory: Path) -> dict:
         """Write the carried, finished and queued rows under ``directory``; returns what a resume reads back."""
         directory.mkdir(parents=True, exist_ok=True)
         for name in _BUFFERS:
             part = getattr(self, name)
             if part is not None:
                 part.save(directory / f"{name}.safetensors")
-        return {"num_drawn": self.num_drawn}
+        return {"num_drawn": self.num_drawn, "seen": list(self.seen) if self.seen is not None else None}
 
-    def load(self, directory: Path, state: dict[str, int]) -> None:
+    def load(self, directory: Path, state: dict) -> None:
         """Take back what :meth:`save` wrote: the resumed run continues the same responses."""
         self.num_drawn = int(state["num_drawn"])
+        self.seen = tuple(state["seen"]) if state.get("seen") is not None else None
         for name in _BUFFERS:
             path = directory / f"{name}.safetensors"
             setattr(self, name, DataProto.load(path) if path.exists() else None)

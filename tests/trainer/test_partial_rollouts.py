@@ -39,14 +39,14 @@ class ScriptedRunner:
 
     def submit(self, rows, mfcs, call_kwargs=None, *, step, upstream=None):
         if mfcs == [GEN]:
-            return self._generate(rows, resume=call_kwargs[GEN]["resume"])
+            return self._generate(rows, **call_kwargs[GEN])
         self.trained[step] = list(dict.fromkeys(rows.non_tensor_batch["uid"].tolist()))
         return Submitted(dict(upstream.outputs))
 
     def wait(self, submitted, fetch=()):
         return {GEN: submitted}
 
-    def _generate(self, rows: DataProto, resume: bool) -> DataProto:
+    def _generate(self, rows: DataProto, partial_tokens: int, resume: bool) -> DataProto:
         if resume:
             out = {k: rows.batch[k].clone() for k in ("input_ids", "attention_mask", "response_mask", "old_logp")}
             out[TOKEN_VERSION] = rows.batch[TOKEN_VERSION].clone()
@@ -61,7 +61,7 @@ class ScriptedRunner:
                 "old_logp": torch.zeros(num, WIDTH + LIMIT),
                 TOKEN_VERSION: torch.zeros(num, WIDTH + LIMIT, dtype=torch.long),
             }
-        ones = torch.ones(len(rows), 1, dtype=torch.long)
+        ones = torch.ones(len(rows), partial_tokens, dtype=torch.long)
         append_tokens(out, WIDTH, 5 * ones, ones, -0.5 * ones.float(), self.version)
         data = DataProto.from_dict(out, {"uid": rows.non_tensor_batch["uid"]})
         data.non_tensor_batch[POLICY_VERSION] = row_versions(data, self.version)
@@ -77,9 +77,9 @@ def prompt_batches():
         yield DataProto.from_dict({"prompts": prompts, "prompt_mask": torch.ones_like(prompts)}, {"uid": uids})
 
 
-def partial(runner: ScriptedRunner) -> PartialRollouts:
+def partial(runner: ScriptedRunner, max_tokens: int = 1) -> PartialRollouts:
     sampling = SamplingParams(n=SAMPLES, max_new_tokens=LIMIT, stop_token_ids=(2,))
-    return PartialRollouts(runner, [GEN, REWARD], GROUPS, sampling, max_tokens=1, max_lag=1)
+    return PartialRollouts(runner, [GEN, REWARD], GROUPS, sampling, max_tokens=max_tokens, max_lag=1)
 
 
 def run_step(sampler: PartialRollouts, runner: ScriptedRunner, step: int, batches) -> list[str]:
@@ -114,6 +114,21 @@ def test_steps_train_on_finished_groups_oldest_first_and_drop_the_stale_ones(tmp
     for name, (sampler_, batches_) in {"whole": (sampler, batches), "resumed": (resumed, resumed_batches)}.items():
         assert run_step(sampler_, runner, 3, batches_) == ["6@6", "7@7"], name
         assert sampler_.metrics[3]["partial/groups_dropped"] == 2.0 and sampler_.metrics[3]["partial/rounds"] == 2.0
+
+
+def test_finished_groups_that_waited_too_long_are_dropped_even_without_a_round():
+    """Whole responses in one call; two extra finished groups sampled at step 1 wait. Step 2 needs
+    no round (nothing carried, enough groups finished) and trains on them (lag 1); had they waited
+    to step 3 (lag 2), they would be dropped before training and fresh groups sampled instead."""
+    for train_at, expected, dropped in ((2, ["2@2", "3@3"], 0.0), (3, ["4@4", "5@5"], 2.0)):
+        runner, batches = ScriptedRunner(), prompt_batches()
+        sampler = partial(runner, max_tokens=LIMIT)
+        assert run_step(sampler, runner, 1, batches) == ["0@0", "1@1"]
+        extra, _ = sampler.sample(1, batches)  # two more groups, finished at version 0, put back to wait
+        sampler.done = extra
+        assert run_step(sampler, runner, train_at, batches) == expected
+        assert sampler.metrics[train_at]["partial/groups_dropped"] == dropped
+        assert sampler.metrics[train_at]["partial/rounds"] == (0.0 if train_at == 2 else 1.0)
 
 
 # --- Where partial rollouts cannot run ---
