@@ -280,8 +280,18 @@ class MachineProfile:
         model_decode: the same step of a whole one-layer model (embedding, norm, head around
             the layer); empty in profiles without it (its overhead is then priced at 0).
         sample: the sampler's per-token work on ``(batch, vocab)`` logits; empty: priced at 0.
-        calls: whole calls of the planned model (CPU profiles taken for a run), or ``None``.
+        calls: whole calls of the planned model (CPU profiles taken for a run), or of a
+            reference model (the machine profile a run starts from when it calibrates the cost
+            model by its own calls, ``placement.calibrate: run``), or ``None``.
         elapsed_s: seconds the measurement took.
+        corrections: per interface type (``generate``, ``inference``, ``train_step``), the factor
+            a run's own calls measured its estimates off by (measured / estimated seconds of the
+            calls of that type on the plan that ran); every call of the type is priced times it.
+            ``None``: no run has calibrated this profile.
+        host_speedups: per profiled call (``generate``, ``forward``, ``train``), how much faster a
+            run's one worker ran its calls with a thread per core than with one, measured by the
+            run at its own shapes; they replace :meth:`CallTimings.host_speedup` (a reference
+            model's) in pricing a plan of one worker. ``None``: not measured.
 
     >>> hw = HardwareProfile(1e10, 5e9, 1e9, 1e-5, 8e9)
     >>> layer = ProfiledLayer(64, 128, 4, 4, vocab_size=32)
@@ -302,6 +312,8 @@ class MachineProfile:
     sample: tuple[LayerTiming, ...] = ()
     calls: CallTimings | None = None
     elapsed_s: float = 0.0
+    corrections: dict[str, float] | None = None
+    host_speedups: dict[str, float] | None = None
 
     def to_json(self) -> str:
         """The profile file's text: one JSON object with a ``version`` key."""
@@ -317,6 +329,10 @@ class MachineProfile:
         }
         if self.calls is not None:
             data["calls"] = self.calls.to_dict()
+        if self.corrections is not None:
+            data["corrections"] = dict(self.corrections)
+        if self.host_speedups is not None:
+            data["host_speedups"] = dict(self.host_speedups)
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -357,8 +373,22 @@ class MachineProfile:
             layer=_from_dict(ProfiledLayer, data["layer"], "layer"),
             calls=CallTimings.from_dict(data["calls"]) if data.get("calls") is not None else None,
             elapsed_s=float(data.get("elapsed_s", 0.0)),
+            corrections=_factors(data.get("corrections"), "corrections", _INTERFACES),
+            host_speedups=_factors(data.get("host_speedups"), "host_speedups", tuple(_KIND.values())),
             **timings,
         )
+
+
+def _factors(data: Any, name: str, keys: tuple[str, ...]) -> dict[str, float] | None:
+    """A profile file's ``name`` (``corrections``, ``host_speedups``): key -> a positive factor."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) - set(keys):
+        raise ValueError(f"{name}: expected an object with keys among {list(keys)}, got {data!r}")
+    factors = {str(k): float(v) for k, v in data.items()}
+    if any(not v > 0 for v in factors.values()):
+        raise ValueError(f"{name}: factors must be > 0, got {factors}")
+    return factors
 
 
 def save_profile(profile: MachineProfile, path: str | Path) -> Path:
@@ -423,6 +453,7 @@ class ProfiledRates(Rates):
         self.busy_fits: dict[str, tuple[float, float]] = {}
         self.alone_fits: dict[str, tuple[float, float]] = {}
         self.busy_processes = 1
+        self.corrections = dict(profile.corrections or {}) if calibrate else {}
         if calibrate and profile.calls is not None:
             calls = profile.calls
             # Both fits price the profiled calls uncalibrated: neither is set until both are made.
@@ -504,13 +535,15 @@ class ProfiledRates(Rates):
     def _fit(self, interface_type: str, busy_devices: int | None) -> tuple[float, float]:
         """``(fixed_s, scale)`` of a call keeping ``busy_devices`` devices of a host busy: the alone
         fit for one, the busy fit for the profiled processes or more (or None), linear in
-        between; the busy fit alone when the profile has no alone timings."""
+        between; the busy fit alone when the profile has no alone timings; both times the
+        profile's correction of the interface type (:attr:`MachineProfile.corrections`)."""
         busy = self.busy_fits.get(interface_type, (0.0, 1.0))
         alone = self.alone_fits.get(interface_type)
+        c = self.corrections.get(interface_type, 1.0)  # a run's own calls against these estimates
         if alone is None or busy_devices is None or busy_devices >= self.busy_processes:
-            return busy
+            return c * busy[0], c * busy[1]
         w = (max(busy_devices, 1) - 1) / (self.busy_processes - 1)
-        return (1 - w) * alone[0] + w * busy[0], (1 - w) * alone[1] + w * busy[1]
+        return c * ((1 - w) * alone[0] + w * busy[0]), c * ((1 - w) * alone[1] + w * busy[1])
 
     def call_scale(self, interface_type: str, busy_devices: int | None = None) -> float:
         return self._fit(interface_type, busy_devices)[1]

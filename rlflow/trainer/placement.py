@@ -33,14 +33,14 @@ from rlflow.planner.cluster import ClusterSpec, cluster_preset
 from rlflow.planner.model_spec import ModelSpec, lora_param_count
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
-from rlflow.planner.profile import CallTimings, MachineProfile, save_profile
+from rlflow.planner.profile import CallTimings, MachineProfile, cached_profile_path, profile_cache_key, save_profile
 from rlflow.planner.search import plan_search
 from rlflow.planner.simulate import simulate
 from rlflow.planner.space import RuntimeCapabilities
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import ConfigError, LoraConfig, RLFlowConfig
 from rlflow.trainer.runner import CallPlacement
-from rlflow.workers.profiling import CachedProfile, cached_profile, profile_or_measure
+from rlflow.workers.profiling import CachedProfile, cached_profile, cached_profile_of, host_identity, profile_or_measure
 
 logger = logging.getLogger(__name__)
 
@@ -232,17 +232,24 @@ def plan_placement(
         plan = _choose(p.mode, problem, baselines, generate, cfg, progress)
         if p.mode == "auto" and not use_gpu and profile is not None and profile.calls is not None:
             kinds = {m.name: m.interface_type for m in device_mfcs}
-            plan, threads = one_worker_on_every_core(problem, plan, profile.calls, kinds, p.devices_per_node)
+            plan, threads = one_worker_on_every_core(
+                problem, plan, profile.calls, kinds, p.devices_per_node, profile.host_speedups
+            )
     calls = _call_placements(graph, plan, cfg)
     return Placement(calls, plan, baselines, problem, threads)
 
 
 # The profiled whole call that prices each interface type.
-_PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "train"}
+PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "train"}
 
 
 def one_worker_on_every_core(
-    problem: PlanProblem, plan: ExecutionPlan, timings: CallTimings, kinds: Mapping[str, str], cores: int
+    problem: PlanProblem,
+    plan: ExecutionPlan,
+    timings: CallTimings,
+    kinds: Mapping[str, str],
+    cores: int,
+    measured: Mapping[str, float] | None = None,
 ) -> tuple[ExecutionPlan, int]:
     """``plan``, or the plan of one worker with a thread per core of its host where that is
     estimated faster; and the threads its CPU workers take.
@@ -250,10 +257,12 @@ def one_worker_on_every_core(
     The one-worker plan (every call on device 0, dp = tp = pp = 1) is priced as the simulator
     prices it with one thread, each call's time divided by its kind's measured speedup on every
     core (:meth:`CallTimings.host_speedup`: the whole batch in one process, one thread against
-    ``cores``); its transfers are unchanged. Without those timings (a one-worker host, an older
-    profile) ``plan`` stays, with one thread.
+    ``cores``), or the speedup a run ``measured`` at its own shapes (``MachineProfile.host_speedups``,
+    by profiled call); its transfers are unchanged. Without those timings (a one-worker host, an
+    older profile) ``plan`` stays, with one thread.
     """
-    speedups = {kind: timings.host_speedup(call) for kind, call in _PROFILED_CALL.items()}
+    measured = measured or {}
+    speedups = {kind: measured.get(call) or timings.host_speedup(call) for kind, call in PROFILED_CALL.items()}
     if cores < 2 or any(v is None for v in speedups.values()):
         return plan, 1
     choice = []
@@ -478,31 +487,82 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     if spec is not None:
         fields = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size",
                   "head_dim", "tie_embeddings", "qkv_bias", "mlp_bias")  # fmt: skip
-        # A second batch size (half, or twice a single prompt) splits each call's time into the
-        # part that grows with its rows and the part that does not (ProfiledRates._calibrate).
-        alt = prompts // 2 if prompts > 1 else 2
-        shapes["calls"] = {
-            "model": {k: getattr(spec, k) for k in fields},
-            "precision": _cpu_precision(m, spec),
-            "generate": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
-            "train": {"rows": rows, "seq": p + r},
-            "generate_alt": {"prompts": alt, "prompt_len": p, "n": samples, "gen_len": r},
-            "train_alt": {"rows": rows * alt // prompts, "seq": p + r},
-        }
-        shapes["call_processes"] = cfg.placement.devices_per_node  # every worker of a host busy
-        if cfg.placement.devices_per_node > 1:
-            # The same calls in one process while the others idle, at the whole batch and at one
-            # worker's share: the price of a call a plan gives one worker of the host.
-            total = cfg.data.batch_size
-            shapes["calls"] |= {
-                "generate_alone": {"prompts": total, "prompt_len": p, "n": samples, "gen_len": r},
-                "train_alone": {"rows": rows * total // prompts, "seq": p + r},
-                "generate_alone_alt": {"prompts": prompts, "prompt_len": p, "n": samples, "gen_len": r},
-                "train_alone_alt": {"rows": rows, "seq": p + r},
-                # ... and the whole batch in one process on every core: one worker may take them all
-                "host_threads": cfg.placement.devices_per_node,
-            }
+        model = {k: getattr(spec, k) for k in fields}
+        shapes |= _call_shapes(
+            model,
+            _cpu_precision(m, spec),
+            cfg.placement.devices_per_node,
+            cfg.data.batch_size,
+            prompts,
+            samples,
+            rows,
+            p,
+            r,
+        )
     return shapes
+
+
+def _call_shapes(
+    model: dict,
+    precision: str,
+    cores: int,
+    total: int,
+    prompts: int,
+    samples: int,
+    rows: int,
+    prompt_len: int,
+    gen_len: int,
+) -> dict:
+    """The ``calls`` and ``call_processes`` of :func:`profile_shapes`: whole calls of ``model`` in
+    ``precision`` on a host of ``cores`` worker processes, ``total`` prompts a step, ``prompts``
+    a worker drawing ``samples`` responses each, ``rows`` a worker's training rows."""
+    # A second batch size (half, or twice a single prompt) splits each call's time into the
+    # part that grows with its rows and the part that does not (ProfiledRates._calibrate).
+    alt = prompts // 2 if prompts > 1 else 2
+    calls = {
+        "model": model,
+        "precision": precision,
+        "generate": {"prompts": prompts, "prompt_len": prompt_len, "n": samples, "gen_len": gen_len},
+        "train": {"rows": rows, "seq": prompt_len + gen_len},
+        "generate_alt": {"prompts": alt, "prompt_len": prompt_len, "n": samples, "gen_len": gen_len},
+        "train_alt": {"rows": rows * alt // prompts, "seq": prompt_len + gen_len},
+    }
+    if cores > 1:
+        # The same calls in one process while the others idle, at the whole batch and at one
+        # worker's share: the price of a call a plan gives one worker of the host.
+        calls |= {
+            "generate_alone": {"prompts": total, "prompt_len": prompt_len, "n": samples, "gen_len": gen_len},
+            "train_alone": {"rows": rows * total // prompts, "seq": prompt_len + gen_len},
+            "generate_alone_alt": {"prompts": prompts, "prompt_len": prompt_len, "n": samples, "gen_len": gen_len},
+            "train_alone_alt": {"rows": rows, "seq": prompt_len + gen_len},
+            # ... and the whole batch in one process on every core: one worker may take them all
+            "host_threads": cores,
+        }
+    return {"calls": calls, "call_processes": cores}  # every worker of a host busy
+
+
+# The machine profile a run calibrated by its own calls starts from (placement.calibrate: run):
+# the default layer sizes, and whole calls of this reference model at these shapes — small enough
+# to time in seconds, measured once per host and its worker count, whatever model a run trains.
+REFERENCE_MODEL = {
+    "num_layers": 4, "hidden_size": 256, "intermediate_size": 688, "num_heads": 8, "num_kv_heads": 8,
+    "vocab_size": 256, "head_dim": 32, "tie_embeddings": True, "qkv_bias": False, "mlp_bias": False,
+}  # fmt: skip
+_REFERENCE_STEP = {"prompts": 2, "samples": 4, "prompt_len": 16, "gen_len": 16}
+
+
+def machine_profile_shapes(cfg: RLFlowConfig) -> dict:
+    """``run_profile`` arguments of this host's machine profile for ``cfg``'s placement: the default
+    layer sizes and whole calls of :data:`REFERENCE_MODEL` (two prompts of four samples a worker,
+    16 prompt and 16 new tokens), on ``placement.devices_per_node`` worker processes; they depend
+    on no model or batch of the run, so one measurement serves every run on the host."""
+    cores, step = cfg.placement.devices_per_node, _REFERENCE_STEP
+    prompts, rows = step["prompts"], step["prompts"] * step["samples"]
+    calls = _call_shapes(
+        REFERENCE_MODEL, "fp32", cores, prompts * cores, prompts, step["samples"], rows, step["prompt_len"],
+        step["gen_len"],
+    )  # fmt: skip
+    return {"layer": None, "passes": None, "decodes": None, **calls}
 
 
 def load_profile_for(
@@ -515,12 +575,24 @@ def load_profile_for(
     profile the run planned with."""
     if use_gpu or not cfg.placement.profile:
         return None
-    found = cached_profile(profile_shapes(cfg, spec), refresh=not cfg.placement.profile_cache, progress=progress)
+    p, shapes = cfg.placement, profile_shapes(cfg, spec)
+    found = None
+    if p.calibrate == "run" and spec is not None:
+        found = cached_profile_of(shapes) if p.profile_cache else None
+        if found is None:  # a shape new to this host: start from its machine profile, calibrate by the run
+            machine = cached_profile(machine_profile_shapes(cfg), refresh=not p.profile_cache, progress=progress)
+            shape_path = cached_profile_path(profile_cache_key(host_identity("cpu"), shapes))
+            found = replace(machine, calibrate_to=shape_path)
+    if found is None:
+        found = cached_profile(shapes, refresh=not p.profile_cache, progress=progress)
     save_profile(found.profile, run_dir / "profile.json")
+    what = "this host's machine profile" if found.calibrate_to is not None else "at this run's shapes"
     if found.cached:
-        logger.info(f"profile: reusing {found.path} (placement.profile_cache=false measures this machine again)")
+        logger.info(f"profile: reusing {found.path} ({what}; placement.profile_cache=false measures it again)")
     else:
+        logger.info(f"profile: measured in {found.profile.elapsed_s:.1f} s, cached at {found.path} ({what})")
+    if found.calibrate_to is not None:
         logger.info(
-            f"profile: measured in {found.profile.elapsed_s:.1f} s, cached at {found.path} for runs of this shape"
+            f"profile: the run's own first calls calibrate it (placement.calibrate=run), cached at {found.calibrate_to}"
         )
     return found

@@ -53,6 +53,7 @@ controller = LazyModule("rlflow.controller")
 tokenizer_io = LazyModule("rlflow.data.tokenizer")
 timeline = LazyModule("rlflow.planner.timeline")
 build = LazyModule("rlflow.trainer.build")
+calibration = LazyModule("rlflow.trainer.calibration")
 checkpoint_layouts = LazyModule("rlflow.trainer.checkpoint_layouts")
 inputs = LazyModule("rlflow.trainer.inputs")
 trainer_callbacks = LazyModule("rlflow.trainer.callbacks")
@@ -202,6 +203,11 @@ class Trainer:
             self.step = 0  # a failure while the first launch starts the workers restarts from here
             self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
             self._signal: int | None = None  # SIGINT/SIGTERM received during training (checkpoint.save_on_signal)
+            # placement.calibrate=run on a new shape: the calibration still to make, and the plan a
+            # calibration chose to restart on.
+            self._calibration: calibration.RunCalibration | None = None
+            self._next_placement: Placement | None = None
+            self._first_step_s = 0.0
             # Seconds of each start-up stage, logged once with the first step (``startup/*``).
             self.startup: dict[str, float] | None = {"startup/construct_s": time.perf_counter() - self._created}
         except BaseException:
@@ -316,6 +322,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
     def _plan(self) -> Placement:
+        if self._next_placement is not None:  # a calibration chose it; the run resumes on it
+            placement, self._next_placement = self._next_placement, None
+            (self.run_dir / "plan.json").write_text(placement.plan.to_json())
+            log.info(placement.plan.to_table())
+            return placement
         values = {n for n in self.cfg.models if n in build.VALUE_ROLES}
         lora = {n: m.lora for n, m in self.cfg.models.items() if m.lora is not None}
         specs = trainer_placement.model_specs(self.model_paths, values, lora)
@@ -325,6 +336,9 @@ class Trainer:
         if found is not None and self.startup is not None:  # None once logged (a relaunch after a restart)
             self._record_startup("profile_s", started)
             self.startup["startup/profile_cached"] = float(found.cached)
+        if found is not None and found.calibrate_to is not None:
+            paths = (found.calibrate_to, self.run_dir / "profile.json")
+            self._calibration = calibration.RunCalibration(found.profile, paths, specs, self.multi_turn is not None)
         started = time.perf_counter()
         placement = trainer_placement.plan_placement(
             self.cfg,
@@ -360,17 +374,20 @@ class Trainer:
         training ends the run after the step in flight with a checkpoint, then raises
         ``KeyboardInterrupt`` (SIGINT) or ``SystemExit(143)`` (SIGTERM).
         """
-        restarts, fresh = 0, self._driver_state()
+        restarts, replanned, fresh = 0, False, self._driver_state()
         while True:
             try:
                 self.launch()
-                self._resume(self._last_saved if restarts else None)
+                self._resume(self._last_saved if restarts or replanned else None)
                 if restarts:
                     if self._last_saved is None and self.step == 0:
                         self.logger.rewind(-1)  # starting over: what the failed attempt logged goes
                     self.logger.log(self.step, {"trainer/restarts": restarts})
-                self._run()
+                self._run(begin=not replanned)
                 break
+            except _Replan as replan:  # the calibrated plan: resume on it from the checkpoint just saved
+                self._stop_workers()
+                self._next_placement, replanned = replan.placement, True
             except (controller.WorkerDiedError, controller.WorkerError) as err:
                 if restarts >= self.cfg.trainer.max_restarts or not is_recoverable(err):
                     raise
@@ -381,10 +398,12 @@ class Trainer:
         self._report()
         return self.result
 
-    def _run(self) -> None:
+    def _run(self, begin: bool = True) -> None:
         """The stages after launch and resume: the fresh run's evaluation, warm-up and copies,
-        training, the final evaluation and checkpoint."""
-        self.callbacks.train_begin(self.step)
+        training, the final evaluation and checkpoint; ``begin``: tell the callbacks training
+        begins (not again when the run resumes on a calibrated plan)."""
+        if begin:
+            self.callbacks.train_begin(self.step)
         if self.step == 0:
             if self.cfg.trainer.eval_before_train:
                 self.evaluate()
@@ -464,6 +483,9 @@ class Trainer:
         started = time.time()
         batches = self._batches()
         bar = trainer_metrics.progress(total - self.step, "train", show=self.progress_bars)
+        if self._calibration is not None:  # phases of placement.calibrate_steps after the first step
+            p = self.cfg.placement
+            self._calibration.begin(self.step, self.placement, p.calibrate_steps, p.devices_per_node)
         pending: tuple[int, Submitted] | None = None
         while self.step < total or pending is not None:
             if pending is None:
@@ -481,6 +503,8 @@ class Trainer:
             self._log_step(step)
             bar.update(1)
             pending = following
+            if self._calibration is not None and self._calibration.due(step) and step < total:
+                self._calibrate(step)
             if self._sync_point(step):
                 if loop.eval_every and step % loop.eval_every == 0 and step < total:
                     self.evaluate()
@@ -505,7 +529,32 @@ class Trainer:
 
     def _sync_point(self, step: int) -> bool:
         every = [self.cfg.trainer.eval_every, self.cfg.checkpoint.every_n_steps]
-        return step >= self.cfg.trainer.total_steps or any(e and step % e == 0 for e in every)
+        # nothing issued past a calibration phase: the plan or the workers' threads may change there
+        calibrating = self._calibration is not None and self._calibration.due(step)
+        return step >= self.cfg.trainer.total_steps or calibrating or any(e and step % e == 0 for e in every)
+
+    def _calibrate(self, step: int) -> None:
+        """Ends a phase of the run's calibration (:class:`calibration.RunCalibration`): sets the
+        worker threads of the next phase, or takes the decision — the running plan on its faster
+        thread count, or (a checkpoint saved first) :class:`_Replan` to restart on another."""
+        outcome = self._calibration.at(
+            step, self.cfg, self.graph, self.placement, self.result.mfc_seconds, restart_s=self._first_step_s
+        )
+        if isinstance(outcome, int):
+            log.info(f"calibrating: steps {step + 1}..{step + self.cfg.placement.calibrate_steps} on {outcome} threads")
+            self.workers.execute_all("set_threads", outcome)
+            return
+        self._calibration = None
+        log.info(outcome.message)
+        self.logger.log(step, outcome.metrics)
+        if outcome.restart:
+            self._save()
+            raise _Replan(outcome.placement)
+        if outcome.placement is not None:
+            self.workers.execute_all("set_threads", outcome.placement.threads)
+            self.placement = outcome.placement
+            self.result.estimated_seconds = outcome.placement.estimated_call_seconds()
+            (self.run_dir / "plan.json").write_text(outcome.placement.plan.to_json())
 
     def _out_of_time(self, started: float) -> bool:
         limit = self.cfg.trainer.max_wall_seconds
@@ -646,7 +695,8 @@ class Trainer:
         for name in dict.fromkeys(r.mfc for r in mine if r.kind == "call"):
             self.result.mfc_seconds.setdefault(name, []).append(metrics[f"time/{name}"])
         if self.startup is not None:  # once: how long this run took to reach its first step
-            self.startup["startup/first_step_s"] = time.perf_counter() - self._created
+            self._first_step_s = time.perf_counter() - self._created
+            self.startup["startup/first_step_s"] = self._first_step_s
             self.logger.log(step, self.startup)
             self.startup = None
         if step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.total_steps:
@@ -790,6 +840,14 @@ class Trainer:
 # Error text of a collective that failed or hung: a peer died (gloo sees its socket close) or
 # torch's collective timeout passed. Worth a restart, unlike an error of the computation itself.
 COLLECTIVE_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "NCCL")
+
+
+class _Replan(Exception):
+    """Raised at a calibration step that chose another plan; :meth:`Trainer.fit` restarts on it."""
+
+    def __init__(self, placement: Placement):
+        super().__init__(f"re-planned: {placement.plan.name}")
+        self.placement = placement
 
 
 def is_recoverable(err: Exception) -> bool:

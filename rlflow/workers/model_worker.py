@@ -191,6 +191,15 @@ class ModelWorker(Worker):
         )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_threads(self, threads: int) -> None:
+        """Torch threads of this CPU worker from its next call on (a run calibrating a plan of one
+        worker times its calls on one thread and on every core, ``placement.calibrate: run``)."""
+        if threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1")
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_profiler(self, profiler: CallProfiler) -> None:
         """Run ``profiler.calls`` at ``profiler.steps`` under ``torch.profiler`` (``trainer.profile_calls``)."""
         self._profiler = profiler

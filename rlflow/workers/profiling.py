@@ -627,11 +627,15 @@ class CachedProfile:
         path: its file in the cache (:func:`~rlflow.planner.profile.cached_profile_path`).
         cached: True when it was read from ``path``, False when it was measured now (and
             written there).
+        calibrate_to: where the run's own calls write this profile once they have calibrated it
+            (``placement.calibrate: run``): the cache file of the run's shapes, when ``profile``
+            is this host's machine profile (no profile at those shapes yet); else None.
     """
 
     profile: MachineProfile
     path: Path
     cached: bool
+    calibrate_to: Path | None = None
 
 
 def _cpu_model() -> str:
@@ -681,6 +685,14 @@ def _read_cached(path: Path) -> MachineProfile | None:
     except (OSError, ValueError) as exc:
         warnings.warn(f"the cached profile {path} is unusable ({exc.__cause__ or exc}); measuring again", stacklevel=3)
         return None
+
+
+def cached_profile_of(shapes: dict) -> CachedProfile | None:
+    """The cached profile of this host at ``shapes`` (measured, or calibrated by an earlier run's
+    calls), or None when the cache has none (or an unusable one, with a warning)."""
+    path = cached_profile_path(profile_cache_key(host_identity("cpu"), shapes))
+    profile = _read_cached(path)
+    return None if profile is None else CachedProfile(profile, path, cached=True)
 
 
 def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool | None = None) -> CachedProfile:

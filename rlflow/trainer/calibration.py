@@ -1,0 +1,199 @@
+"""A run that calibrates the cost model by its own calls (``placement.calibrate: run``).
+
+A model shape new to this host starts without timing its calls first: the planner prices it
+from the host's machine profile (layer timings and whole calls of a reference model, measured
+once per host). The run then measures itself, ``placement.calibrate_steps`` steps at a time,
+after its first step (a warm-up: its calls pay first-call costs):
+
+1. the calls on the plan as it was priced: each call type's measured seconds against the plan's
+   estimates give the type's correction (``MachineProfile.corrections``);
+2. on a plan of one worker of a host with several cores, the same calls on the other thread count
+   (every core, or one): how much faster every core runs each call type at the run's own shapes
+   (``MachineProfile.host_speedups``, which replace the reference model's).
+
+:class:`RunCalibration` then writes the corrected profile to the cache file of the run's shapes
+(the next run of the shape plans with it from step 1) and plans again. A plan of the same calls
+on the same workers is taken at once (its thread count set on the worker); another layout is taken
+(a checkpoint, the workers restarted on it, the run resumed) when it is estimated faster than the
+running plan by more than :data:`REPLAN_MARGIN` and the seconds it saves over the remaining steps
+exceed what a restart costs (this run's start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from statistics import median
+
+import networkx as nx
+
+from rlflow.dataflow import mfcs_of
+from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.profile import MachineProfile, save_profile
+from rlflow.trainer.config import RLFlowConfig
+from rlflow.trainer.placement import PROFILED_CALL, Placement, plan_placement
+
+logger = logging.getLogger(__name__)
+
+# A plan on other workers is taken when it is this share faster than the running plan at the
+# same prices: within it, the prices' own error could decide.
+REPLAN_MARGIN = 0.1
+_CLIP = (1 / 16, 16.0)
+
+
+def _layout(placement: Placement) -> tuple:
+    """The calls' ranks and strategies: two placements of one layout differ at most in threads."""
+    return tuple(sorted((n, c.ranks, str(c.strategy)) for n, c in placement.calls.items()))
+
+
+def _per_kind(kinds: Mapping[str, str], seconds: Mapping[str, float]) -> dict[str, float]:
+    """Seconds summed by interface type."""
+    out: dict[str, float] = {}
+    for name, s in seconds.items():
+        out[kinds[name]] = out.get(kinds[name], 0.0) + s
+    return out
+
+
+@dataclass
+class Decision:
+    """What a calibration found.
+
+    Attributes:
+        profile: the machine profile with the run's corrections (also cached for the shape).
+        placement: the placement to go on with: the running one with new ``threads``, or another
+            layout (``restart``), or None when the running placement stays as it is.
+        restart: whether taking ``placement`` needs the workers restarted (another layout).
+        message: one line for the log.
+        metrics: ``planner/*`` values logged at the calibration step.
+    """
+
+    profile: MachineProfile
+    placement: Placement | None
+    restart: bool
+    message: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunCalibration:
+    """Calibrates a run started from the machine profile ``profile`` (see the module docstring).
+
+    Attributes:
+        profile: the machine profile the run was planned with.
+        paths: where the calibrated profile goes: the cache file of the run's shapes, and the run
+            directory's ``profile.json`` (the profile the run plans with).
+        specs: the planner's model specs, to plan again.
+        multi_turn: whether generate calls are multi-turn rollouts (planned tp = pp = 1).
+    """
+
+    profile: MachineProfile
+    paths: tuple[Path, ...]
+    specs: Mapping[str, ModelSpec]
+    multi_turn: bool = False
+    steps: int = 2
+    cores: int = 1
+    start: int = 0  # the step the run (re)started after
+    threads: tuple[int, ...] = ()  # the thread count of each phase: (as priced,) or (as priced, other)
+
+    def begin(self, step: int, placement: Placement, steps: int, cores: int) -> None:
+        """Measures from the step after ``step`` on: ``steps`` steps a phase, a second phase on the
+        other thread count when ``placement`` runs every call on one worker of ``cores``."""
+        self.start, self.steps, self.cores = step, steps, cores
+        one_worker = len(placement.used_ranks) == 1 and placement.plan is not None
+        other = 1 if placement.threads > 1 else cores
+        self.threads = (placement.threads, other) if one_worker and cores > 1 else (placement.threads,)
+
+    def due(self, step: int) -> bool:
+        """Whether a phase ends at ``step`` (the trainer then calls :meth:`at`; nothing is issued past it)."""
+        return any(step == self._phase_end(i) for i in range(len(self.threads)))
+
+    def _phase_end(self, phase: int) -> int:
+        return self.start + 1 + self.steps * (phase + 1)
+
+    def _phase(self, measured: Sequence[float], phase: int) -> float:
+        """The median seconds of one call in ``phase`` (the first step since the start left out)."""
+        first = 1 + self.steps * phase
+        return median(measured[first : first + self.steps])
+
+    def at(
+        self,
+        step: int,
+        cfg: RLFlowConfig,
+        graph: nx.DiGraph,
+        placement: Placement,
+        measured: Mapping[str, Sequence[float]],
+        restart_s: float,
+    ) -> int | Decision:
+        """At the end of a phase: the thread count of the next phase, or the :class:`Decision`.
+
+        Args:
+            step: the step just logged.
+            cfg: the run's config.
+            graph: its dataflow graph.
+            placement: the running placement.
+            measured: each call's seconds at every step since the run (re)started.
+            restart_s: what taking another layout costs (the run's start-up seconds).
+        """
+        if step == self._phase_end(0) and len(self.threads) > 1:
+            return self.threads[1]
+        kinds = {m.name: m.interface_type for m in mfcs_of(graph)}
+        estimated = placement.estimated_call_seconds()
+        names = [n for n in estimated if n in kinds and len(measured.get(n, ())) > self.steps * len(self.threads)]
+        phases = [_per_kind(kinds, {n: self._phase(measured[n], i) for n in names}) for i in range(len(self.threads))]
+        priced = dict(self.profile.host_speedups or {})
+        if self.profile.calls is not None:
+            priced = {c: priced.get(c) or self.profile.calls.host_speedup(c) for c in PROFILED_CALL.values()}
+        # The plan's estimates on one thread: a plan priced on every core divided them by the speedups.
+        one_thread = {
+            n: estimated[n] * (priced.get(PROFILED_CALL[kinds[n]]) or 1.0 if placement.threads > 1 else 1.0)
+            for n in names
+        }
+        by_threads = dict(zip(self.threads, phases))
+        base = by_threads.get(1, phases[0])
+        est = _per_kind(kinds, one_thread if 1 in by_threads else {n: estimated[n] for n in names})
+        factors = dict(self.profile.corrections or {})
+        for kind, real in base.items():
+            if est.get(kind, 0.0) > 0:
+                factors[kind] = float(min(max(factors.get(kind, 1.0) * real / est[kind], _CLIP[0]), _CLIP[1]))
+        speedups = dict(self.profile.host_speedups or {})
+        if len(by_threads) > 1:
+            every = by_threads[self.cores]
+            speedups |= {PROFILED_CALL[k]: by_threads[1][k] / every[k] for k in every if every[k] > 0}
+        profile = replace(self.profile, corrections=factors, host_speedups=speedups or None)
+        for path in self.paths:
+            save_profile(profile, path)
+        return self._decide(cfg, graph, placement, profile, phases, restart_s, step)
+
+    def _decide(self, cfg, graph, placement, profile, phases, restart_s: float, step: int) -> Decision:
+        shown = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted((profile.corrections or {}).items()))
+        if profile.host_speedups:
+            shown += "; every core " + ", ".join(f"{k} ×{v:.2f}" for k, v in sorted(profile.host_speedups.items()))
+        metrics = {f"planner/correction_{k}": v for k, v in (profile.corrections or {}).items()}
+        metrics |= {f"planner/host_speedup_{k}": v for k, v in (profile.host_speedups or {}).items()}
+        # The running layout at its better measured thread count: its calls one after another
+        # (one worker), else its estimate scaled as its calls measured against theirs.
+        current = min(sum(p.values()) for p in phases)
+        if len(placement.used_ranks) > 1:
+            est = sum(placement.estimated_call_seconds().values())
+            current = placement.plan.iteration_time_s * (sum(phases[0].values()) / est if est > 0 else 1.0)
+        new = plan_placement(cfg, graph, self.specs, use_gpu=False, profile=profile, progress=False,
+                             multi_turn=self.multi_turn)  # fmt: skip
+        proposed = new.plan.iteration_time_s
+        metrics |= {"planner/replanned": 0.0, "planner/calibrated_s": current, "planner/threads": float(new.threads)}
+        head = f"calibrated by the run's calls ({shown}): the running plan measured {current:.3f} s/iteration"
+        remaining = cfg.trainer.total_steps - step
+        if _layout(new) == _layout(placement):
+            what = f"the planner keeps it, on {new.threads} thread{'s' * (new.threads > 1)} a worker"
+            return Decision(profile, new, False, f"{head}; {what}", metrics)
+        saved = (current - proposed) * remaining
+        name = f"{new.plan.name!r} at est. {proposed:.3f} s/iteration"
+        if proposed > current * (1 - REPLAN_MARGIN) or saved <= restart_s:
+            why = f"saves {saved:.1f} s over {remaining} steps, a restart costs {restart_s:.1f} s"
+            # the running layout stays, on its faster thread count
+            threads = self.threads[min(range(len(phases)), key=lambda i: sum(phases[i].values()))]
+            kept = replace(placement, threads=threads)
+            return Decision(profile, kept, False, f"{head}; {name} is not worth a restart ({why})", metrics)
+        metrics |= {"planner/replanned": 1.0, "planner/replanned_estimate_s": proposed}
+        return Decision(profile, new, True, f"{head}; taking {name} (saves est. {saved:.1f} s)", metrics)

@@ -1,0 +1,160 @@
+"""A run calibrated by its own calls (``placement.calibrate: run``): a new model shape starts from
+the host's machine profile without timing its calls first, measures its calls on one thread and on
+every core, caches the corrected profile for its shape, and keeps its plan on the faster thread
+count or restarts on another plan, resuming where it was."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_helpers import TINY
+from safetensors.torch import load_file
+
+from rlflow.planner.model_spec import ModelSpec
+from rlflow.planner.profile import (
+    BatchTiming,
+    CallTimings,
+    HardwareProfile,
+    LayerTiming,
+    MachineProfile,
+    ProfiledLayer,
+    RolloutTiming,
+    load_profile,
+    save_profile,
+)
+from rlflow.trainer import Trainer, calibration, load_config
+from rlflow.trainer.placement import PROFILED_CALL, REFERENCE_MODEL, one_worker_on_every_core
+from rlflow.workers import profiling
+
+GRPO = Path(__file__).parents[2] / "recipes" / "grpo_arithmetic.yaml"
+_T = (LayerTiming(1, 16, 1e-3), LayerTiming(4, 64, 5e-3))
+_GEN = RolloutTiming(prompts=2, prompt_len=16, n=4, gen_len=16, seconds=0.05, processes=1, dp=1)
+_BATCH = BatchTiming(rows=8, seq=32, seconds=0.05, processes=1, dp=1)
+
+
+def _machine_profile(host_seconds: float) -> MachineProfile:
+    """A synthetic machine profile whose reference calls run ``host_seconds`` on every core (0.05 s
+    on one thread): above 0.05 a plan of one worker is priced on one thread."""
+    host = {"seconds": host_seconds}
+    calls = CallTimings(
+        model=ModelSpec(**{k: v for k, v in REFERENCE_MODEL.items()}),
+        generate=_GEN, forward=_BATCH, train=_BATCH, generate_alone=_GEN, forward_alone=_BATCH, train_alone=_BATCH,
+        generate_host=replace(_GEN, **host), forward_host=replace(_BATCH, **host), train_host=replace(_BATCH, **host),
+    )  # fmt: skip
+    return MachineProfile(
+        "h", "cpu", "float32", HardwareProfile(2e10, 1e10, 5e8, 4e-5, 16e9, collective_latency_s=2e-3),
+        ProfiledLayer(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32),
+        forward=_T, backward=_T, decode=_T, calls=calls,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch) -> list[dict]:
+    """The cache in ``tmp_path/cache``; ``run_profile`` writes the synthetic machine profile (a plan
+    of one worker priced on one thread); the list of what it was asked to measure."""
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    asked: list[dict] = []
+
+    def run_profile(path, device, progress, **shapes):
+        asked.append(shapes)
+        save_profile(_machine_profile(0.2), path)
+        return _machine_profile(0.2)
+
+    monkeypatch.setattr(profiling, "run_profile", run_profile)
+    return asked
+
+
+def _overrides(run_dir: Path, steps: int = 5) -> list[str]:
+    return [
+        *TINY, "warmup.steps=0", "data.eval_size=0", "trainer.eval_before_train=false", "trainer.eval_every=0",
+        f"trainer.total_steps={steps}", "placement.devices_per_node=2",
+        "placement.profile=true", "placement.calibrate=run", "placement.calibrate_steps=1", f"logging.dir={run_dir}",
+    ]  # fmt: skip
+
+
+def _fit(overrides: list[str]) -> tuple[Trainer, list[dict]]:
+    trainer = Trainer(load_config(GRPO, overrides), progress_bars=False)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    run_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("logging.dir=")))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return trainer, records
+
+
+def _logged(records: list[dict], prefix: str) -> dict[str, float]:
+    return {k: v for r in records for k, v in r.items() if k.startswith(prefix)}
+
+
+def test_measured_speedups_replace_the_reference_models_in_pricing_a_plan_of_one_worker() -> None:
+    cfg = load_config(GRPO, ["placement.devices_per_node=2", "placement.use_gpu=false"])
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement
+
+    spec = ModelSpec(num_layers=8, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=8, vocab_size=64)
+    placement = plan_placement(cfg, build_dataflow(cfg, rule_reward=True), {"actor": spec}, use_gpu=False)
+    kinds = {"actor_gen": "generate", "actor_train": "train_step"}
+    slow = _machine_profile(1.0).calls  # every core 20x slower than one thread
+    args = (placement.problem, placement.plan, slow, kinds, 2)
+    assert one_worker_on_every_core(*args) == (placement.plan, 1)
+    fast, threads = one_worker_on_every_core(*args, {c: 50.0 for c in PROFILED_CALL.values()})
+    assert threads == 2 and fast.iteration_time_s < placement.plan.iteration_time_s
+
+
+def test_a_new_shape_starts_from_the_machine_profile_and_caches_what_its_calls_measured(tmp_path, machine) -> None:
+    trainer, records = _fit(_overrides(tmp_path / "a"))
+    assert len(machine) == 1 and machine[0]["calls"]["model"] == REFERENCE_MODEL  # no call of the run's model timed
+    startup = _logged(records, "startup/")
+    assert startup["startup/profile_cached"] == 0.0
+    planner = _logged(records, "planner/")
+    # phase 1 on one thread (the synthetic profile priced every core slower), phase 2 on both cores
+    assert {"planner/correction_generate", "planner/correction_train_step"} <= planner.keys()
+    assert {"planner/host_speedup_generate", "planner/host_speedup_train"} <= planner.keys()
+    assert planner["planner/replanned"] == 0.0 and trainer.result.steps == 5
+    speedups = {c: planner[f"planner/host_speedup_{c}"] for c in ("generate", "train")}
+    assert trainer.placement.threads == int(planner["planner/threads"]) in (1, 2)
+    cached = load_profile(tmp_path / "a" / "profile.json")
+    assert cached.corrections.keys() >= {"generate", "train_step"}
+    assert cached.host_speedups == pytest.approx(speedups)
+    # the next run of the shape plans with the calibrated profile from step 1, and calibrates no more
+    _, again = _fit(_overrides(tmp_path / "b"))
+    assert len(machine) == 1 and _logged(again, "startup/")["startup/profile_cached"] == 1.0
+    assert not _logged(again, "planner/") and load_profile(tmp_path / "b" / "profile.json") == cached
+
+
+def test_a_run_restarts_on_the_plan_its_calibration_takes_and_ends_as_one_that_kept_its_plan(
+    tmp_path, machine, monkeypatch
+) -> None:
+    """A calibration that takes another layout (here, the same one-worker plan on the host's other
+    device) checkpoints, restarts the workers on it and resumes: the run ends with the weights of a
+    run that kept its plan, bit for bit."""
+    decide = calibration.RunCalibration._decide
+
+    def move_to_device_1(self, cfg, graph, placement, profile, phases, restart_s, step, restart=True):
+        kept = decide(self, cfg, graph, placement, profile, phases, restart_s, step)
+        if not restart:
+            return replace(kept, placement=replace(placement, threads=1), restart=False)
+        manual = [f"placement.manual.{c}.mesh.device_start=1" for c in placement.calls if c != "reward_inf"]
+        moved = load_config(GRPO, [*_overrides(tmp_path / "x"), "placement.mode=manual", *manual])
+        from rlflow.trainer.placement import plan_placement
+
+        other = plan_placement(moved, graph, self.specs, use_gpu=False, profile=profile, progress=False)
+        return replace(kept, placement=other, restart=True, message="moved to device 1")
+
+    monkeypatch.setattr(calibration.RunCalibration, "_decide", move_to_device_1)
+    moved, _ = _fit([*_overrides(tmp_path / "moved", steps=6), "checkpoint.keep_last=0"])
+    assert (tmp_path / "moved" / "checkpoints" / "step_3").is_dir()  # saved at the calibration step
+    assert all(c.ranks == (1,) for n, c in moved.placement.calls.items() if n != "reward_inf")
+    monkeypatch.setattr(
+        calibration.RunCalibration, "_decide", lambda self, *a: move_to_device_1(self, *a, restart=False)
+    )
+    (tmp_path / "cache").rename(tmp_path / "cache_moved")  # the kept run calibrates too
+    kept, _ = _fit([*_overrides(tmp_path / "kept", steps=6), "checkpoint.keep_last=0"])
+    weights = [load_file(tmp_path / run / "final" / "actor" / "model.safetensors") for run in ("moved", "kept")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
