@@ -105,13 +105,17 @@ class PlacementConfig(_Section):
         "run",
         "CPU workers, a model shape new to this host: 'run' starts at once from this host's machine profile "
         "(whole calls of a reference model, measured once per host) and calibrates the cost model by the run's own "
-        "calls of steps 2..1+calibrate_steps, caches that for the shape and re-plans (a faster plan is taken at that "
-        "step: checkpoint, workers restarted on it, resumed); 'profile' times whole calls of the run's model before "
-        "step 1 (cached per host and shape)",
+        "calls after step 1 (calibrate_steps of them; on a plan of one worker as many more on the other thread count), "
+        "caches that for the shape and re-plans (a faster plan is taken at that step: its thread count at once, another "
+        "layout by a checkpoint, the workers restarted on it, resumed); 'profile' times whole calls of the run's model "
+        "before step 1 (cached per host and shape)",
         choices=("run", "profile"),
     )
     calibrate_steps: int = _f(
-        2, "calibrate=run: the steps after the first whose calls calibrate the cost model (their median)", ge=1
+        1,
+        "calibrate=run: steps a calibration phase measures (their median; a plan of one worker measures two phases, "
+        "on its thread count and on the other)",
+        ge=1,
     )
     profile_cache: bool = _f(
         True, "reuse this host's profile at the run's shapes from $RLFLOW_CACHE_DIR; false: measure again"
