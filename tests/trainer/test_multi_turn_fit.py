@@ -172,3 +172,47 @@ def test_episodes_scored_by_their_environment_alone(tmp_path):
         trainer.fit()
     (metrics,) = _steps(tmp_path)
     assert metrics["reward_inf/score_mean"] == 1.0  # two steps of 0.5
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return a * b
+
+
+def correct(prompts, completions, answer, **kwargs):
+    """1.0 when a completion ends with its row's ``answer`` (TRL's reward-function signature)."""
+    return [float(c.strip().endswith(a)) for c, a in zip(completions, answer)]
+
+
+def test_the_trl_tool_calling_port_of_the_quickstart_runs(tmp_path):
+    """docs/quickstart.md's port of a TRL tool-calling program: a model and tokenizer as objects, a
+    dataset of dicts with an ``answer`` column, a reward function reading it, a typed tool."""
+    from rlflow.data.tiny_models import build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    rows = [{"prompt": f"What is {a}*{b}?", "answer": str(a * b)} for a in range(2, 6) for b in (3, 7)]
+    config = {
+        "algorithm": {"name": "grpo", "n_samples": 2},
+        "data": {"batch_size": 2, "max_prompt_len": 16, "eval_size": 0},
+        "rollout": {"max_new_tokens": 8, "multi_turn": {"max_turns": 2, "max_prompt_tokens": 640,
+                                                        "max_total_tokens": 32}},
+        "trainer": {"total_steps": 2, "eval_before_train": False, "eval_every": 0, "log_every": 1},
+        "placement": {"devices_per_node": 1, "worker_host": "driver"},
+        "logging": {"dir": str(tmp_path), "tensorboard": False, "console": False},
+        "checkpoint": {"save_final": False},
+    }  # fmt: skip
+    with Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=correct, train_dataset=rows,
+                 tools=[multiply], progress_bars=False) as trainer:  # fmt: skip
+        result = trainer.fit()
+    assert result.steps == 2
+    steps = _steps(tmp_path)
+    assert len(steps) == 2
+    for metrics in steps:
+        assert metrics["actor_gen/multi_turn/turns"] >= 1.0 and "actor_gen/tools/calls" in metrics
+        assert metrics["reward_inf/rewards/correct"] in (0.0, 0.25, 0.5, 0.75, 1.0)
