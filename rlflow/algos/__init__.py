@@ -15,6 +15,7 @@ from rlflow.algos.advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from rlflow.algos.distill import distill_metrics, distill_signal, reverse_kl_advantages
 from rlflow.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -73,6 +74,8 @@ __all__ = [
     "cispo_policy_loss",
     "compute_advantages",
     "discounted_returns",
+    "distill_metrics",
+    "distill_signal",
     "dpo_loss",
     "entropy_bonus",
     "entropy_from_logits",
@@ -100,6 +103,7 @@ __all__ = [
     "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "remax_advantages",
+    "reverse_kl_advantages",
     "rloo_advantages",
     "sequence_log_ratio",
     "sft_loss",

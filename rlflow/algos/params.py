@@ -79,6 +79,13 @@ class AlgorithmParams:
     )
     kl_target: float | None = declared_field(None, "target KL of the adaptive controller; null: fixed kl_coef", gt=0.0)
     kl_horizon: int = declared_field(10000, "horizon (in samples) of the adaptive KL controller", ge=1)
+    distill_coef: float = declared_field(
+        0.0,
+        "on-policy distillation mixed with a reward: add distill_coef * (log pi_teacher - log pi_old) to each "
+        "sampled token's advantage (reverse KL to models.teacher, undiscounted); 0: no teacher. Algorithm "
+        "distill uses the teacher's signal alone",
+        ge=0.0,
+    )
     loss_agg_mode: str = declared_field("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
     norm_adv_by_std: bool = declared_field(
         True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)"
@@ -186,6 +193,14 @@ class AlgorithmParams:
         loss_options = inspect.signature(get_policy_loss(self.policy_loss)).parameters
         if self.dual_clip_c is not None and "clip_ratio_c" not in loss_options:
             return ("dual_clip_c", f"policy loss {self.policy_loss!r} has no dual clip; set null")
+        if self.distill_coef > 0 and estimator_reads(self.resolved_adv_estimator, "teacher_logp"):
+            return (
+                "distill_coef",
+                f"the {self.resolved_adv_estimator} estimator's advantage is the teacher's signal itself; distill_coef "
+                "mixes it into a reward estimator's advantages: set 0, or name a reward estimator (grpo, rloo...)",
+            )
+        if self.distill_coef > 0 and not get_algorithm(self.name).samples_responses:
+            return ("distill_coef", f"algorithm {self.name!r} samples nothing for a teacher to score; set 0")
         mismatch = self.mismatch_options()
         if mismatch and self.resolved_behaviour_correction == "decoupled":
             return (
@@ -203,6 +218,12 @@ class AlgorithmParams:
     def resolved_adv_estimator(self) -> str | None:
         """``adv_estimator``, or the algorithm's default when null; None for algorithms that sample nothing."""
         return self.adv_estimator or get_algorithm(self.name).default_estimator
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the advantage reads a distillation teacher: ``distill_coef > 0``, or an estimator of
+        the teacher's log-probs (``reverse_kl``, algorithm ``distill``)."""
+        return self.distill_coef > 0 or estimator_reads(self.resolved_adv_estimator, "teacher_logp")
 
     @property
     def resolved_kl_in_reward(self) -> bool:

@@ -24,6 +24,7 @@ key                         meaning (shape, dtype)
 ``token_version``           with ``GraphOptions.token_versions`` (partial rollouts): the weights version that
                             sampled each response token (N, P+R), int64, 0 elsewhere
 ``ref_logp``                the same under the reference model
+``teacher_logp``            the same under the distillation teacher (:func:`with_teacher`)
 ``values``                  critic values (N, P+R), float
 ``rewards``                 one scalar per sequence (N,), float
 ``env_rewards``             multi-turn rollouts: each episode's summed step rewards (N,), a non-tensor column
@@ -59,6 +60,7 @@ __all__ = [
     "register_algorithm",
     "with_old_logp_recompute",
     "with_token_versions",
+    "with_teacher",
 ]
 
 ROLLOUT_KEYS = ("input_ids", "attention_mask", "response_mask")
@@ -72,6 +74,8 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 # The old-log-prob recompute call of model X is named X + this (``actor_inf``).
 RECOMPUTE_CALL_SUFFIX = "_inf"
+# On-policy distillation: the frozen teacher's model name and its log-prob call.
+TEACHER, TEACHER_CALL = "teacher", "teacher_inf"
 
 # OpenRLHF's default EMA coefficient (--ema_beta 0.992) expressed as a blend factor 1 - beta. The
 # one default of the EMA factor: the trainer's ``algorithm.ema_eta`` reads it from here.
@@ -99,6 +103,8 @@ class GraphOptions:
             algorithms that sample responses.
         token_versions: the rollout records each token's weights version and the policy's train
             calls read it (partial rollouts, :func:`with_token_versions`).
+        use_teacher: add the distillation teacher's log-prob call (:func:`with_teacher`); algorithms
+            whose record ``needs_teacher`` build it regardless; only for algorithms that sample responses.
     """
 
     n_seqs: int | None = None
@@ -109,6 +115,7 @@ class GraphOptions:
     ref_ema_eta: float = DEFAULT_REF_EMA_ETA
     recompute_old_logp: bool = False
     token_versions: bool = False
+    use_teacher: bool = False
 
 
 # --- The record ---
@@ -137,6 +144,9 @@ class Algorithm:
             graph's default when :attr:`GraphOptions.rule_based_reward` is ``None``).
         kl_in_reward: where the KL term goes by default: subtracted from the token rewards
             (True), or a loss term of the policy (False).
+        scores_responses: its graph scores the sampled responses (a reward call); False: the
+            advantage reads no reward (on-policy distillation).
+        needs_teacher: its graph always has the distillation teacher's call (:func:`with_teacher`).
         description: one line for listings.
     """
 
@@ -149,6 +159,8 @@ class Algorithm:
     groups_samples: bool = False
     reward_by_rule: bool = False
     kl_in_reward: bool = False
+    scores_responses: bool = True
+    needs_teacher: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -168,6 +180,8 @@ class Algorithm:
             raise ValueError(f"{where}: groups_samples needs sampled responses (dataset 'prompts')")
         if not self.trains:
             raise ValueError(f"{where}: trains names no model")
+        if (self.needs_teacher or not self.scores_responses) and not self.samples_responses:
+            raise ValueError(f"{where}: needs_teacher and scores_responses=False need sampled responses")
 
     @property
     def samples_responses(self) -> bool:
@@ -191,13 +205,16 @@ class Algorithm:
             return n_samples
         return 1
 
-    def required_models(self, *, kl_coef: float, critic: bool, reward_model: bool) -> tuple[str, ...]:
-        """The models a run builds, in ``("actor", "ref", "critic", "reward")`` order.
+    def required_models(
+        self, *, kl_coef: float, critic: bool, reward_model: bool, teacher: bool = False
+    ) -> tuple[str, ...]:
+        """The models a run builds, in ``("actor", "ref", "critic", "reward")`` order, then the others sorted.
 
         Args:
             kl_coef: the KL weight (a reference is built for it under ``ref="kl"``).
             critic: the estimator reads values (GAE).
             reward_model: a configured reward model scores responses (no rule-based reward).
+            teacher: the advantage reads a distillation teacher (built anyway under ``needs_teacher``).
 
         >>> get_algorithm("ppo").required_models(kl_coef=0.1, critic=True, reward_model=False)
         ('actor', 'ref', 'critic')
@@ -207,8 +224,10 @@ class Algorithm:
             needed.add("ref")
         if critic and self.samples_responses:
             needed.add("critic")
-        if reward_model and self.samples_responses:
+        if reward_model and self.samples_responses and self.scores_responses:
             needed.add("reward")
+        if (teacher and self.samples_responses) or self.needs_teacher:
+            needed.add(TEACHER)
         return tuple(r for r in ("actor", "ref", "critic", "reward") if r in needed) + tuple(
             sorted(needed - {"actor", "ref", "critic", "reward"})
         )
@@ -220,7 +239,13 @@ class Algorithm:
             options = replace(options, rule_based_reward=self.reward_by_rule)
         if self.ref == "always" and not options.use_ref:
             options = replace(options, use_ref=True)
+        if self.needs_teacher and not options.use_teacher:
+            options = replace(options, use_teacher=True)
         mfcs = self.build_mfcs(options)
+        if options.use_teacher:
+            if not self.samples_responses:
+                raise ValueError(f"algorithm {self.name!r} samples nothing: a teacher has no samples to score")
+            mfcs = with_teacher(mfcs)
         if options.recompute_old_logp:
             if not self.samples_responses:
                 raise ValueError(f"algorithm {self.name!r} samples nothing: it has no old log-probs to recompute")
@@ -368,6 +393,49 @@ def with_token_versions(mfcs: list[MFCDef]) -> list[MFCDef]:
         elif mfc.objective == "rl" and mfc.model_name == gen.model_name:
             mfc = replace(mfc, input_keys=mfc.input_keys + (TOKEN_VERSION,))
         out.append(mfc)
+# --- The distillation teacher ---
+
+
+def with_teacher(mfcs: list[MFCDef]) -> list[MFCDef]:
+    """The MFCs with a frozen teacher's log-probs of the sampled responses, for on-policy distillation.
+
+    An inference call ``teacher_inf`` on model ``teacher`` (placed right after the generate call
+    that writes ``old_logp``, the shape of the reference's ``ref_inf``) reads the rollout and writes
+    ``teacher_logp``; the ``rl`` train calls of the generating model read it for their advantages.
+
+    Raises:
+        ValueError: not exactly one generate call writes ``old_logp``, or a call named
+            ``teacher_inf`` already exists.
+
+    >>> [m.name for m in with_teacher(algorithm_mfcs("grpo"))]
+    ['actor_gen', 'teacher_inf', 'ref_inf', 'reward_inf', 'actor_train']
+    """
+    gens = [m for m in mfcs if m.interface_type == "generate" and "old_logp" in m.output_keys]
+    if len(gens) != 1:
+        raise ValueError(
+            f"a distillation teacher needs one generate call writing old_logp; got {[m.name for m in gens]}"
+        )
+    if any(m.name == TEACHER_CALL for m in mfcs):
+        raise ValueError(f"the graph already has a call named {TEACHER_CALL!r}")
+    (gen,) = gens
+    teacher = MFCDef(
+        TEACHER_CALL,
+        TEACHER,
+        "inference",
+        ROLLOUT_KEYS,
+        ("teacher_logp",),
+        output_key_remap={"logp": "teacher_logp"},
+        n_seqs=gen.n_seqs,
+        n_mbs=gen.n_mbs,
+    )
+    out: list[MFCDef] = []
+    for mfc in mfcs:
+        if mfc.objective == "rl" and mfc.model_name == gen.model_name:
+            out.append(replace(mfc, input_keys=mfc.input_keys + ("teacher_logp",)))
+        else:
+            out.append(mfc)
+        if mfc is gen:
+            out.append(teacher)
     return out
 
 
@@ -476,6 +544,13 @@ def remax_mfcs(o: GraphOptions) -> list[MFCDef]:
     ]
 
 
+def distill_mfcs(o: GraphOptions) -> list[MFCDef]:
+    """On-policy distillation: rollout, reference (with a KL term), actor train step; no reward call
+    (the record's ``needs_teacher`` adds the teacher's call)."""
+    ref, ref_keys = _ref_calls(o)
+    return [_actor_gen(o), *ref, _train("actor_train", "actor", GEN_OUTPUT_KEYS + ref_keys, o, "rl")]
+
+
 def dpo_mfcs(o: GraphOptions) -> list[MFCDef]:
     """DPO: reference log-probs of both answers of each pair, then the actor's DPO step."""
     return [_ref_inf(o, keys=PAIR_KEYS), _train("actor_train", "actor", PAIR_KEYS + ("ref_logp",), o, "dpo")]
@@ -513,6 +588,18 @@ for _algo in (
         ref="kl",
         kl_in_reward=True,
         description="REINFORCE++: batch-whitened returns, KL in the reward",
+    ),
+    # On-policy distillation (GKD, Thinking Machines): the advantage of each sampled token is the
+    # teacher's log-prob minus the student's (estimator reverse_kl); no reward enters it.
+    Algorithm(
+        "distill",
+        distill_mfcs,
+        "prompts",
+        "reverse_kl",
+        ref="kl",
+        scores_responses=False,
+        needs_teacher=True,
+        description="on-policy distillation: reverse KL to models.teacher per token",
     ),
     Algorithm("dpo", dpo_mfcs, "pairs", ref="always", description="direct preference optimisation"),
     Algorithm("sft", sft_mfcs, "examples", description="supervised fine-tuning"),

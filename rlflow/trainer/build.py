@@ -164,7 +164,24 @@ def materialize_models(cfg: RLFlowConfig, run_dir: Path, tokenizer_path: str) ->
             source = paths[m.init_from]
             paths[name] = _copy_model(name, source, run_dir / "models" / name)
     _checked_router_loss(cfg, paths)
+    if "teacher" in paths and "actor" in paths:
+        _check_teacher_vocab(paths["teacher"], paths["actor"])
     return paths
+
+
+def _check_teacher_vocab(teacher: str, actor: str) -> None:
+    """The distillation teacher scores the student's token ids: both must share one vocabulary.
+
+    Raises:
+        ConfigError: the two models' ``vocab_size`` differ (names ``models.teacher``).
+    """
+    sizes = [json.loads((Path(p) / "config.json").read_text()).get("vocab_size") for p in (teacher, actor)]
+    if sizes[0] != sizes[1]:
+        raise ConfigError(
+            "models.teacher",
+            f"{teacher}: vocab_size={sizes[0]}, but the student (models.actor, {actor}) has vocab_size={sizes[1]}; "
+            "a distillation teacher must share the student's tokenizer and vocabulary",
+        )
 
 
 def _checked_vocab(name: str, path: str, vocab: int, tokenizer_path: str) -> str:

@@ -290,7 +290,9 @@ class RLFlowConfig(_Section):
     experiment_name: str = _f("rlflow", "names the run directory runs/{experiment_name}")
     seed: int = _f(0, "seed of model init, data order, sampling and the task's train/test split", ge=0)
     algorithm: AlgorithmConfig = _f(AlgorithmConfig(), "the algorithm")
-    models: dict[str, ModelConfig] = _f({"actor": ModelConfig()}, "models by role (actor, ref, critic, reward)")
+    models: dict[str, ModelConfig] = _f(
+        {"actor": ModelConfig()}, "models by role (actor, ref, critic, reward, teacher)"
+    )
     data: DataConfig = _f(DataConfig(), "prompts and answers")
     rollout: RolloutConfig = _f(RolloutConfig(), "sampling")
     warmup: WarmupConfig = _f(WarmupConfig(), "SFT warm-up before the RL loop")
@@ -366,6 +368,7 @@ class RLFlowConfig(_Section):
             kl_coef=algo.kl_coef,
             critic=self.needs_critic(),
             reward_model="reward" in self.models and algo.reward_fn is None,
+            teacher=algo.uses_teacher,
         )
         if self.lora_reference():
             needed = tuple(r for r in needed if r != "ref")
@@ -409,8 +412,9 @@ class RLFlowConfig(_Section):
                 raise ConfigError(
                     f"models.{role}.lora", "LoRA trains the actor only; set it under a trained models.actor"
                 )
-        if "ref" in self.models and self.models["ref"].trainable:
-            raise ConfigError("models.ref.trainable", "the reference model never trains; set false or null")
+        for frozen in ("ref", "teacher"):
+            if frozen in self.models and self.models[frozen].trainable:
+                raise ConfigError(f"models.{frozen}.trainable", f"the {frozen} model never trains; set false or null")
         for role in self.required_models():
             if role not in self.models:
                 raise ConfigError(f"models.{role}", f"missing: algorithm {self.algorithm.name!r} needs a {role} model")
@@ -429,6 +433,13 @@ class RLFlowConfig(_Section):
         if estimator_reads(estimator, "index") and algo.n_samples < 2:
             raise ConfigError(
                 "algorithm.n_samples", f"{algo.n_samples}; the {algo.resolved_adv_estimator} estimator needs >= 2"
+            )
+        if not record.scores_responses and estimator_reads(estimator, "token_level_rewards"):
+            raise ConfigError(
+                "algorithm.adv_estimator",
+                f"{estimator!r} reads rewards, but algorithm {algo.name!r} scores no responses; set null "
+                f"({record.default_estimator}), or mix a teacher into a reward's advantages with another algorithm "
+                "and algorithm.distill_coef",
             )
         if self.needs_critic() and "critic" in self.models and not self.is_trainable("critic"):
             raise ConfigError("models.critic.trainable", f"the {estimator} estimator needs a trainable critic")

@@ -11,7 +11,7 @@ from rlflow.trainer.config_fields import ConfigError, _f, _Section
 
 __all__ = ["MODEL_ROLES", "LoraConfig", "ModelConfig"]
 
-MODEL_ROLES = ("actor", "ref", "critic", "reward")
+MODEL_ROLES = ("actor", "ref", "critic", "reward", "teacher")
 
 
 @dataclass(kw_only=True)
@@ -36,7 +36,7 @@ class LoraConfig(_Section):
 
 @dataclass(kw_only=True)
 class ModelConfig(_Section):
-    """One model (actor, ref, critic or reward): where its weights come from and how it trains."""
+    """One model (actor, ref, critic, reward or teacher): where its weights come from and how it trains."""
 
     init: str = _f("tiny", "weights: a local HF dir, a fresh tiny model, or a copy", choices=("path", "tiny", "copy"))
     path: str | None = _f(
@@ -62,7 +62,7 @@ class ModelConfig(_Section):
         "least 2^20 multiplying parameters; else float32",
         choices=("auto", "float32", "bfloat16"),
     )
-    trainable: bool | None = _f(None, "null: actor and critic train (and reward under rm); ref never trains")
+    trainable: bool | None = _f(None, "null: actor and critic train (and reward under rm); ref and teacher never train")
     lr: float = _f(1e-5, "peak learning rate", gt=0.0)
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay", ge=0.0)
     betas: tuple[float, float] = _f((0.9, 0.999), "AdamW betas")

@@ -115,7 +115,8 @@ def check_reward_source(cfg: RLFlowConfig, reward_funcs: RewardFuncs | None) -> 
             other = f"algorithm.reward_fn={algo.reward_fn!r}" if algo.reward_fn else "models.reward"
             raise ConfigError("reward_funcs", f"{list(reward_funcs.names)} and {other} both give rewards; keep one")
         return
-    if samples and cfg.reward_fn is None and "reward" not in cfg.models:
+    # Algorithm distill reads no reward; a task's rule then only scores the held-out evaluation.
+    if samples and algo.record.scores_responses and cfg.reward_fn is None and "reward" not in cfg.models:
         raise ConfigError(
             "algorithm.reward_fn",
             "null, and neither models.reward nor data.task gives a reward (Python: Trainer(reward_funcs=[fn]); "

@@ -9,10 +9,11 @@ own rows of the result. Actor and critic see the same batch and so compute the s
 Inputs (dataflow keys, see ``rlflow.dataflow.algorithms``):
 
 ==================  =========  ===============================================================
-``rewards``         (N,)       outcome score of each response
+``rewards``         (N,)       outcome score of each response (absent under algorithm distill)
 ``response_mask``   (N, T)     1 on response tokens
 ``old_logp``        (N, T)     rollout log-probs (for the KL penalty / signal)
 ``ref_logp``        (N, T)     reference log-probs (optional)
+``teacher_logp``    (N, T)     distillation teacher's log-probs (optional; ``rlflow.algos.distill``)
 ``values``          (N, T)     critic values (GAE)
 ``greedy_rewards``  (N,)       ReMax baseline: score of the greedy response to the same prompt
 ``uid``             (N,)       non-tensor group id (prompt) of each row (GRPO / RLOO)
@@ -30,15 +31,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlflow.algos import apply_kl_penalty, build_kl_controller, compute_advantages, masked_mean
+from rlflow.algos import (
+    apply_kl_penalty,
+    build_kl_controller,
+    compute_advantages,
+    distill_metrics,
+    distill_signal,
+    masked_mean,
+)
 from rlflow.algos.overlong import overlong_penalty, response_lengths
-from rlflow.algos.params import AlgorithmParams
+from rlflow.algos.params import AlgorithmParams, estimator_reads
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, gather_dp, last_token_scatter
 
 __all__ = ["AdvantageEstimator", "group_ids"]
 
-_INPUTS = ("rewards", "response_mask", "old_logp", "ref_logp", "values", "greedy_rewards")
+_INPUTS = ("rewards", "response_mask", "old_logp", "ref_logp", "teacher_logp", "values", "greedy_rewards")
 
 
 def group_ids(data: DataProto, n_samples: int, dp_rank: int) -> np.ndarray:
@@ -84,9 +92,12 @@ class AdvantageEstimator:
         Returns:
             ``(advantages, returns, metrics)``: ``(n, T)`` float32 each (``n`` local rows),
             and metrics of the global batch (``score_mean``, ``kl``, ``kl_coef``, ``advantage_mean``,
-            ``return_mean``; ``overlong_penalty_mean`` with the overlong penalty), identical on every rank.
+            ``return_mean``; ``overlong_penalty_mean`` with the overlong penalty; ``distill_reverse_kl``
+            and ``distill_share`` with a teacher), identical on every rank.
         """
-        missing = [k for k in ("rewards", "response_mask") if k not in data.batch_keys]
+        reads_rewards = estimator_reads(self.algo.adv_estimator, "token_level_rewards")
+        needed = ("rewards", "response_mask") if reads_rewards else ("response_mask",)
+        missing = [k for k in needed if k not in data.batch_keys]
         if missing:
             raise KeyError(f"advantages need {missing}; the train step's rows hold {sorted(data.keys)}")
         local: dict[str, Any] = {k: data.batch[k] for k in _INPUTS if k in data.batch_keys}
@@ -94,15 +105,11 @@ class AdvantageEstimator:
         batch, rows = gather_dp(local, ctx)
         mask = batch["response_mask"].float()
         kl_coef = self.kl_controller.value
-        metrics = {"score_mean": float(batch["rewards"].float().mean()), "kl_coef": kl_coef}
-        rewards = batch["rewards"]
-        if self.algo.overlong_buffer is not None:  # score_mean stays the task's score, before the penalty
-            penalty = overlong_penalty(
-                response_lengths(mask), self.max_new_tokens, self.algo.overlong_buffer, self.algo.overlong_penalty
-            )
-            rewards = rewards.float() + penalty
-            metrics["overlong_penalty_mean"] = float(penalty.mean())
-        token_rewards = last_token_scatter(rewards, mask)
+        metrics = {"score_mean": float(batch["rewards"].float().mean())} if "rewards" in batch else {}
+        metrics["kl_coef"] = kl_coef
+        token_rewards = torch.zeros_like(mask)  # algorithm distill scores nothing: its signal is the teacher's
+        if "rewards" in batch:
+            token_rewards = last_token_scatter(self._shaped_rewards(batch["rewards"], mask, metrics), mask)
         if "ref_logp" in batch and "old_logp" in batch:
             penalised, mean_kl = apply_kl_penalty(
                 token_rewards, batch["old_logp"], batch["ref_logp"], mask, kl_coef, self.algo.kl_estimator
@@ -112,9 +119,25 @@ class AdvantageEstimator:
             metrics["kl"] = float(mean_kl)
             self.kl_controller.update(float(mean_kl), n_steps=int(mask.shape[0]))
         advantages, returns = self._estimate(batch, token_rewards, mask)
+        if estimator_reads(self.algo.adv_estimator, "teacher_logp"):  # the teacher's signal alone
+            metrics.update(distill_metrics(advantages, None, 1.0, mask))
+        elif "teacher_logp" in batch and self.algo.distill_coef > 0:
+            signal = distill_signal(batch["old_logp"], batch["teacher_logp"], mask)
+            metrics.update(distill_metrics(signal, advantages, self.algo.distill_coef, mask))
+            advantages = advantages + self.algo.distill_coef * signal
         metrics["advantage_mean"] = float(masked_mean(advantages, mask))
         metrics["return_mean"] = float(masked_mean(returns, mask))
         return advantages[rows].float(), returns[rows].float(), metrics
+
+    def _shaped_rewards(self, rewards: torch.Tensor, mask: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """``(N,)`` the scores with DAPO's soft overlong penalty when it is on (``score_mean`` stays the task's)."""
+        if self.algo.overlong_buffer is None:
+            return rewards
+        penalty = overlong_penalty(
+            response_lengths(mask), self.max_new_tokens, self.algo.overlong_buffer, self.algo.overlong_penalty
+        )
+        metrics["overlong_penalty_mean"] = float(penalty.mean())
+        return rewards.float() + penalty
 
     def _estimate(self, batch: Mapping[str, Any], token_rewards: torch.Tensor, mask: torch.Tensor):
         inputs: dict[str, Any] = {
@@ -129,6 +152,9 @@ class AdvantageEstimator:
             inputs["values"] = batch["values"].float() * mask
         if "greedy_rewards" in batch:
             inputs["baseline_rewards"] = batch["greedy_rewards"].float()
+        for key in ("old_logp", "teacher_logp"):  # the reverse_kl estimator's (on-policy distillation)
+            if key in batch and estimator_reads(self.algo.adv_estimator, key):
+                inputs[key] = batch[key].float()
         try:
             return compute_advantages(self.algo.adv_estimator, **inputs)
         except TypeError as err:

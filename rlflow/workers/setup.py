@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPUTE_DTYPES", "MODEL_ROLES", "PARAM_DTYPE", "CallLayout", "ModelSetup", "WorkerSetup"]
 
-MODEL_ROLES = ("actor", "critic", "ref", "reward")
+MODEL_ROLES = ("actor", "critic", "ref", "reward", "teacher")
 
 # Master weights, copies and the reshard wire format are fp32 (the engines' compute dtype is separate).
 # Here, not in rlflow.workers.residency, so that the driver reads it without the engines' imports.
@@ -86,7 +86,7 @@ class ModelSetup:
 
     Args:
         name: the model name MFCs refer to (``MFCDef.model_name``).
-        role: ``"actor"``, ``"critic"``, ``"ref"`` or ``"reward"``; selects the interface.
+        role: ``"actor"``, ``"critic"``, ``"ref"``, ``"reward"`` or ``"teacher"``; selects the interface.
         path: local HF directory (a causal LM, or a value model when ``value_head``); ``None``
             only for a rule-based reward.
         trainable: the model has a ``train_step`` MFC and an optimizer.
@@ -138,11 +138,13 @@ class ModelSetup:
             raise ValueError(f"{where}: reward_errors={self.reward_errors!r}, expected one of {REWARD_ERROR_POLICIES}")
         if self.path is None and self.reward_fn is None:
             raise ValueError(f"{where}: path=None is only allowed for a rule-based reward (give reward_fn)")
+        if self.trainable and self.role == "teacher":
+            raise ValueError(f"{where}: the distillation teacher is frozen; trainable must be False")
         if self.trainable and (self.optim is None or self.path is None):
             raise ValueError(f"{where}: a trainable model needs a path and optim settings")
         if self.role == "critic" and not self.value_head:
             raise ValueError(f"{where}: a critic needs value_head=True")
-        if self.role in ("actor", "ref") and self.value_head:
+        if self.role in ("actor", "ref", "teacher") and self.value_head:
             raise ValueError(f"{where}: role {self.role!r} is a causal LM; value_head must be False")
         if self.role == "reward" and self.path is not None and not self.value_head:
             raise ValueError(f"{where}: a reward model needs value_head=True")

@@ -1,4 +1,4 @@
-"""Role interfaces: what each MFC computes for an actor, critic, reference or reward model.
+"""Role interfaces: what each MFC computes for an actor, critic, reference, reward or teacher model.
 
 :func:`build_interface` picks the class once from :attr:`ModelSetup.role` (and, for a reward,
 whether it is rule-based); nothing downstream branches on the role again.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from rlflow.workers.interfaces.actor import ActorInterface
 from rlflow.workers.interfaces.base import ModelInterface
 from rlflow.workers.interfaces.critic import CriticInterface
-from rlflow.workers.interfaces.ref import RefInterface
+from rlflow.workers.interfaces.ref import RefInterface, TeacherInterface
 from rlflow.workers.interfaces.reward import RewardModelInterface, RuleRewardInterface
 from rlflow.workers.setup import ModelSetup, WorkerSetup
 
@@ -21,6 +21,7 @@ __all__ = [
     "RefInterface",
     "RewardModelInterface",
     "RuleRewardInterface",
+    "TeacherInterface",
     "build_interface",
     "check_calls",
 ]
@@ -30,6 +31,7 @@ INTERFACES: dict[str, type[ModelInterface]] = {
     "critic": CriticInterface,
     "ref": RefInterface,
     "reward": RewardModelInterface,
+    "teacher": TeacherInterface,
 }
 
 

@@ -1,7 +1,8 @@
-"""The reference policy: frozen log-probs for the KL terms and for DPO.
+"""Frozen log-probs: the reference policy's, for the KL terms and for DPO, and the distillation
+teacher's, for on-policy distillation (:mod:`rlflow.algos.distill`).
 
-Its weights never train; with PPO-EMA a ``ParamReallocHook`` blends the actor into them
-before each call (run by the worker's residency layer, not here).
+Their weights never train; with PPO-EMA a ``ParamReallocHook`` blends the actor into the
+reference before each call (run by the worker's residency layer, not here).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rlflow.workers.interfaces.base import ModelInterface, log_probs
 if TYPE_CHECKING:
     from rlflow.engine.train_engine import TrainEngine
 
-__all__ = ["RefInterface"]
+__all__ = ["RefInterface", "TeacherInterface"]
 
 
 class RefInterface(ModelInterface):
@@ -25,3 +26,9 @@ class RefInterface(ModelInterface):
 
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
         return log_probs(engine, data, self.temperature)
+
+
+class TeacherInterface(RefInterface):
+    """``logp`` ``(N, T)`` of the student's sampled tokens under the distillation teacher, at the policy's temperature."""
+
+    role = "teacher"

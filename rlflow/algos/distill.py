@@ -1,0 +1,81 @@
+"""On-policy distillation: a frozen teacher's per-token log-probs of the student's own samples as
+the learning signal (Agarwal et al. 2024 "GKD"; Thinking Machines' "on-policy distillation").
+
+At each sampled token ``a_t`` the signal is the negative reverse-KL sample
+``log pi_teacher(a_t) - log pi_student(a_t)``, undiscounted and without a gradient: the student
+is pushed toward tokens the teacher finds likelier than it does. It is the whole advantage of the
+``reverse_kl`` estimator (algorithm ``distill``), or ``distill_coef`` times it is added to a reward
+estimator's advantages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlflow.algos.advantages import register_adv_estimator
+from rlflow.algos.utils import masked_mean
+
+__all__ = ["distill_metrics", "distill_signal", "reverse_kl_advantages"]
+
+
+def distill_signal(old_logp: Tensor, teacher_logp: Tensor, response_mask: Tensor) -> Tensor:
+    """``(B, T)`` per-token advantage of distillation: ``log pi_teacher - log pi_student``, 0 outside the mask.
+
+    Args:
+        old_logp: ``(B, T)`` log-prob of each sampled token under the student that sampled it.
+        teacher_logp: ``(B, T)`` log-prob of the same tokens under the teacher.
+        response_mask: ``(B, T)`` 1 on the tokens the student sampled.
+
+    >>> distill_signal(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -3.0]]), torch.tensor([[1.0, 0.0]]))
+    tensor([[0.5000, 0.0000]])
+    """
+    if old_logp.shape != teacher_logp.shape or old_logp.shape != response_mask.shape:
+        raise ValueError(
+            f"old_logp {tuple(old_logp.shape)}, teacher_logp {tuple(teacher_logp.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must have the same shape"
+        )
+    diff = (teacher_logp.float() - old_logp.float()).detach()
+    return torch.where(response_mask.bool(), diff, torch.zeros_like(diff))
+
+
+@register_adv_estimator("reverse_kl")
+def reverse_kl_advantages(response_mask: Tensor, old_logp: Tensor, teacher_logp: Tensor) -> tuple[Tensor, Tensor]:
+    """On-policy distillation alone: advantages and returns are :func:`distill_signal` (discount 0,
+    no baseline, no whitening); no reward is read.
+
+    >>> m = torch.ones(1, 2)
+    >>> reverse_kl_advantages(m, torch.tensor([[-1.0, -1.0]]), torch.tensor([[-0.2, -3.0]]))[0]
+    tensor([[ 0.8000, -2.0000]])
+    """
+    signal = distill_signal(old_logp, teacher_logp, response_mask)
+    return signal, signal.clone()
+
+
+def distill_metrics(signal: Tensor, task_advantages: Tensor | None, coef: float, mask: Tensor) -> dict[str, float]:
+    """The reverse KL to the teacher and the distillation's share of the advantage.
+
+    Args:
+        signal: ``(B, T)`` :func:`distill_signal`.
+        task_advantages: ``(B, T)`` the reward estimator's advantages it is mixed with; None: none.
+        coef: the weight of ``signal`` in the advantage.
+        mask: ``(B, T)`` response mask.
+
+    Returns:
+        ``distill_reverse_kl``: mean over response tokens of ``log pi_student - log pi_teacher``
+        (the k1 estimate of KL(student || teacher) per token); ``distill_share``: the signal's share
+        of the advantage's magnitude, ``sum|coef * signal| / (sum|coef * signal| + sum|task|)`` over
+        response tokens (1 alone, 0 when both are 0).
+
+    >>> m = torch.ones(1, 2)
+    >>> distill_metrics(torch.tensor([[-1.0, -1.0]]), torch.tensor([[2.0, 2.0]]), 0.5, m)
+    {'distill_reverse_kl': 1.0, 'distill_share': 0.2}
+    """
+    mask = mask.float()
+    weighted = float((coef * signal.abs() * mask).sum())
+    task = 0.0 if task_advantages is None else float((task_advantages.float().abs() * mask).sum())
+    total = weighted + task
+    return {
+        "distill_reverse_kl": float(-masked_mean(signal, mask)),
+        "distill_share": weighted / total if total > 0 else (1.0 if task_advantages is None else 0.0),
+    }
