@@ -1,0 +1,123 @@
+"""On-policy distillation through ``Trainer.fit()``: a larger tiny teacher, trained first by SFT on the
+main task, is distilled into a smaller student; the teacher's frozen call is in the graph and the
+plan, the student's reverse KL to it falls; a teacher of another vocabulary or none is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_fit import DRIVER_FIT, GRPO, REPO, TINY_ACTOR
+from transformers import AutoModelForCausalLM
+
+from rlflow.data.tiny_models import build_tiny_model
+from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
+from rlflow.trainer import ConfigError, Trainer, load_config
+
+SFT = REPO / "recipes" / "sft_arithmetic.yaml"
+# Twice the student's width and layers (TINY_ACTOR: width 32, one layer).
+TEACHER_SHAPE = ["hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=2", "num_kv_heads=2"]
+QUIET = [
+    "placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false",
+    "logging.console=false", "logging.tensorboard=false", "data.eval_size=2", "trainer.eval_every=0",
+]  # fmt: skip
+DISTILL = [*TINY_ACTOR, *DRIVER_FIT, "algorithm.name=distill"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    """A teacher trained for 40 SFT steps on the main task (2-digit addition): its answers are peaked
+    where a freshly initialised student's are near uniform."""
+    run = tmp_path_factory.mktemp("teacher")
+    overrides = [*(f"models.actor.{o}" for o in TEACHER_SHAPE), *QUIET, "trainer.total_steps=40"]
+    overrides += [
+        "data.batch_size=64",
+        f"logging.dir={run}",
+        "checkpoint.every_n_steps=0",
+        "checkpoint.save_final=false",
+    ]
+    with Trainer(SFT, overrides=overrides, progress_bars=False) as trainer:
+        trainer.fit()
+    return run / "final" / "actor"
+
+
+def exact_reverse_kl(student: Path, teacher: Path, tokenizer: Path) -> float:
+    """KL(student || teacher) over the whole vocabulary, mean over the answer tokens of 64 held-out
+    problems: a measure independent of the run's own (sampled, k1) metric."""
+    task = load_config(GRPO, ["data.eval_size=2"]).data.build_task(0)
+    tok = load_tokenizer(str(tokenizer))
+    kls = []
+    s_model, t_model = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (student, teacher))
+    for ex in task.sample("test", 64):
+        prompt = tok(ex.prompt)["input_ids"]
+        ids = torch.tensor([prompt + tok(ex.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
+        with torch.no_grad():
+            s, t = (m(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1) for m in (s_model, t_model))
+        kls.append((s.exp() * (s - t)).sum(-1).mean())
+    return float(torch.stack(kls).mean())
+
+
+def test_the_student_moves_toward_the_teacher(teacher, tmp_path):
+    run = tmp_path / "run"
+    overrides = [*DISTILL, "trainer.total_steps=12", "data.batch_size=8", "algorithm.n_samples=4"]
+    overrides += [
+        "models.actor.lr=2e-2",
+        "models.teacher.init=path",
+        f"models.teacher.path={teacher}",
+        f"logging.dir={run}",
+    ]
+    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+        assert list(trainer.graph.nodes) == ["actor_gen", "teacher_inf", "actor_train"]
+        trainer.fit()
+        problem = trainer.placement.problem
+    # The planner placed the frozen teacher and counted its weights (twice the student's width and depth).
+    models = {m.name: m for m in problem.models}
+    assert not models["teacher"].trainable and models["actor"].trainable
+    bytes_of = {name: problem.options[i][0].weight_bytes for i, name in enumerate(problem.mfc_names)}
+    assert bytes_of["teacher_inf"] > 4 * bytes_of["actor_gen"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["actor_train/distill_reverse_kl"] for r in records if "actor_train/distill_reverse_kl" in r]
+    assert len(kl) == 12 and all(
+        r["actor_train/distill_share"] == 1.0 for r in records if "actor_train/distill_share" in r
+    )
+    # The student starts far from the peaked SFT teacher and ends close: by the run's metric, and exactly.
+    assert sum(kl[-3:]) / 3 < 0.4 * sum(kl[:3]) / 3, kl
+    before = exact_reverse_kl(run / "models" / "actor", teacher, run / "tokenizer")
+    after = exact_reverse_kl(run / "final" / "actor", teacher, run / "tokenizer")
+    assert after < 0.5 * before, (before, after)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_before_any_worker_starts(tmp_path):
+    vocab = len(build_char_tokenizer())
+    build_tiny_model(vocab_size=vocab + 8, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
+        tmp_path / "teacher"
+    )
+    overrides = [*DISTILL, f"logging.dir={tmp_path / 'run'}", "models.teacher.init=path"]
+    # Construction fails: fit(), which starts the workers, is never reached.
+    with pytest.raises(ConfigError, match=f"vocab_size={vocab + 8}, but the student .* has vocab_size={vocab}") as err:
+        Trainer(GRPO, overrides=[*overrides, f"models.teacher.path={tmp_path / 'teacher'}"], progress_bars=False)
+    assert err.value.key == "models.teacher"
+
+
+def test_a_distillation_without_a_teacher_names_models_teacher():
+    for algorithm in (["algorithm.name=distill"], ["algorithm.distill_coef=0.5"]):
+        with pytest.raises(ConfigError, match="missing: algorithm '(distill|grpo)' needs a teacher model") as err:
+            load_config(GRPO, [*TINY_ACTOR, *algorithm])
+        assert err.value.key == "models.teacher"
+
+
+def test_other_bad_distillation_settings_name_their_field():
+    teacher = ["models.teacher.init=tiny"]
+    cases = {
+        "algorithm.adv_estimator": ["algorithm.name=distill", "algorithm.adv_estimator=grpo"],
+        "models.teacher.trainable": ["algorithm.name=distill", "models.teacher.trainable=true"],
+        "algorithm.distill_coef": ["algorithm.name=sft", "algorithm.distill_coef=0.5"],
+    }
+    for key, overrides in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(GRPO, [*TINY_ACTOR, *teacher, *overrides])
+        assert err.value.key == key, (key, str(err.value))
+    # A teacher beside an algorithm that reads none is not built.
+    assert "teacher" not in load_config(GRPO, [*TINY_ACTOR, *teacher]).required_models()
