@@ -17,7 +17,7 @@ SAMPLING = [n for n in list_algorithms() if get_algorithm(n).samples_responses]
 
 
 def test_every_shipped_sampling_algorithm_is_covered():
-    assert set(SAMPLING) == {"ppo", "ppo_ema", "grpo", "rloo", "remax", "reinforce_pp"}
+    assert set(SAMPLING) == {"ppo", "ppo_ema", "grpo", "rloo", "remax", "reinforce_pp", "distill"}
 
 
 @pytest.mark.parametrize("name", SAMPLING)

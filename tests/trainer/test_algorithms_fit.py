@@ -26,6 +26,7 @@ STEPS = 2
 TINY_MODEL = ["hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=4", "num_kv_heads=2"]
 COMMON = [f"trainer.total_steps={STEPS}", *QUICK_FIT, "checkpoint.save_final=true", "checkpoint.save_hf=true"]
 ACTOR = TINY_ACTOR
+TINY_TEACHER = ["models.teacher.init=tiny", *(f"models.teacher.{o}" for o in TINY_MODEL)]
 
 # recipe, overrides on top of COMMON. An untrained model scores 0 on every response, so the
 # critic-free estimators give zero advantages; their entropy bonus moves the weights all the same.
@@ -38,6 +39,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "reinforce_pp": ("reinforce_pp", [*ACTOR, "algorithm.n_samples=2", "algorithm.entropy_coef=0.1"]),
     "ppo": ("grpo", [*ACTOR, *PPO_FROM_GRPO]),
     "ppo_ema": ("ppo_ema", [*ACTOR, "algorithm.ema_eta=0.5"]),
+    "distill": ("grpo", [*ACTOR, "algorithm.name=distill", "algorithm.n_samples=2", *TINY_TEACHER]),
     "dpo": ("dpo", ACTOR),
     "sft": ("sft", ACTOR),
     "rm": ("rm", ["models.reward.init=tiny", "models.reward.path=null", *(f"models.reward.{o}" for o in TINY_MODEL)]),
@@ -79,7 +81,7 @@ def test_fit_trains_every_model_of_the_algorithm(name, ray_session, tmp_path):
     for record in steps.values():
         for call in train_calls:
             assert math.isfinite(record[f"{call}/loss"]) and record[f"{call}/grad_norm"] > 0, call
-        if get_algorithm(name).samples_responses:
+        if get_algorithm(name).samples_responses and get_algorithm(name).scores_responses:
             assert 0.0 <= record["reward_inf/score_mean"] <= 1.0
     # Every trained model's exported weights moved away from the ones it started from.
     final = tmp_path / "checkpoints" / f"step_{STEPS}"
