@@ -81,6 +81,30 @@ def test_the_pipeline_paths_line_up():
         assert [getattr(cfg.data, k) for k in task] == [getattr(ppo.data, k) for k in task]
 
 
+def test_the_distillation_teacher_is_the_larger_sft_policy():
+    sft, distill = (load_config(RECIPES / f"{n}_arithmetic.yaml") for n in ("sft", "distill"))
+    assert Path(distill.models["teacher"].path) == sft.run_dir / "actor"
+    teacher, student = sft.models["actor"], distill.models["actor"]
+    assert teacher.hidden_size > student.hidden_size and teacher.num_layers > student.num_layers
+    assert distill.seed == sft.seed and distill.data.task == sft.data.task == "arithmetic"
+    assert distill.required_models() == ("actor", "teacher")
+
+
+def test_distill_recipe_trains_the_missing_teacher_then_distils_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from distill_arithmetic import main
+    from stages import has_model
+
+    driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
+    teacher = [*SFT_TINY, *driver, "trainer.total_steps=1", "data.eval_size=2", "logging.tensorboard=false"]
+    student = [*driver, "trainer.total_steps=2", "data.batch_size=2", "data.eval_size=2", "trainer.eval_every=0"]
+    student += ["trainer.eval_before_train=false", "logging.console=false", "logging.tensorboard=false"]
+    result = main(student, sft_argv=teacher)
+    assert has_model("runs/sft_arithmetic/actor")
+    assert result.steps == 2 and len(result.mfc_seconds["teacher_inf"]) == 2
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_ppo_recipe_trains_the_missing_reward_model_then_ppo_with_it(ray_session, tmp_path, monkeypatch):
