@@ -93,6 +93,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--critic", help="critic model preset (default: the actor's)")
     g.add_argument("--ref", help="reference model preset (default: the actor's)")
     g.add_argument("--reward", help="reward model preset (default: the critic's)")
+    g.add_argument("--teacher", help="distillation teacher preset, algorithm distill (default: the actor's)")
     g.add_argument("--batch", type=int, default=512, help="prompts per iteration")
     g.add_argument("--prompt-len", type=int, default=128)
     g.add_argument("--gen-len", type=int, default=896)
@@ -157,6 +158,7 @@ def _model_specs(args: argparse.Namespace, model_names: list[str]) -> dict:
 
     critic = args.critic or args.actor
     chosen = {"actor": args.actor, "ref": args.ref or args.actor, "critic": critic, "reward": args.reward or critic}
+    chosen["teacher"] = args.teacher or args.actor
     specs = {}
     for name in model_names:
         if name not in chosen:
