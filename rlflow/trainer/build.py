@@ -292,13 +292,14 @@ def _copy_model(name: str, source: str, path: Path) -> str:
 
 
 def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
-    """The algorithm's dataflow graph with the config's mini-batches, reward source, reference use and
-    old-log-prob recompute (``algorithm.recompute_old_logp``; the graph records why in ``old_logp_mismatch``)."""
+    """The algorithm's dataflow graph with the config's mini-batches, reward source, reference and teacher use,
+    and old-log-prob recompute (``algorithm.recompute_old_logp``; the graph records why in ``old_logp_mismatch``)."""
     algo = cfg.algorithm
     options = GraphOptions(
         n_ppo_minibatches=algo.n_minibatches,
         rule_based_reward=rule_reward,
         use_ref="ref" in cfg.required_models(),  # a KL term reads it; without one it is not built
+        use_teacher="teacher" in cfg.required_models(),  # on-policy distillation: its advantage reads it
         ref_ema_eta=algo.ema_eta,
         recompute_old_logp=algo.recomputes_old_logp(cfg.rollout, cfg.placement.use_gpu, cfg.model_dtype("actor")),
         token_versions=cfg.rollout.partial_tokens > 0,

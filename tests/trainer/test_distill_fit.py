@@ -89,6 +89,20 @@ def test_the_student_moves_toward_the_teacher(teacher, tmp_path):
     assert after < 0.5 * before, (before, after)
 
 
+def test_a_reward_and_the_teacher_mixed(tmp_path):
+    run = tmp_path / "run"
+    teacher = ["models.teacher.init=tiny", *(f"models.teacher.{o}" for o in TEACHER_SHAPE)]
+    overrides = [*TINY_ACTOR, *DRIVER_FIT, *teacher, "algorithm.distill_coef=0.5", "trainer.total_steps=2"]
+    with Trainer(GRPO, overrides=[*overrides, f"logging.dir={run}"], progress_bars=False) as trainer:
+        assert list(trainer.graph.nodes) == ["actor_gen", "teacher_inf", "reward_inf", "actor_train"]
+        trainer.fit()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["actor_train/distill_share"] for r in records if "actor_train/distill_share" in r]
+    # An untrained policy scores 0 everywhere: GRPO's advantages are 0, the teacher's signal is all there is.
+    assert len(shares) == 2 and all(0.0 < s <= 1.0 for s in shares)
+    assert all("actor_train/score_mean" in r for r in records if "actor_train/distill_share" in r)
+
+
 def test_a_teacher_of_another_vocabulary_is_refused_before_any_worker_starts(tmp_path):
     vocab = len(build_char_tokenizer())
     build_tiny_model(vocab_size=vocab + 8, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
