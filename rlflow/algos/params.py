@@ -199,6 +199,12 @@ class AlgorithmParams:
                 f"the {self.resolved_adv_estimator} estimator's advantage is the teacher's signal itself; distill_coef "
                 "mixes it into a reward estimator's advantages: set 0, or name a reward estimator (grpo, rloo...)",
             )
+        estimator = self.resolved_adv_estimator
+        if self.kl_in_reward and self.kl_coef > 0 and not estimator_reads(estimator, "token_level_rewards"):
+            return (
+                "kl_in_reward",
+                f"the {estimator} estimator reads no reward for a KL penalty to enter; set false (a KL loss)",
+            )
         if self.distill_coef > 0 and not get_algorithm(self.name).samples_responses:
             return ("distill_coef", f"algorithm {self.name!r} samples nothing for a teacher to score; set 0")
         mismatch = self.mismatch_options()

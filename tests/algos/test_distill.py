@@ -142,3 +142,9 @@ def test_a_teacher_needs_sampled_responses():
 def test_conflicting_distillation_options_are_refused(options, match):
     with pytest.raises(ValueError, match=f"AlgorithmParams.distill_coef=0.5: .*{match}"):
         AlgorithmParams(**options)
+
+
+def test_a_kl_penalty_in_a_reward_the_teacher_estimator_never_reads_is_refused():
+    with pytest.raises(ValueError, match="AlgorithmParams.kl_in_reward=True: the reverse_kl estimator reads no reward"):
+        AlgorithmParams("distill", kl_coef=0.1, kl_in_reward=True)
+    assert AlgorithmParams("distill", kl_coef=0.1).resolved().kl_in_reward is False  # a KL loss
