@@ -1,8 +1,8 @@
 """On-policy distillation of the SFT policy of ``sft_arithmetic`` into a smaller student on 2-digit addition.
 
 The teacher (``models.teacher``) is the export of ``sft_arithmetic``, which this script trains
-first when ``models.teacher.path`` holds no model; the student learns from the teacher's per-token
-log-probs of its own samples alone (``algorithm.name: distill``).
+first when ``models.teacher.path`` holds no model; after its SFT warm-up the student learns from the
+teacher's per-token log-probs of its own samples alone (``algorithm.name: distill``).
 
 python recipes/distill_arithmetic.py [recipes/other.yaml] [key=value ...]
 """

@@ -85,7 +85,7 @@ def test_the_distillation_teacher_is_the_larger_sft_policy():
     sft, distill = (load_config(RECIPES / f"{n}_arithmetic.yaml") for n in ("sft", "distill"))
     assert Path(distill.models["teacher"].path) == sft.run_dir / "actor"
     teacher, student = sft.models["actor"], distill.models["actor"]
-    assert teacher.hidden_size > student.hidden_size and teacher.num_layers > student.num_layers
+    assert teacher.hidden_size >= student.hidden_size and teacher.num_layers > student.num_layers
     assert distill.seed == sft.seed and distill.data.task == sft.data.task == "arithmetic"
     assert distill.required_models() == ("actor", "teacher")
 
@@ -99,6 +99,7 @@ def test_distill_recipe_trains_the_missing_teacher_then_distils_it(tmp_path, mon
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     teacher = [*SFT_TINY, *driver, "trainer.total_steps=1", "data.eval_size=2", "logging.tensorboard=false"]
     student = [*driver, "trainer.total_steps=2", "data.batch_size=2", "data.eval_size=2", "trainer.eval_every=0"]
+    student += ["warmup.steps=1", "warmup.eval_every=0", "warmup.target_score=null", "warmup.batch_size=4"]
     student += ["trainer.eval_before_train=false", "logging.console=false", "logging.tensorboard=false"]
     result = main(student, sft_argv=teacher)
     assert has_model("runs/sft_arithmetic/actor")
