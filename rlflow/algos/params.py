@@ -193,20 +193,9 @@ class AlgorithmParams:
         loss_options = inspect.signature(get_policy_loss(self.policy_loss)).parameters
         if self.dual_clip_c is not None and "clip_ratio_c" not in loss_options:
             return ("dual_clip_c", f"policy loss {self.policy_loss!r} has no dual clip; set null")
-        if self.distill_coef > 0 and estimator_reads(self.resolved_adv_estimator, "teacher_logp"):
-            return (
-                "distill_coef",
-                f"the {self.resolved_adv_estimator} estimator's advantage is the teacher's signal itself; distill_coef "
-                "mixes it into a reward estimator's advantages: set 0, or name a reward estimator (grpo, rloo...)",
-            )
-        estimator = self.resolved_adv_estimator
-        if self.kl_in_reward and self.kl_coef > 0 and not estimator_reads(estimator, "token_level_rewards"):
-            return (
-                "kl_in_reward",
-                f"the {estimator} estimator reads no reward for a KL penalty to enter; set false (a KL loss)",
-            )
-        if self.distill_coef > 0 and not get_algorithm(self.name).samples_responses:
-            return ("distill_coef", f"algorithm {self.name!r} samples nothing for a teacher to score; set 0")
+        distill = self._distill_conflict()
+        if distill is not None:
+            return distill
         mismatch = self.mismatch_options()
         if mismatch and self.resolved_behaviour_correction == "decoupled":
             return (
@@ -214,6 +203,27 @@ class AlgorithmParams:
                 "the mismatch corrections weigh on-policy rollouts against recomputed log-probs; the decoupled "
                 "correction (policy_lag > 0) weighs by pi_prox / pi_rollout instead (is_cap)",
             )
+        return None
+
+    def _distill_conflict(self) -> tuple[str, str] | None:
+        """The on-policy distillation settings that contradict the others (see :meth:`conflict`)."""
+        estimator = self.resolved_adv_estimator
+        teacher_only = estimator_reads(estimator, "teacher_logp") and not estimator_reads(
+            estimator, "token_level_rewards"
+        )
+        if self.distill_coef > 0 and estimator_reads(estimator, "teacher_logp"):
+            return (
+                "distill_coef",
+                f"the {estimator} estimator's advantage is the teacher's signal itself; distill_coef mixes it into "
+                "a reward estimator's advantages: set 0, or name a reward estimator (grpo, rloo...)",
+            )
+        if self.kl_in_reward and self.kl_coef > 0 and teacher_only:
+            return (
+                "kl_in_reward",
+                f"the {estimator} estimator reads no reward for a KL penalty to enter; set false (a KL loss)",
+            )
+        if self.distill_coef > 0 and not get_algorithm(self.name).samples_responses:
+            return ("distill_coef", f"algorithm {self.name!r} samples nothing for a teacher to score; set 0")
         return None
 
     def mismatch_options(self) -> dict[str, float]:
