@@ -393,6 +393,9 @@ def with_token_versions(mfcs: list[MFCDef]) -> list[MFCDef]:
         elif mfc.objective == "rl" and mfc.model_name == gen.model_name:
             mfc = replace(mfc, input_keys=mfc.input_keys + (TOKEN_VERSION,))
         out.append(mfc)
+    return out
+
+
 # --- The distillation teacher ---
 
 
