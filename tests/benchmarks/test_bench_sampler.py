@@ -7,7 +7,9 @@ from benchmarks import bench_sampler
 
 def test_sampler_benchmark_records_agree():
     case = {**bench_sampler.CASES["issue12_task_h64_l2"], "prompts": 2, "samples": 2, "new_tokens": 6}
-    records = bench_sampler.run(repeats=1, cases={"small": case}, step_widths=((64, 8),), step_repeats=1)
+    records = bench_sampler.run(
+        repeats=1, cases={"small": case}, step_widths=((64, 8),), step_repeats=1, decode=False
+    )  # the decode records: tests/benchmarks/test_decode_sides.py
     records, (step,) = records[:2], records[2:]
     assert [r["decoding"] for r in records] == ["sampled, temperature 1", "greedy"]
     assert step["rows"] == 8 and step["seconds_native"] > 0 and step["seconds_torch_twin"] > 0
