@@ -14,7 +14,9 @@ without top-k/top-p; in bf16 and fp32, on 1 and 2 torch threads. Three sides:
   thread count) on the model saved by ``save_pretrained``, the same prompts unpadded, ``n`` samples each;
   ``skipped`` says why where it cannot run (no venv, vLLM's error).
 
-Per side: ``seconds`` of a call (best of ``repeats`` after a warm-up call), ``prefill_seconds`` of a
+Per side: ``seconds`` of a call (best of ``repeats`` after a warm-up call) and ``cpu_seconds``, the
+CPU time of the side's process (steadier on a shared machine, and a check on its thread count),
+``prefill_seconds`` of a
 call generating one token, ``ms_per_token`` (seconds / new tokens), ``decode_step_ms`` ((seconds -
 prefill seconds) / (new tokens - 1)); the bytes a decode step reads (:func:`decode_bytes_per_step`)
 per decode step second, alone and as a share of the copy bandwidth measured in the same run at the
@@ -90,7 +92,7 @@ def _rlflow_decoder(model, rows: int) -> str:
 
 
 def _in_process(model, ids, mask, spec: dict, repeats: int) -> dict[str, dict[str, float]]:
-    """rlflow's and generate's best seconds of a full call and of a one-token call, alternating."""
+    """rlflow's and generate's best seconds of a full call (wall and CPU) and of a one-token call, alternating."""
     from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 
     engine, eos, samples = HFRolloutEngine(model, pad_token_id=0), model.config.eos_token_id, spec["samples"]
@@ -108,8 +110,11 @@ def _in_process(model, ids, mask, spec: dict, repeats: int) -> dict[str, dict[st
     ours, theirs = outputs["rlflow"], outputs["generate"][0]
     if ours["response_mask"].sum() != ours["responses"].numel() or theirs.shape != ours["responses"].shape:
         raise RuntimeError(f"rlflow gave {tuple(ours['responses'].shape)} responses, generate {tuple(theirs.shape)}")
-    best, _ = _best_times(calls, repeats)
-    return {side: {"seconds": best[side], "prefill_seconds": best[f"{side}_1"]} for side in ("rlflow", "generate")}
+    best, cpu = _best_times(calls, repeats)
+    return {
+        side: {"seconds": best[side], "prefill_seconds": best[f"{side}_1"], "cpu_seconds": cpu[side]}
+        for side in ("rlflow", "generate")
+    }
 
 
 def vllm_python(venv: Path | None = None) -> Path | None:
@@ -157,6 +162,7 @@ def _side_figures(times: dict, new: int, step_bytes: int, copy: float, rlflow_s:
         **times,
         "seconds": round(seconds, 4),
         "prefill_seconds": round(prefill, 4),
+        "cpu_seconds": round(times["cpu_seconds"], 4),
         "ms_per_token": round(seconds / new * 1e3, 3),
         "decode_step_ms": round(step_s * 1e3, 3) if step_s else None,
         "decode_gb_per_s": round(step_bytes / step_s / 1e9, 2) if step_s else None,
@@ -207,6 +213,7 @@ def run_decode(spec: dict = DECODE, vllm_venv: Path | None = None) -> list[dict]
                     "units": {
                         "seconds": f"s per call, best of {spec['repeats']} after a warm-up (wall)",
                         "prefill_seconds": "s per call generating 1 token",
+                        "cpu_seconds": "CPU s of the side's process per call (best); about threads x seconds when idle",
                         "decode_step_ms": "(seconds - prefill_seconds) / (new_tokens - 1), in ms",
                         "share_of_copy_bandwidth": "decode_bytes_per_step per decode step / copy bandwidth",
                         "ratio_to_rlflow": "side seconds / rlflow seconds",

@@ -6,12 +6,15 @@ rlflow's venv: ``python benchmarks/vllm_decode.py SPEC.json``. The spec names th
 per prompt, the new tokens and the repeats. Every request generates exactly ``new_tokens`` tokens
 (``min_tokens`` = ``max_tokens``, ``ignore_eos``) at temperature 1 without top-k/top-p, with the
 sampled token's log-prob returned, as an RL rollout needs. Prints one line, ``VLLM_DECODE`` and a
-JSON object: the best seconds of a full call and of a one-token call (prefill and a first sample).
+JSON object: the best seconds of a full call (wall and CPU) and of a one-token call (prefill and a
+first sample).
 Where vLLM fails (an unsupported model, no bf16...) it exits non-zero with vLLM's error on stderr.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller before
 vLLM is imported) on ``threads`` torch threads: vLLM's CPU worker refuses ``torch.set_num_threads``
 once it is up, so the count is set first and read back after. KV cache: ``VLLM_CPU_KVCACHE_SPACE``.
+Eager execution (no compile, as rlflow's vLLM engine runs on CPU); otherwise vLLM's own defaults,
+its oneDNN weight packing included (which rlflow's engine turns off to push weights).
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ import sys
 import time
 
 
-def _best(call, repeats: int) -> float:
-    call()  # warm-up
-    times = []
+def _best(call, repeats: int) -> tuple[float, float]:
+    """Best wall and best CPU seconds (of this process) of ``call`` over ``repeats``, after a warm-up."""
+    call()
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         call()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return min(wall), min(cpu)
 
 
 def measure(spec: dict) -> dict:
@@ -61,9 +66,11 @@ def measure(spec: dict) -> dict:
     generated = [len(c.token_ids) for out in outputs for c in out.outputs]
     if generated != [spec["new_tokens"]] * (len(prompts) * spec["samples"]):
         raise RuntimeError(f"vLLM generated {generated} tokens per row, expected {spec['new_tokens']} each")
+    seconds, cpu_seconds = _best(lambda: llm.generate(prompts, full, use_tqdm=False), spec["repeats"])
     return {
-        "seconds": _best(lambda: llm.generate(prompts, full, use_tqdm=False), spec["repeats"]),
-        "prefill_seconds": _best(lambda: llm.generate(prompts, first, use_tqdm=False), spec["repeats"]),
+        "seconds": seconds,
+        "prefill_seconds": _best(lambda: llm.generate(prompts, first, use_tqdm=False), spec["repeats"])[0],
+        "cpu_seconds": cpu_seconds,
         "threads": torch.get_num_threads(),
         "vllm": vllm.__version__,
         "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),

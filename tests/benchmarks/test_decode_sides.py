@@ -31,7 +31,7 @@ def test_decode_records_time_every_side_and_say_why_vllm_is_skipped(tmp_path):
         assert "vLLM venv" in record["sides"]["vllm"]["skipped"]  # tmp_path holds no venv
         for side in ("rlflow", "generate"):
             figures = record["sides"][side]
-            assert figures["seconds"] > 0 and figures["prefill_seconds"] > 0
+            assert figures["seconds"] > 0 and figures["prefill_seconds"] > 0 and figures["cpu_seconds"] > 0
             assert figures["ms_per_token"] == pytest.approx(figures["seconds"] / 4 * 1e3, rel=0.02)
             assert set(figures) >= {"decode_step_ms", "decode_gb_per_s", "share_of_copy_bandwidth"}
         assert "ratio_to_rlflow" in record["sides"]["generate"] and "ratio_to_rlflow" not in record["sides"]["rlflow"]
