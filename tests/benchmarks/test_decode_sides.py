@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from benchmarks import decode_sides
@@ -25,7 +27,7 @@ def test_decode_records_time_every_side_and_say_why_vllm_is_skipped(tmp_path):
         assert record["rows"] == 4 and record["new_tokens"] == 4 and record["prompt_len"] == 8
         itemsize = 2 if record["precision"] == "bf16" else 4
         assert record["decode_bytes_per_step"] == decode_sides.decode_bytes_per_step(
-            _Config(), rows=4, prompt_len=8, new_tokens=4, itemsize=itemsize
+            _config(), rows=4, prompt_len=8, new_tokens=4, itemsize=itemsize
         )
         assert record["copy_gb_per_s"] > 0
         assert "vLLM venv" in record["sides"]["vllm"]["skipped"]  # tmp_path holds no venv
@@ -39,16 +41,15 @@ def test_decode_records_time_every_side_and_say_why_vllm_is_skipped(tmp_path):
     assert records[0]["rlflow_decoder"].startswith("lean torch")  # bf16: the torch twin
 
 
-class _Config:
-    hidden_size, num_hidden_layers, intermediate_size, vocab_size = 64, 2, 128, 100
-    num_attention_heads, num_key_value_heads, tie_word_embeddings = 2, 2, True
+def _config(tied: bool = True) -> SimpleNamespace:
+    """The tiny model's config fields that decode_bytes_per_step reads."""
+    return SimpleNamespace(
+        hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=100, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
 
 
 def test_bytes_per_step_count_an_untied_head_twice():
-    tied = decode_sides.decode_bytes_per_step(_Config(), rows=1, prompt_len=2, new_tokens=2, itemsize=4)
-    _Config.tie_word_embeddings = False
-    try:
-        untied = decode_sides.decode_bytes_per_step(_Config(), rows=1, prompt_len=2, new_tokens=2, itemsize=4)
-    finally:
-        _Config.tie_word_embeddings = True
+    tied = decode_sides.decode_bytes_per_step(_config(), rows=1, prompt_len=2, new_tokens=2, itemsize=4)
+    untied = decode_sides.decode_bytes_per_step(_config(tied=False), rows=1, prompt_len=2, new_tokens=2, itemsize=4)
     assert untied - tied == 100 * 64 * 4
