@@ -167,10 +167,11 @@ def test_policy_lag_refusal_names_the_configs_error(monkeypatch):
         ("trl_2threads", 2, {"precision": "fp32"}),
         ("trl_1thread_bf16", 1, {"precision": "bf16"}),
         ("trl_2threads_bf16", 2, {"precision": "bf16"}),
+        ("rlflow_again", 1, {}),
     ]
     assert len(notes) == 1 and "rlflow_lag1 skipped" in notes[0] and "lag_x" in notes[0]
     variants, notes = bench_trl._variants({}, [1], ["bf16"])
-    assert [label for label, *_ in variants] == ["trl_1thread_bf16", "rlflow"]
+    assert [label for label, *_ in variants] == ["trl_1thread_bf16", "rlflow", "rlflow_again"]
     assert "not with 1 and 2" in notes[0] and "not in fp32 and bf16" in notes[1]
 
 
