@@ -174,7 +174,14 @@ def test_ppo_on_a_manual_plan_with_a_pipelined_critic_and_a_data_parallel_refere
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ppo_on_the_searched_plan(ray_session, tmp_path):
-    searched = ["placement.mode=auto", "placement.search_seconds=1", "placement.profile=true"]
+    # a profile of the actor's own calls before step 1 (calibrate=profile), not the machine profile a
+    # run calibrates by its calls (tests/trainer/test_run_calibration.py)
+    searched = [
+        "placement.mode=auto",
+        "placement.search_seconds=1",
+        "placement.profile=true",
+        "placement.calibrate=profile",
+    ]
     trainer, result = fit(GRPO, PPO_TINY + searched, tmp_path)
     mfcs = ["actor_gen", "critic_inf", "ref_inf", "actor_train", "critic_train"]
     check_run(result, tmp_path, mfcs)
