@@ -53,7 +53,7 @@ def test_plan_prints_the_table_and_baselines_and_writes_json_and_timeline(tmp_pa
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--algo", "ppo2"], "unknown algorithm 'ppo2'; expected one of ['dpo', 'grpo'"),
+        (["--algo", "ppo2"], "unknown algorithm 'ppo2'; expected one of ['distill', 'dpo', 'grpo'"),
         (["--critic", "llama2-8b"], "--critic: unknown model preset 'llama2-8b'; expected one of ['llama2-13b'"),
         (["--device", "tpu"], "--device: unknown cluster preset 'tpu'; expected one of ('a100-80g'"),
     ],
