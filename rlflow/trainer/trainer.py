@@ -773,6 +773,12 @@ class Trainer:
         partial = state["extra"].get("partial_rollouts")
         if partial is not None and isinstance(self.sampler, partial_rollouts.PartialRollouts):
             self.sampler.load(path / PARTIAL_DIR, partial)
+        elif partial is not None and any((path / PARTIAL_DIR).glob("*.safetensors")):
+            log.warning(
+                f"{path} holds the rows of partial rollouts (responses carried between steps, finished groups "
+                f"waiting); this run has rollout.partial_tokens={self.cfg.rollout.partial_tokens}: they are dropped "
+                "and the run samples afresh (resume with the checkpoint's rollout.partial_tokens to continue them)"
+            )
         log.info(f"resumed from {path} at step {self.step}")
 
     def _load_workers(self, path: Path) -> None:

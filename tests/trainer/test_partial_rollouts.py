@@ -5,6 +5,7 @@ call trains exactly as without partial rollouts, and a run carrying responses ov
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -231,3 +232,17 @@ def test_grpo_with_responses_carried_over_steps_learns_on_the_tasks_prompts(tmp_
         assert 0 < record["actor_train/stale_token_fraction"] < 1
         assert "actor_train/is_weight_mean" in record  # the decoupled correction, per token
     assert sum(steps[s]["partial/groups_dropped"] for s in steps) > 0
+
+
+def test_a_run_without_partial_rollouts_resuming_one_that_had_them_says_it_drops_their_rows(tmp_path, caplog):
+    carried = {
+        "rollout": {"partial_tokens": 2, "partial_max_lag": 1},
+        "checkpoint": {"every_n_steps": 1, "keep_last": 0},
+    }
+    fit(tmp_path / "partial", **carried)
+    checkpoint = tmp_path / "partial" / "checkpoints" / "step_1"
+    assert any((checkpoint / "partial_rollouts").glob("*.safetensors"))
+    caplog.set_level(logging.WARNING, logger="rlflow")
+    steps = fit(tmp_path / "plain", rollout={"partial_tokens": 0}, checkpoint={"resume": str(checkpoint)})
+    assert sorted(steps) == [2]
+    assert "holds the rows of partial rollouts" in caplog.text and "rollout.partial_tokens=0" in caplog.text
