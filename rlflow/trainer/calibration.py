@@ -21,7 +21,6 @@ exceed what a restart costs (this run's start-up).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,8 +33,6 @@ from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import MachineProfile, save_profile
 from rlflow.trainer.config import RLFlowConfig
 from rlflow.trainer.placement import PROFILED_CALL, Placement, plan_placement
-
-logger = logging.getLogger(__name__)
 
 # A plan on other workers is taken when it is this share faster than the running plan at the
 # same prices: within it, the prices' own error could decide.
@@ -146,10 +143,8 @@ class RunCalibration:
         if self.profile.calls is not None:
             priced = {c: priced.get(c) or self.profile.calls.host_speedup(c) for c in PROFILED_CALL.values()}
         # The plan's estimates on one thread: a plan priced on every core divided them by the speedups.
-        one_thread = {
-            n: estimated[n] * (priced.get(PROFILED_CALL[kinds[n]]) or 1.0 if placement.threads > 1 else 1.0)
-            for n in names
-        }
+        undo = (lambda n: priced.get(PROFILED_CALL[kinds[n]]) or 1.0) if placement.threads > 1 else (lambda n: 1.0)
+        one_thread = {n: estimated[n] * undo(n) for n in names}
         by_threads = dict(zip(self.threads, phases))
         base = by_threads.get(1, phases[0])
         est = _per_kind(kinds, one_thread if 1 in by_threads else {n: estimated[n] for n in names})

@@ -41,7 +41,7 @@ def _machine_profile(host_seconds: float) -> MachineProfile:
     on one thread): above 0.05 a plan of one worker is priced on one thread."""
     host = {"seconds": host_seconds}
     calls = CallTimings(
-        model=ModelSpec(**{k: v for k, v in REFERENCE_MODEL.items()}),
+        model=ModelSpec(**REFERENCE_MODEL),
         generate=_GEN, forward=_BATCH, train=_BATCH, generate_alone=_GEN, forward_alone=_BATCH, train_alone=_BATCH,
         generate_host=replace(_GEN, **host), forward_host=replace(_BATCH, **host), train_host=replace(_BATCH, **host),
     )  # fmt: skip
