@@ -164,6 +164,14 @@ class Workload:
         """Prompts a generation prefills: its sequences over the samples drawn per prompt."""
         return math.ceil(self.n_seqs(mfc) / self.n_samples_per_prompt)
 
+    def tool_wait_s(self, rows: int) -> float:
+        """Seconds a rank of ``rows`` episodes waits for their steps: after each turn but the last,
+        ``tool_threads`` at a time, ``tool_s`` each (with overlap the wait hides behind other
+        episodes' decoding: an upper bound then). 0 for a single-turn generation."""
+        if self.turns < 2:
+            return 0.0
+        return (self.turns - 1) * math.ceil(rows / self.tool_threads) * self.tool_s
+
     def n_minibatches(self, mfc: MFCDef) -> int:
         """Optimizer steps per epoch of a train call (1 for other calls)."""
         if mfc.interface_type != "train_step":
@@ -270,11 +278,8 @@ def _generate(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     prefill, repeat, decode = (sum(x) * scale for x in zip(*parts))
     first = parts[0][0] * scale
     breakdown = {"fixed_s": fixed, "prefill_s": prefill, "kv_repeat_s": repeat, "decode_s": decode}
-    tool = 0.0
+    tool = workload.tool_wait_s(rows)
     if workload.turns > 1:
-        # Each turn but the last waits for its episodes' steps: tool_threads at a time on this rank
-        # (with overlap the wait hides behind other episodes' decoding: an upper bound then).
-        tool = (workload.turns - 1) * math.ceil(rows / workload.tool_threads) * workload.tool_s
         breakdown["tool_s"] = tool
     act = memory.generate_act_bytes(model, strategy, prec, prompts, rows, workload.prompt_len, workload.gen_len)
     weights = memory.weight_bytes(model, strategy, prec, generate=True)

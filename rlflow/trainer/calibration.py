@@ -11,6 +11,12 @@ after its first step (a warm-up: its calls pay first-call costs):
    (every core, or one): how much faster every core runs each call type at the run's own shapes
    (``MachineProfile.host_speedups``, which replace the reference model's).
 
+A multi-turn run also measures its tools: the seconds an episode's step takes (its logged
+``multi_turn/step_s`` over ``multi_turn/turns``) replace ``rollout.multi_turn.tool_seconds`` in the
+plan made next, and the generate calls' corrections leave out the waits for the steps (priced by
+:meth:`~rlflow.planner.cost.Workload.tool_wait_s` at the seconds measured, and at the configured
+ones in the running plan's estimates), so a slow tool does not read as slow decoding.
+
 :class:`RunCalibration` then writes the corrected profile to the cache file of the run's shapes
 (the next run of the shape plans with it from step 1) and plans again. A plan of the same calls
 on the same workers is taken at once (its thread count set on the worker); another layout is taken
@@ -32,7 +38,7 @@ from rlflow.dataflow import mfcs_of
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import MachineProfile, save_profile
 from rlflow.trainer.config import RLFlowConfig
-from rlflow.trainer.placement import PROFILED_CALL, Placement, plan_placement
+from rlflow.trainer.placement import PROFILED_CALL, Placement, plan_placement, planning_workload
 
 # A plan on other workers is taken when it is this share faster than the running plan at the
 # same prices: within it, the prices' own error could decide.
@@ -122,6 +128,7 @@ class RunCalibration:
         placement: Placement,
         measured: Mapping[str, Sequence[float]],
         restart_s: float,
+        tool_seconds: Mapping[str, Sequence[float]] | None = None,
     ) -> int | Decision:
         """At the end of a phase: the thread count of the next phase, or the :class:`Decision`.
 
@@ -132,6 +139,8 @@ class RunCalibration:
             placement: the running placement.
             measured: each call's seconds at every step since the run (re)started.
             restart_s: what taking another layout costs (the run's start-up seconds).
+            tool_seconds: a multi-turn generate call's seconds per episode step, at every step
+                since the run (re)started.
         """
         if step == self._phase_end(0) and len(self.threads) > 1:
             return self.threads[1]
@@ -139,14 +148,18 @@ class RunCalibration:
         estimated = placement.estimated_call_seconds()
         names = [n for n in estimated if n in kinds and len(measured.get(n, ())) > self.steps * len(self.threads)]
         phases = [_per_kind(kinds, {n: self._phase(measured[n], i) for n in names}) for i in range(len(self.threads))]
+        cfg, waits, priced_waits = self._tools(cfg, graph, placement, tool_seconds or {})
+        # The calls' own work: the waits for tools neither scale with the machine nor with threads.
+        work = [{k: v - waits.get(k, 0.0) for k, v in phase.items()} for phase in phases]
+        estimated = {n: estimated[n] - priced_waits.get(n, 0.0) for n in estimated}
         priced = dict(self.profile.host_speedups or {})
         if self.profile.calls is not None:
             priced = {c: priced.get(c) or self.profile.calls.host_speedup(c) for c in PROFILED_CALL.values()}
         # The plan's estimates on one thread: a plan priced on every core divided them by the speedups.
         undo = (lambda n: priced.get(PROFILED_CALL[kinds[n]]) or 1.0) if placement.threads > 1 else (lambda n: 1.0)
         one_thread = {n: estimated[n] * undo(n) for n in names}
-        by_threads = dict(zip(self.threads, phases))
-        base = by_threads.get(1, phases[0])
+        by_threads = dict(zip(self.threads, work))
+        base = by_threads.get(1, work[0])
         est = _per_kind(kinds, one_thread if 1 in by_threads else {n: estimated[n] for n in names})
         factors = dict(self.profile.corrections or {})
         for kind, real in base.items():
@@ -159,7 +172,37 @@ class RunCalibration:
         profile = replace(self.profile, corrections=factors, host_speedups=speedups or None)
         for path in self.paths:
             save_profile(profile, path)
-        return self._decide(cfg, graph, placement, profile, phases, restart_s, step)
+        decision = self._decide(cfg, graph, placement, profile, phases, restart_s, step)
+        if self.multi_turn and waits:
+            seconds = cfg.rollout.multi_turn.tool_seconds
+            decision.metrics["planner/tool_seconds"] = seconds
+            decision.message += f"; tools measured {seconds:.3f} s an episode step"
+        return decision
+
+    def _tools(
+        self, cfg: RLFlowConfig, graph: nx.DiGraph, placement: Placement, tool_seconds: Mapping[str, Sequence[float]]
+    ) -> tuple[RLFlowConfig, dict[str, float], dict[str, float]]:
+        """``cfg`` with the measured ``tool_seconds`` (their median over the calibration's steps, over
+        the generate calls), and by call type the waits for tools at those seconds, and by call name
+        the waits the running plan priced; unchanged and empty when no tool time was measured."""
+        steps = self.steps * len(self.threads)
+        seen = [s for values in tool_seconds.values() for s in values[1 : 1 + steps]]
+        if not self.multi_turn or not seen or placement.plan is None:
+            return cfg, {}, {}
+        mt = cfg.rollout.multi_turn
+        measured = replace(cfg, rollout=replace(cfg.rollout, multi_turn=replace(mt, tool_seconds=median(seen))))
+        before, after = planning_workload(cfg, True), planning_workload(measured, True)
+        mfcs = {m.name: m for m in mfcs_of(graph)}
+        waits: dict[str, float] = {}
+        priced: dict[str, float] = {}
+        for call in placement.plan.calls:
+            mfc = mfcs.get(call.name)
+            if mfc is None or mfc.interface_type != "generate":
+                continue
+            rows = -(-before.n_seqs(mfc) // call.strategy.dp)
+            priced[call.name] = before.tool_wait_s(rows)
+            waits["generate"] = waits.get("generate", 0.0) + after.tool_wait_s(rows)
+        return measured, waits, priced
 
     def _decide(self, cfg, graph, placement, profile, phases, restart_s: float, step: int) -> Decision:
         shown = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted((profile.corrections or {}).items()))

@@ -95,7 +95,8 @@ class MultiTurnConfig(_Section):
     tool_seconds: float = _f(
         0.0,
         "planner: seconds one episode's step (its tool calls) takes after a turn, priced into the generate call; "
-        "the run logs the measured mean as multi_turn/step_s over multi_turn/turns (0: tools not priced)",
+        "the run logs the measured mean as multi_turn/step_s over multi_turn/turns, and a run that calibrates "
+        "(placement.calibrate: run, on a new shape) plans again with it (0: tools not priced until then)",
         ge=0.0,
     )
     stop_at_call: bool = _f(

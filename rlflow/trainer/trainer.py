@@ -206,6 +206,8 @@ class Trainer:
             # placement.calibrate=run on a new shape: the calibration still to make, and the plan a
             # calibration chose to restart on.
             self._calibration: calibration.RunCalibration | None = None
+            # a multi-turn generate call's seconds per episode step, at every step (the calibration reads them)
+            self._tool_seconds: dict[str, list[float]] = {}
             self._next_placement: Placement | None = None
             self._first_step_s = 0.0
             # Seconds of each start-up stage, logged once with the first step (``startup/*``).
@@ -538,8 +540,9 @@ class Trainer:
         worker threads of the next phase, or takes the decision — the running plan on its faster
         thread count, or (a checkpoint saved first) :class:`_Replan` to restart on another."""
         outcome = self._calibration.at(
-            step, self.cfg, self.graph, self.placement, self.result.mfc_seconds, restart_s=self._first_step_s
-        )
+            step, self.cfg, self.graph, self.placement, self.result.mfc_seconds, restart_s=self._first_step_s,
+            tool_seconds=self._tool_seconds,
+        )  # fmt: skip
         if isinstance(outcome, int):
             log.info(f"calibrating: steps {step + 1}..{step + self.cfg.placement.calibrate_steps} on {outcome} threads")
             self.workers.execute_all("set_threads", outcome)
@@ -694,6 +697,9 @@ class Trainer:
             metrics.update(self.sampler.metrics.pop(step, {}))
         for name in dict.fromkeys(r.mfc for r in mine if r.kind == "call"):
             self.result.mfc_seconds.setdefault(name, []).append(metrics[f"time/{name}"])
+            if metrics.get(f"{name}/multi_turn/turns"):
+                per_step = metrics[f"{name}/multi_turn/step_s"] / metrics[f"{name}/multi_turn/turns"]
+                self._tool_seconds.setdefault(name, []).append(per_step)
         if self.startup is not None:  # once: how long this run took to reach its first step
             self._first_step_s = time.perf_counter() - self._created
             self.startup["startup/first_step_s"] = self._first_step_s

@@ -158,3 +158,83 @@ def test_a_run_restarts_on_the_plan_its_calibration_takes_and_ends_as_one_that_k
     weights = [load_file(tmp_path / run / "final" / "actor" / "model.safetensors") for run in ("moved", "kept")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_multi_turn_runs_tool_seconds_are_planned_with_and_left_out_of_its_corrections(tmp_path) -> None:
+    """The seconds an episode's step measured replace ``tool_seconds`` in the plan made next; the
+    generate call's correction compares its decoding alone with the estimate's (the waits for tools,
+    at the measured seconds, taken out of the measured call)."""
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement, planning_workload
+
+    turns = ["data.max_response_len=8", "rollout.max_new_tokens=8", "rollout.multi_turn.max_prompt_tokens=16",
+             "rollout.multi_turn.max_total_tokens=32", "rollout.multi_turn.max_turns=2",
+             "rollout.multi_turn.num_threads=4"]  # fmt: skip
+    cfg = load_config(GRPO, ["placement.devices_per_node=1", "placement.use_gpu=false", *turns])
+    graph = build_dataflow(cfg, rule_reward=True)
+    spec = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+    profile = _machine_profile(0.2)
+    placement = plan_placement(
+        cfg, graph, {"actor": spec}, use_gpu=False, profile=profile, progress=False, multi_turn=True
+    )
+    estimated = placement.estimated_call_seconds()
+    tool_s = 0.05
+    timed = replace(cfg, rollout=replace(cfg.rollout, multi_turn=replace(cfg.rollout.multi_turn, tool_seconds=tool_s)))
+    rows = cfg.data.batch_size * cfg.algorithm.n_samples
+    wait = planning_workload(timed, True).tool_wait_s(rows)
+    assert wait == pytest.approx(tool_s * 1 * rows / 4)  # one wait (two turns), 4 episodes at a time
+
+    def decide(tool_seconds):
+        run = calibration.RunCalibration(profile, (tmp_path / "p.json",), {"actor": spec}, multi_turn=True)
+        run.begin(0, placement, steps=2, cores=1)
+        measured = {  # decoding twice as slow as priced, plus the waits; training as priced
+            "actor_gen": [9.0] + [2 * estimated["actor_gen"] + wait] * 2,
+            "actor_train": [9.0] + [estimated["actor_train"]] * 2,
+        }
+        assert run.due(3)
+        return run.at(3, cfg, graph, placement, measured, restart_s=1.0, tool_seconds=tool_seconds)
+
+    decision = decide({"actor_gen": [1.0, tool_s, tool_s]})  # the warm-up step's is left out
+    assert decision.metrics["planner/tool_seconds"] == pytest.approx(tool_s)
+    assert decision.metrics["planner/correction_generate"] == pytest.approx(2.0)
+    assert decision.metrics["planner/correction_train_step"] == pytest.approx(1.0)
+    assert decision.placement.estimated_call_seconds()["actor_gen"] > wait  # the plan prices the tools
+    untimed = decide(None)  # no tool time measured: the waits read as slow decoding
+    assert "planner/tool_seconds" not in untimed.metrics
+    assert untimed.metrics["planner/correction_generate"] > 2.0
+
+
+class _SlowTool:
+    """Two turns; each step sleeps 20 ms, as a tool would."""
+
+    def reset(self, row):
+        self.turns = 0
+        return row["prompt"]
+
+    def step(self, text):
+        import time
+
+        from rlflow.workers.environments import Step
+
+        self.turns += 1
+        time.sleep(0.02)
+        return Step("=1", 0.0, self.turns >= 2)
+
+    def metrics(self):
+        return {}
+
+
+def test_a_multi_turn_run_calibrates_with_the_seconds_its_tools_took(tmp_path, machine) -> None:
+    run_dir = tmp_path / "tools"
+    turns = ["data.max_response_len=4", "rollout.max_new_tokens=4", "rollout.multi_turn.max_prompt_tokens=16",
+             "rollout.multi_turn.max_total_tokens=12", "rollout.multi_turn.max_turns=2",
+             "data.batch_size=2", "algorithm.n_samples=2", "placement.worker_host=driver"]  # fmt: skip
+    trainer = Trainer(load_config(GRPO, [*_overrides(run_dir, steps=4), *turns]), environment=_SlowTool)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    planner = _logged(records, "planner/")
+    assert 0.02 <= planner["planner/tool_seconds"] < 0.2
+    assert "planner/correction_generate" in planner
