@@ -10,7 +10,7 @@ from rlflow.dataflow.algorithms import (
     register_algorithm,
 )
 from rlflow.dataflow.draw import draw
-from rlflow.dataflow.graph import build_graph, mfcs_of, model_calls, unroll_graph, version_edges
+from rlflow.dataflow.graph import build_graph, mfcs_of, model_calls, rollout_calls, unroll_graph, version_edges
 from rlflow.dataflow.mfc import INTERFACE_TYPES, OBJECTIVES, PAIR_OBJECTIVES, MFCDef, ParamReallocHook
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "mfcs_of",
     "model_calls",
     "register_algorithm",
+    "rollout_calls",
     "unroll_graph",
     "version_edges",
 ]

@@ -89,6 +89,31 @@ def mfcs_of(graph: nx.DiGraph) -> list[MFCDef]:
     return [graph.nodes[n]["mfc"] for n in nx.lexicographical_topological_sort(graph, key=order.__getitem__)]
 
 
+def rollout_calls(graph: nx.DiGraph) -> list[str]:
+    """The calls an iteration may issue ahead of the train steps of earlier iterations when
+    rollouts may run behind training (``algorithm.policy_lag``), and that a step repeats for each
+    generation round under dynamic sampling, in topological order.
+
+    They are the generate calls with the calls they read from, and the calls downstream of them
+    that read only those and run on weights no call of the graph trains, without weight hooks (a
+    rule or a frozen reward model, a fixed reference): such a call gives the same rows whenever it
+    runs, and issued with the rollout it never holds up a train step queued behind the next rollout
+    on a shared worker. Empty for a graph that samples nothing.
+    """
+    mfcs = mfcs_of(graph)
+    generate = [m.name for m in mfcs if m.interface_type == "generate"]
+    if not generate:
+        return []
+    trained = {m.model_name for m in mfcs if m.is_train}
+    ahead = set(generate).union(*(nx.ancestors(graph, n) for n in generate))
+    for mfc in mfcs:
+        producers = set(graph.predecessors(mfc.name))
+        if mfc.name not in ahead and producers and producers <= ahead:
+            if mfc.model_name not in trained and not mfc.hook_sources and not mfc.is_train:
+                ahead.add(mfc.name)
+    return [m.name for m in mfcs if m.name in ahead]
+
+
 def model_calls(graph: nx.DiGraph) -> dict[str, list[str]]:
     """Model name -> names of the MFCs running on it, in topological order."""
     calls: dict[str, list[str]] = {}

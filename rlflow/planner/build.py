@@ -68,6 +68,7 @@ def mfc_options(
     )
     cache: dict[tuple, CallCost] = {}
     options, costs = [], []
+    calls = workload.calls_per_iteration(mfc)  # an option's time is the call's share of an iteration
     for mesh, strategy in pairs:
         key = (mesh.shape, strategy)
         if key not in cache:
@@ -75,7 +76,7 @@ def mfc_options(
         c = cache[key]
         replicated = mfc.interface_type == "generate"
         options.append(
-            CallOption(mesh, strategy, c.time_s, c.act_bytes, c.weight_bytes, c.train_state_bytes, replicated)
+            CallOption(mesh, strategy, c.time_s * calls, c.act_bytes, c.weight_bytes, c.train_state_bytes, replicated)
         )
         costs.append(c)
     return options, costs

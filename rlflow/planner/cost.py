@@ -113,6 +113,10 @@ class Workload:
         observation_len: tokens an environment appends after each turn but the last.
         tool_s: seconds one episode's step (its tool calls) takes after a turn.
         tool_threads: episodes stepping at once on a dp rank (``rollout.multi_turn.num_threads``).
+        rollout_rounds: times an iteration runs each of ``rollout_calls`` (dynamic sampling's
+            generation rounds, :mod:`rlflow.trainer.dynamic_sampling`); a call's option is priced
+            that many calls an iteration.
+        rollout_calls: the calls a generation round runs (:func:`rlflow.dataflow.rollout_calls`).
     """
 
     batch_size: int
@@ -127,6 +131,8 @@ class Workload:
     observation_len: int = 0
     tool_s: float = 0.0
     tool_threads: int = 1
+    rollout_rounds: float = 1.0
+    rollout_calls: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for attr in ("batch_size", "prompt_len", "n_samples_per_prompt", "n_ppo_minibatches", "ppo_epochs"):
@@ -137,6 +143,8 @@ class Workload:
                 f"Workload turns={self.turns}, tool_threads={self.tool_threads} must be >= 1 and "
                 f"observation_len={self.observation_len}, tool_s={self.tool_s} >= 0"
             )
+        if self.rollout_rounds < 1:
+            raise ValueError(f"Workload.rollout_rounds={self.rollout_rounds} must be >= 1")
         if self.turns > 1 and self.turn_len < 1:
             raise ValueError(
                 f"Workload: gen_len={self.gen_len} leaves no token to sample in each of turns={self.turns} "
@@ -163,6 +171,10 @@ class Workload:
     def n_prompts(self, mfc: MFCDef) -> int:
         """Prompts a generation prefills: its sequences over the samples drawn per prompt."""
         return math.ceil(self.n_seqs(mfc) / self.n_samples_per_prompt)
+
+    def calls_per_iteration(self, mfc: MFCDef) -> float:
+        """Times an iteration runs ``mfc``: ``rollout_rounds`` for a call of a generation round, else 1."""
+        return self.rollout_rounds if mfc.name in self.rollout_calls else 1.0
 
     def tool_wait_s(self, rows: int) -> float:
         """Seconds a rank of ``rows`` episodes waits for their steps: after each turn but the last,

@@ -133,7 +133,7 @@ class CallOption:
 
     mesh: DeviceMesh
     strategy: ParallelStrategy
-    time_s: float  # seconds the call itself runs (compute + its own collectives)
+    time_s: float  # seconds the call itself runs an iteration (compute + its own collectives; every round of it)
     act_bytes: float  # peak dynamic bytes per device during the call, weights excluded
     weight_bytes: float  # bytes of the model's weights held per device under this strategy
     train_state_bytes: float = 0.0  # grads + optimizer state per device (train_step options only)

@@ -15,7 +15,9 @@ A multi-turn run also measures its tools: the seconds an episode's step takes (i
 ``multi_turn/step_s`` over ``multi_turn/turns``) replace ``rollout.multi_turn.tool_seconds`` in the
 plan made next, and the generate calls' corrections leave out the waits for the steps (priced by
 :meth:`~rlflow.planner.cost.Workload.tool_wait_s` at the seconds measured, and at the configured
-ones in the running plan's estimates), so a slow tool does not read as slow decoding.
+ones in the running plan's estimates), so a slow tool does not read as slow decoding. A run under
+dynamic sampling measures its generation rounds a step: their mean replaces
+``algorithm.dynamic_sampling_rounds`` in the plan made next.
 
 :class:`RunCalibration` then writes the corrected profile to the cache file of the run's shapes
 (the next run of the shape plans with it from step 1) and plans again. A plan of the same calls
@@ -34,7 +36,7 @@ from statistics import median
 
 import networkx as nx
 
-from rlflow.dataflow import mfcs_of
+from rlflow.dataflow import mfcs_of, rollout_calls
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import MachineProfile, save_profile
 from rlflow.trainer.config import RLFlowConfig
@@ -129,6 +131,7 @@ class RunCalibration:
         measured: Mapping[str, Sequence[float]],
         restart_s: float,
         tool_seconds: Mapping[str, Sequence[float]] | None = None,
+        rounds: Sequence[float] = (),
     ) -> int | Decision:
         """At the end of a phase: the thread count of the next phase, or the :class:`Decision`.
 
@@ -141,16 +144,25 @@ class RunCalibration:
             restart_s: what taking another layout costs (the run's start-up seconds).
             tool_seconds: a multi-turn generate call's seconds per episode step, at every step
                 since the run (re)started.
+            rounds: dynamic sampling's generation rounds at every step since the run (re)started.
         """
         if step == self._phase_end(0) and len(self.threads) > 1:
             return self.threads[1]
         kinds = {m.name: m.interface_type for m in mfcs_of(graph)}
         estimated = placement.estimated_call_seconds()
         names = [n for n in estimated if n in kinds and len(measured.get(n, ())) > self.steps * len(self.threads)]
-        phases = [_per_kind(kinds, {n: self._phase(measured[n], i) for n in names}) for i in range(len(self.threads))]
+        calls = [{n: self._phase(measured[n], i) for n in names} for i in range(len(self.threads))]
         cfg, waits, priced_waits = self._tools(cfg, graph, placement, tool_seconds or {})
-        # The calls' own work: the waits for tools neither scale with the machine nor with threads.
-        work = [{k: v - waits.get(k, 0.0) for k, v in phase.items()} for phase in phases]
+        measured_rounds = rounds[1 : 1 + self.steps * len(self.threads)]
+        repeats: dict[str, float] = {}  # the calls of a generation round, run that many times a step
+        if measured_rounds:
+            mean = sum(measured_rounds) / len(measured_rounds)
+            cfg = replace(cfg, algorithm=replace(cfg.algorithm, dynamic_sampling_rounds=mean))
+            repeats = dict.fromkeys(rollout_calls(graph), mean)
+        # A step's seconds by call type; the calls' own work (one call each; the waits for tools
+        # neither scale with the machine nor with threads).
+        phases = [_per_kind(kinds, {n: s * repeats.get(n, 1.0) for n, s in c.items()}) for c in calls]
+        work = [{k: max(v - waits.get(k, 0.0), 0.0) for k, v in _per_kind(kinds, c).items()} for c in calls]
         estimated = {n: estimated[n] - priced_waits.get(n, 0.0) for n in estimated}
         priced = dict(self.profile.host_speedups or {})
         if self.profile.calls is not None:
@@ -177,6 +189,9 @@ class RunCalibration:
             seconds = cfg.rollout.multi_turn.tool_seconds
             decision.metrics["planner/tool_seconds"] = seconds
             decision.message += f"; tools measured {seconds:.3f} s an episode step"
+        if measured_rounds:
+            decision.metrics["planner/dynamic_sampling_rounds"] = cfg.algorithm.dynamic_sampling_rounds
+            decision.message += f"; {cfg.algorithm.dynamic_sampling_rounds:.2f} generation rounds a step"
         return decision
 
     def _tools(
@@ -214,7 +229,7 @@ class RunCalibration:
         # (one worker), else its estimate scaled as its calls measured against theirs.
         current = min(sum(p.values()) for p in phases)
         if len(placement.used_ranks) > 1:
-            est = sum(placement.estimated_call_seconds().values())
+            est = sum(c.time_s for c in placement.plan.calls)  # an iteration's calls, every round of them
             current = placement.plan.iteration_time_s * (sum(phases[0].values()) / est if est > 0 else 1.0)
         new = plan_placement(cfg, graph, self.specs, use_gpu=False, profile=profile, progress=False,
                              multi_turn=self.multi_turn)  # fmt: skip

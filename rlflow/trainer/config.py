@@ -111,6 +111,13 @@ class AlgorithmConfig(_Section, AlgorithmParams):
         "groups fill the rest of the batch (counted: dynamic_sampling/groups_short)",
         ge=1,
     )
+    dynamic_sampling_rounds: float = _f(
+        1.0,
+        "dynamic sampling, planner: generation rounds a step is priced with (at most dynamic_sampling_max_rounds); "
+        "a run that calibrates (placement.calibrate: run, on a new shape) plans again with the mean it measured "
+        "(dynamic_sampling/rounds)",
+        ge=1.0,
+    )
 
     @property
     def record(self) -> Algorithm:
@@ -149,6 +156,11 @@ class AlgorithmConfig(_Section, AlgorithmParams):
             )
         if self.n_samples < 2:
             raise ConfigError("dynamic_sampling", f"true needs groups: n_samples={self.n_samples} (at least 2)")
+        if self.dynamic_sampling_rounds > self.dynamic_sampling_max_rounds:
+            raise ConfigError(
+                "dynamic_sampling_rounds",
+                f"{self.dynamic_sampling_rounds:g} > dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds}",
+            )
         if self.policy_lag:
             raise ConfigError(
                 "dynamic_sampling", f"true needs on-policy rollouts (policy_lag={self.policy_lag}; set 0)"

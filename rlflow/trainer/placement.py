@@ -24,7 +24,7 @@ import networkx as nx
 import torch
 from transformers import AutoConfig
 
-from rlflow.dataflow import mfcs_of
+from rlflow.dataflow import mfcs_of, rollout_calls
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
@@ -58,6 +58,8 @@ class Placement:
         problem: the planning problem the plan indexes into.
         threads: torch threads of each CPU worker: 1, or every core of the host for a plan of
             one worker that runs faster so (:func:`one_worker_on_every_core`).
+        rounds: MFC name -> times an iteration runs it, where not once (dynamic sampling's
+            generation rounds, as priced).
     """
 
     calls: dict[str, CallPlacement]
@@ -65,10 +67,12 @@ class Placement:
     baselines: list[BaselinePlan] = field(default_factory=list)
     problem: PlanProblem | None = None
     threads: int = 1
+    rounds: dict[str, float] = field(default_factory=dict)
 
     def estimated_call_seconds(self) -> dict[str, float]:
-        """MFC name -> the cost model's estimate of one call (s)."""
-        return {} if self.plan is None else {c.name: c.time_s for c in self.plan.calls}
+        """MFC name -> the cost model's estimate of one call (s); the plan's iteration runs a
+        call of :attr:`rounds` that many times."""
+        return {} if self.plan is None else {c.name: c.time_s / self.rounds.get(c.name, 1.0) for c in self.plan.calls}
 
     @property
     def used_ranks(self) -> tuple[int, ...]:
@@ -130,8 +134,11 @@ def planning_cluster(cfg: RLFlowConfig, use_gpu: bool, profile: MachineProfile |
     return cluster_preset("cpu", p.num_nodes, p.devices_per_node, profile=rates)
 
 
-def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False) -> Workload:
+def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False, graph: nx.DiGraph | None = None) -> Workload:
     """Batch and lengths of one iteration as the cost model sees them.
+
+    Under ``algorithm.dynamic_sampling`` the calls of a generation round of ``graph``
+    (:func:`rlflow.dataflow.rollout_calls`) run ``algorithm.dynamic_sampling_rounds`` times an iteration.
 
     ``multi_turn`` rows are ``rollout.multi_turn.max_prompt_tokens`` + ``max_total_tokens`` long,
     priced as ``max_turns`` turns of ``rollout.max_new_tokens`` sampled tokens (fewer when the budget
@@ -147,6 +154,9 @@ def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False) -> Workload:
         observation = (mt.max_total_tokens - turns * turn) // (turns - 1) if turns > 1 else 0
         multi = {"turns": turns, "observation_len": observation, "tool_s": mt.tool_seconds,
                  "tool_threads": mt.num_threads}  # fmt: skip
+    algo = cfg.algorithm
+    if getattr(algo, "dynamic_sampling", False) and graph is not None:
+        multi |= {"rollout_rounds": algo.dynamic_sampling_rounds, "rollout_calls": frozenset(rollout_calls(graph))}
     return Workload(
         batch_size=cfg.data.batch_size,
         prompt_len=mt.max_prompt_tokens if multi_turn else cfg.data.max_prompt_len,
@@ -216,13 +226,14 @@ def plan_placement(
     problem = plan = None
     baselines: list[BaselinePlan] = []
     threads = 1
+    workload = planning_workload(cfg, multi_turn, graph)
     if device_mfcs:
         cluster = planning_cluster(cfg, use_gpu, profile)
         problem = build_problem(
             graph,
             dict(specs),
             cluster,
-            planning_workload(cfg, multi_turn),
+            workload,
             capabilities=runtime_capabilities(cfg, multi_turn, specs),
             profile=profile,
             policy_lag=getattr(cfg.algorithm, "policy_lag", 0),
@@ -236,7 +247,8 @@ def plan_placement(
                 problem, plan, profile.calls, kinds, p.devices_per_node, profile.host_speedups
             )
     calls = _call_placements(graph, plan, cfg)
-    return Placement(calls, plan, baselines, problem, threads)
+    rounds = {m.name: workload.rollout_rounds for m in device_mfcs if m.name in workload.rollout_calls}
+    return Placement(calls, plan, baselines, problem, threads, rounds)
 
 
 # The profiled whole call that prices each interface type.

@@ -29,7 +29,7 @@ import networkx as nx
 import ray
 
 from rlflow.controller import DataFuture, RayWorkerGroup, driver_host
-from rlflow.dataflow import MFCDef, mfcs_of
+from rlflow.dataflow import MFCDef, mfcs_of, rollout_calls
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 
@@ -187,27 +187,9 @@ class DataflowRunner:
         return submitted
 
     def rollout_calls(self) -> list[str]:
-        """The calls an iteration may issue ahead of the train steps of earlier iterations when
-        rollouts may run behind training (``algorithm.policy_lag``), in issue order.
-
-        They are the generate calls with the calls they read from, and the calls downstream of
-        them that read only those and run on weights no call of the graph trains, without weight
-        hooks (a rule or a frozen reward model, a fixed reference): such a call gives the same
-        rows whenever it runs, and issued with the rollout it never holds up a train step queued
-        behind the next rollout on a shared worker. Empty for a graph that samples nothing.
-        """
-        generate = [n for n in self.order if self.placements[n].mfc.interface_type == "generate"]
-        if not generate:
-            return []
-        trained = {self.placements[n].mfc.model_name for n in self.order if self.placements[n].mfc.is_train}
-        ahead = set(generate).union(*(nx.ancestors(self.graph, n) for n in generate))
-        for name in self.order:
-            mfc = self.placements[name].mfc
-            producers = set(self.graph.predecessors(name))
-            if name not in ahead and producers and producers <= ahead:
-                if mfc.model_name not in trained and not mfc.hook_sources and not mfc.is_train:
-                    ahead.add(name)
-        return [n for n in self.order if n in ahead]
+        """The calls an iteration may issue ahead of the train steps of earlier iterations
+        (:func:`rlflow.dataflow.rollout_calls`), in issue order."""
+        return rollout_calls(self.graph)
 
     def wait(self, submitted: Submitted, fetch: Sequence[str] = ()) -> dict[str, DataProto]:
         """Waits for every call of a submission; returns the collected outputs of the ``fetch`` calls.

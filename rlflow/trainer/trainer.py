@@ -208,6 +208,7 @@ class Trainer:
             self._calibration: calibration.RunCalibration | None = None
             # a multi-turn generate call's seconds per episode step, at every step (the calibration reads them)
             self._tool_seconds: dict[str, list[float]] = {}
+            self._rounds: list[float] = []  # dynamic sampling's generation rounds at every step (the same)
             self._next_placement: Placement | None = None
             self._first_step_s = 0.0
             # Seconds of each start-up stage, logged once with the first step (``startup/*``).
@@ -541,7 +542,7 @@ class Trainer:
         thread count, or (a checkpoint saved first) :class:`_Replan` to restart on another."""
         outcome = self._calibration.at(
             step, self.cfg, self.graph, self.placement, self.result.mfc_seconds, restart_s=self._first_step_s,
-            tool_seconds=self._tool_seconds,
+            tool_seconds=self._tool_seconds, rounds=self._rounds,
         )  # fmt: skip
         if isinstance(outcome, int):
             log.info(f"calibrating: steps {step + 1}..{step + self.cfg.placement.calibrate_steps} on {outcome} threads")
@@ -695,6 +696,8 @@ class Trainer:
         metrics = trainer_metrics.call_metrics(mine)
         if self.sampler is not None:  # the step's generation rounds and dropped groups
             metrics.update(self.sampler.metrics.pop(step, {}))
+            if "dynamic_sampling/rounds" in metrics:
+                self._rounds.append(metrics["dynamic_sampling/rounds"])
         for name in dict.fromkeys(r.mfc for r in mine if r.kind == "call"):
             self.result.mfc_seconds.setdefault(name, []).append(metrics[f"time/{name}"])
             if metrics.get(f"{name}/multi_turn/turns"):

@@ -238,3 +238,36 @@ def test_a_multi_turn_run_calibrates_with_the_seconds_its_tools_took(tmp_path, m
     planner = _logged(records, "planner/")
     assert 0.02 <= planner["planner/tool_seconds"] < 0.2
     assert "planner/correction_generate" in planner
+
+
+def test_a_dynamic_sampling_run_plans_again_with_the_generation_rounds_it_measured(monkeypatch) -> None:
+    """Each call is corrected by its own seconds (one round's); the rounds the steps took (their mean
+    after the warm-up step) price a step's calls of a round, and the next plan."""
+    from rlflow.planner.model_spec import model_preset
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement
+
+    overrides = ["algorithm.dynamic_sampling=true", "models.reward.init=tiny", "models.ref.init=tiny",
+                 "algorithm.kl_coef=0.1", "placement.mode=heuristic"]  # fmt: skip
+    cfg = load_config(None, overrides)
+    cfg.placement.devices_per_node = 8
+    graph = build_dataflow(cfg, rule_reward=False)
+    specs = {role: model_preset("llama2-7b") for role in ("actor", "reward", "ref")}
+    placement = plan_placement(cfg, graph, specs, use_gpu=True, progress=False)
+    estimated = placement.estimated_call_seconds()
+    measured = {n: [9.0] + [2 * s] * 2 for n, s in estimated.items()}  # every call twice as slow as priced
+    seen = {}
+
+    def decide(self, cfg, graph, placement, profile, phases, restart_s, step):
+        seen.update(step_s=sum(phases[0].values()), rounds=cfg.algorithm.dynamic_sampling_rounds)
+        return calibration.Decision(profile, None, False, "kept", {})
+
+    monkeypatch.setattr(calibration.RunCalibration, "_decide", decide)
+    run = calibration.RunCalibration(_machine_profile(0.2), (), specs)
+    run.begin(0, placement, steps=2, cores=1)
+    decision = run.at(3, cfg, graph, placement, measured, restart_s=1.0, rounds=[4.0, 2.0, 3.0])
+    assert seen["rounds"] == decision.metrics["planner/dynamic_sampling_rounds"] == pytest.approx(2.5)
+    assert decision.profile.corrections == pytest.approx({"generate": 2.0, "inference": 2.0, "train_step": 2.0})
+    assert seen["step_s"] == pytest.approx(
+        sum(2 * s * (1.0 if n == "actor_train" else 2.5) for n, s in estimated.items())
+    )
