@@ -268,6 +268,12 @@ class LoggingConfig(_Section):
     wandb: bool = _f(False, "log to Weights & Biases (the wandb extra: pip install 'rlflow[wandb]')")
     mlflow: bool = _f(False, "log to MLflow (the mlflow extra: pip install 'rlflow[mlflow]')")
     project: str = _f("rlflow", "wandb project / mlflow experiment name")
+    rollouts_every: int = _f(
+        0,
+        "every this many steps, write the step's rollouts (prompt, response, reward, answer, group) as JSON lines "
+        "to {run dir}/rollouts/step_{N}.jsonl (TRL's log_completions, verl's rollout_data_dir); 0: none",
+        ge=0,
+    )
 
 
 @dataclass(kw_only=True)
@@ -323,6 +329,10 @@ class RLFlowConfig(_Section):
         self._check_sampling()
         if self.rollout.partial_tokens:
             self._check_partial()
+        if self.logging.rollouts_every and not self.algorithm.record.samples_responses:
+            raise ConfigError(
+                "logging.rollouts_every", f"algorithm {self.algorithm.name!r} samples no rollouts to write (set 0)"
+            )
 
     @property
     def run_dir(self) -> Path:

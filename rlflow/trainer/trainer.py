@@ -38,6 +38,7 @@ from rlflow.workers.logs import configure_logging
 if TYPE_CHECKING:
     from rlflow.dataflow.algorithms import Algorithm
     from rlflow.planner.timeline import Interval
+    from rlflow.protocol import DataProto
     from rlflow.trainer.config import RLFlowConfig
     from rlflow.trainer.placement import Placement
     from rlflow.trainer.runner import DataflowRunner, Submitted
@@ -54,6 +55,7 @@ tokenizer_io = LazyModule("rlflow.data.tokenizer")
 timeline = LazyModule("rlflow.planner.timeline")
 build = LazyModule("rlflow.trainer.build")
 calibration = LazyModule("rlflow.trainer.calibration")
+rollout_log = LazyModule("rlflow.trainer.rollout_log")
 checkpoint_layouts = LazyModule("rlflow.trainer.checkpoint_layouts")
 inputs = LazyModule("rlflow.trainer.inputs")
 trainer_callbacks = LazyModule("rlflow.trainer.callbacks")
@@ -500,7 +502,7 @@ class Trainer:
             stopping = self._out_of_time(started) or self.callbacks.stop_requested or self._signal is not None
             if step < total and not self._sync_point(step) and not stopping:
                 following = (step + 1, self._issue(step + 1, batches))
-            self.runner.wait(submitted)
+            self._write_rollouts(step, self.runner.wait(submitted, fetch=self._rollout_calls(step)))
             self.step = step
             self.callbacks.step_end(step)
             self._log_step(step)
@@ -520,6 +522,26 @@ class Trainer:
         self.issuer.drain()  # rollouts issued ahead of a run that stopped early
         bar.close()
         self.result.steps = self.step
+
+    def _rollout_calls(self, step: int) -> list[str]:
+        """The calls whose rows ``step`` writes (``logging.rollouts_every``): the first generate
+        call and the call that scores its rows; none on other steps."""
+        every = self.cfg.logging.rollouts_every
+        if not every or step % every:
+            return []
+        mfcs = [self.runner.placements[n].mfc for n in self.runner.order]
+        generate = next(m.name for m in mfcs if m.interface_type == "generate")
+        scores = [m.name for m in mfcs if "rewards" in m.output_keys and m.interface_type == "inference"]
+        return [generate, *scores[:1]]
+
+    def _write_rollouts(self, step: int, rows: dict[str, DataProto]) -> None:
+        if not rows:
+            return
+        generate, *scores = self._rollout_calls(step)
+        records = rollout_log.rollout_records(
+            tokenizer_io.load_tokenizer(self.tokenizer_path), rows[generate], rows[scores[0]] if scores else None
+        )
+        rollout_log.write_rollouts(self.run_dir, step, records)
 
     def _issue(self, step: int, batches) -> Submitted:
         """Issues ``step``'s calls, then a ``pop_metrics`` queued behind them on every worker: it

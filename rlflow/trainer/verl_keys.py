@@ -144,6 +144,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("trainer.n_gpus_per_node", "placement.devices_per_node"),
     VerlKey("trainer.nnodes", "placement.num_nodes"),
     VerlKey("trainer.project_name", "logging.project"),
+    VerlKey(
+        "trainer.rollout_data_dir",
+        "logging.rollouts_every",
+        "rlflow writes every N-th step's rollouts to {run dir}/rollouts/step_{N}.jsonl",
+    ),
     VerlKey("trainer.experiment_name", "experiment_name", "a top-level key"),
     VerlKey("trainer.default_local_dir", "checkpoint.dir"),
     VerlKey(
