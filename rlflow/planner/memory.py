@@ -95,10 +95,13 @@ def saved_bytes_per_token(model: ModelSpec, tp: int, nbytes: int) -> float:
 
     Saved tensors: the inputs of the two norms and of the qkv and gate/up projections (hidden
     size each, replicated over tp without sequence parallelism), q/k/v and the attention output
-    (flash attention keeps no score matrix), the gate and up outputs and their product.
+    (flash attention keeps no score matrix), the gate and up outputs and their product. A
+    mixture-of-experts layer saves these of its active experts (:attr:`ModelSpec.active_intermediate_size`),
+    the token's copy handed to each of them, and the router's logits and probabilities.
     """
-    h, i = model.hidden_size, model.intermediate_size
-    return nbytes * (4 * h + (model.q_size + 2 * model.kv_size + model.q_size + 3 * i) / tp)
+    h, i = model.hidden_size, model.active_intermediate_size
+    routing = model.experts_per_token * h + 2 * model.num_experts if model.num_experts else 0
+    return nbytes * (4 * h + routing + (model.q_size + 2 * model.kv_size + model.q_size + 3 * i) / tp)
 
 
 def logits_bytes(model: ModelSpec, tp: int, tokens: float, precision: Precision, compute_bytes: int) -> float:

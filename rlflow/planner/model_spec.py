@@ -137,6 +137,18 @@ class ModelSpec:
         return h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * self.intermediate_size
 
     @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width a token runs through: ``intermediate_size``, or of a mixture-of-experts layer
+        its active experts' (and shared experts') widths together, from its active matmul weights
+        less attention's and the router's (a gated MLP: three matrices of hidden x width)."""
+        if not self.num_experts or self.layer_active_matmul_count is None:
+            return self.intermediate_size
+        h = self.hidden_size
+        attention = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        mlp = self.layer_active_matmul_count - attention - h * self.num_experts
+        return max(1, round(mlp / (3 * h)))
+
+    @property
     def layer_params(self) -> int:
         """All parameters of one decoder layer: matmuls, biases and norms."""
         if self.layer_param_count is not None:

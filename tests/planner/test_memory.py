@@ -150,3 +150,21 @@ def test_a_lora_actor_holds_its_base_and_trains_state_for_the_adapters_only():
     assert memory.train_state_bytes(full, s, p) == total * (p.grad_bytes + p.optimizer_bytes) / 2
     assert memory.train_state_bytes(lora, s, p) == trainable * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) / 2
     assert trainable < total / 10
+
+
+def test_a_moe_layer_saves_for_backward_what_its_active_experts_compute():
+    """Qwen3-MoE's dense intermediate_size is not its experts' (moe_intermediate_size); Mixtral's is
+    one expert's, and a token runs through two."""
+    qwen = ModelSpec.from_hf_config(
+        _tiny_hf("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16).config
+    )
+    mixtral = ModelSpec.from_hf_config(_tiny_hf("mixtral", num_local_experts=4, num_experts_per_tok=2).config)
+    assert (qwen.intermediate_size, qwen.active_intermediate_size) == (64, 2 * 16)
+    assert (mixtral.intermediate_size, mixtral.active_intermediate_size) == (64, 2 * 64)
+    dense = ModelSpec.from_hf_config(_tiny_hf("qwen3").config)
+    assert dense.active_intermediate_size == dense.intermediate_size == 64
+    for spec in (qwen, mixtral):
+        h, e = spec.hidden_size, spec.num_experts
+        attention = spec.q_size + 2 * spec.kv_size + spec.q_size
+        per_token = 4 * h + 2 * h + 2 * e + attention + 3 * spec.active_intermediate_size
+        assert memory.saved_bytes_per_token(spec, 1, 4) == 4 * per_token
