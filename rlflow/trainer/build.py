@@ -545,14 +545,14 @@ def worker_algorithm(cfg: RLFlowConfig) -> AlgorithmParams:
 
 
 def check_multi_turn_calls(calls: Mapping[str, CallPlacement]) -> None:
-    """Multi-turn episodes run on the built-in sampler with one process per dp rank: every generate
+    """Multi-turn episodes run on one process per dp rank (the hf or vllm engine): every generate
     call of the actor must be placed with tp = pp = 1 (an episode's tools would run once per rank)."""
     for name, c in calls.items():
         if c.mfc.interface_type == "generate" and (c.strategy.tp > 1 or c.strategy.pp > 1):
             raise ConfigError(
                 "rollout.multi_turn",
-                f"the plan places generate call {name!r} on {c.strategy}; multi-turn rollouts need the built-in "
-                "sampler on one process per dp rank (tp = pp = 1: set placement.manual or fewer devices)",
+                f"the plan places generate call {name!r} on {c.strategy}; multi-turn rollouts need one process "
+                "per dp rank (tp = pp = 1: set placement.manual or fewer devices)",
             )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
-from rlflow.engine.rollout import list_rollout_engines
+from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
 from rlflow.trainer.config_fields import ConfigError, _f, _Section
 
 __all__ = ["DataConfig", "MultiTurnConfig", "RolloutConfig", "WarmupConfig"]
@@ -73,8 +73,8 @@ class MultiTurnConfig(_Section):
     The policy samples a turn (up to ``rollout.max_new_tokens``, ending at the EOS / end of turn, or
     with ``stop_at_call`` at a tool call's closing tag),
     the environment answers, its observation is appended, and so on. Observation tokens are in the
-    sequence but out of the loss, KL and entropy. Needs ``rollout.engine: hf`` on one process per
-    dp rank (no tensor- or pipeline-parallel generation). Python: ``Trainer(tools=[...])`` or
+    sequence but out of the loss, KL and entropy. Needs ``rollout.engine: hf`` or ``vllm`` on one
+    process per dp rank (no tensor- or pipeline-parallel generation). Python: ``Trainer(tools=[...])`` or
     ``Trainer(environment=Factory)``.
     """
 
@@ -153,11 +153,11 @@ class RolloutConfig(_Section):
     )
 
     def _check(self) -> None:
-        if self.multi_turn.enabled and self.engine != "hf":
+        if self.multi_turn.enabled and getattr(get_rollout_engine(self.engine), "generate_episodes", None) is None:
             raise ConfigError(
                 "engine",
-                f"{self.engine!r} runs no multi-turn episodes (rollout.multi_turn); multi-turn needs the built-in "
-                "sampler, engine: hf, on one process per dp rank",
+                f"{self.engine!r} runs no multi-turn episodes (rollout.multi_turn; no generate_episodes): the "
+                "engines hf and vllm run them, on one process per dp rank",
             )
 
 

@@ -130,6 +130,16 @@ def test_builtin_declarations():
 # --------------------------------------------------------------------------- config, setup, planner
 
 
+def test_multi_turn_rollouts_need_an_engine_that_runs_episodes(registry, monkeypatch):
+    episodes = ["rollout.multi_turn.environment=envs:Env", "placement.use_gpu=false"]
+    assert load_config(GRPO, [*episodes, "rollout.engine=kept_hf"]).rollout.multi_turn.enabled
+    vllm = [*episodes[:1], "rollout.engine=vllm", "placement.use_gpu=true"]
+    assert load_config(GRPO, vllm).rollout.engine == "vllm"
+    monkeypatch.setattr(KeptHFEngine, "generate_episodes", None)  # an engine without them
+    with pytest.raises(ConfigError, match=r"rollout.engine: 'kept_hf' runs no multi-turn episodes .* hf and vllm"):
+        load_config(GRPO, [*episodes, "rollout.engine=kept_hf"])
+
+
 def test_config_reads_the_registry_and_the_device_an_engine_needs(registry):
     assert load_config(GRPO, ["rollout.engine=kept_hf", "placement.use_gpu=false"]).rollout.engine == "kept_hf"
     with pytest.raises(ConfigError, match=r"'vllm' needs GPUs but placement.use_gpu is false; use one of \['hf', 'k"):

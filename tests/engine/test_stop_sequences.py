@@ -1,5 +1,6 @@
 """Stop sequences in the built-in sampler: a row ends once its last sampled ids are a sequence (a tool
-call's closing tag), in every decoder, keeping the tokens up to and including it and nothing after."""
+call's closing tag), in every decoder, keeping the tokens up to and including it and nothing after;
+and the cut after sampling that the vLLM engine applies (``truncate_at_stop_sequences``) gives the same rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from rollout_helpers import PAD, left_padded_prompts, tiny_model
 
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
+from rlflow.engine.rollout.base import stop_sequence_end, truncate_at_stop_sequences
 from rlflow.engine.rollout.vllm_engine import to_vllm_sampling_params
 
 torch.set_num_threads(1)
@@ -86,5 +88,48 @@ def test_stop_sequences_are_validated_and_refused_where_they_are_not_honoured():
     with pytest.raises(ValueError, match="stop_sequences"):
         SamplingParams(stop_sequences=((1, -2),))
     assert SamplingParams(stop_sequences=[[1, 2]]).stop_sequences == ((1, 2),)
-    with pytest.raises(ValueError, match="vllm engine stops on single tokens"):
+    with pytest.raises(ValueError, match="vLLM stops on text or single tokens only"):
         to_vllm_sampling_params(SamplingParams(stop_sequences=((1, 2),)), seed=0)
+
+
+def test_stop_sequence_end_finds_the_first_completed_sequence_within_the_ids():
+    assert stop_sequence_end([5, 1, 2, 9, 1, 2], [(1, 2)]) == 2
+    assert stop_sequence_end([5, 1, 2, 9, 1, 2], [(1, 2)], first=3) == 5  # the first one ends before `first`
+    assert stop_sequence_end([5, 1, 2, 9], [(1, 2), (5,)]) == 0  # the earliest end of any sequence
+    assert stop_sequence_end([2, 9], [(1, 2)]) is None  # a sequence never reaches before the ids
+    assert stop_sequence_end([1, 3, 2], [(1, 2)]) is None  # the ids in order and adjacent, nothing less
+    assert stop_sequence_end([], [(1,)]) is None
+
+
+def test_truncation_cuts_each_row_after_its_sequence_and_leaves_the_others():
+    responses = torch.tensor([[4, 1, 2, 7, 7], [4, 4, 4, 0, 0], [1, 2, 5, 6, 0]])
+    response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    old_logp = -torch.arange(1.0, 16.0).reshape(3, 5) * response_mask
+    before = (responses.clone(), response_mask.clone(), old_logp.clone())
+    truncate_at_stop_sequences(responses, response_mask, old_logp, SamplingParams(max_new_tokens=5), PAD)
+    assert all(torch.equal(a, b) for a, b in zip((responses, response_mask, old_logp), before))  # none to stop on
+    params = SamplingParams(max_new_tokens=5, min_new_tokens=1, stop_sequences=((1, 2),))
+    truncate_at_stop_sequences(responses, response_mask, old_logp, params, PAD)
+    assert responses.tolist() == [[4, 1, 2, PAD, PAD], [4, 4, 4, 0, 0], [1, 2, PAD, PAD, PAD]]
+    assert response_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    assert old_logp.tolist() == [[-1, -2, -3, 0, 0], [-6, -7, -8, 0, 0], [-11, -12, 0, 0, 0]]
+
+
+def test_truncating_unstopped_rows_gives_the_rows_the_sampler_stops_on(model):
+    """The vLLM engine's rule against the built-in sampler's: greedy rows sampled free, then cut, equal
+    the rows sampled with the sequences (one completed before ``min_new_tokens``, which must not count)."""
+    ids, mask = left_padded_prompts([4, 6, 5, 3, 8, 6], seed=2)
+    engine = HFRolloutEngine(model)
+    params = SamplingParams(greedy=True, max_new_tokens=12, min_new_tokens=3)
+    free = engine.generate((ids, mask), params)
+    rows = free["responses"]
+    sequences = (tuple(rows[0, 0:2].tolist()), tuple(rows[0, 5:7].tolist()), tuple(rows[2, 3:6].tolist()))
+    stopped = engine.generate((ids, mask), replace(params, stop_sequences=sequences))
+    cut = {k: free[k].clone() for k in ("responses", "response_mask", "old_logp")}
+    truncate_at_stop_sequences(cut["responses"], cut["response_mask"], cut["old_logp"],
+                               replace(params, stop_sequences=sequences), PAD)  # fmt: skip
+    assert torch.equal(cut["responses"], stopped["responses"])
+    assert torch.equal(cut["response_mask"], stopped["response_mask"])
+    torch.testing.assert_close(cut["old_logp"], stopped["old_logp"])
+    lengths = stopped["response_mask"].sum(dim=1).tolist()
+    assert lengths[0] <= 7 and lengths[2] <= 6 and max(lengths) == 12, lengths  # cut rows and whole rows

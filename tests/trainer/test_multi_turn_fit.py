@@ -115,7 +115,7 @@ def test_a_plan_generating_tensor_or_pipeline_parallel_is_refused_for_multi_turn
     gen = MFCDef("actor_gen", "actor", "generate", ("prompts", "prompt_mask"), ("input_ids",))
     check_multi_turn_calls({"actor_gen": CallPlacement(gen, (0, 1), ParallelStrategy(dp=2))})
     for strategy in (ParallelStrategy(tp=2), ParallelStrategy(pp=2)):
-        with pytest.raises(ConfigError, match="multi-turn rollouts need the built-in sampler on one process per dp"):
+        with pytest.raises(ConfigError, match="multi-turn rollouts need one process per dp rank"):
             check_multi_turn_calls({"actor_gen": CallPlacement(gen, (0, 1), strategy)})
 
 

@@ -29,7 +29,7 @@ Greedy decoding ignores temperature/top-k/top-p and reports ``log_softmax(logits
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
@@ -62,6 +62,8 @@ __all__ = [
     "list_rollout_engines",
     "register_rollout_engine",
     "split_prompts",
+    "stop_sequence_end",
+    "truncate_at_stop_sequences",
 ]
 
 ROLLOUT_OUTPUT_KEYS = (
@@ -455,3 +457,47 @@ def assemble_rollout(
     kept = [k for k in source.batch_keys if k not in out]
     rest = source.select(batch_keys=kept).repeat(n, interleave=True)
     return rest.union(DataProto.from_dict(out))
+
+
+def stop_sequence_end(ids: Sequence[int], sequences: Sequence[Sequence[int]], first: int = 0) -> int | None:
+    """Index of the token of ``ids`` that first completes one of ``sequences`` at or after index
+    ``first``, else None; a sequence matches only within ``ids`` (token ids, not text).
+
+    >>> stop_sequence_end([5, 1, 2, 9, 1, 2], [(1, 2)], first=3)
+    5
+    """
+    seqs = [tuple(s) for s in sequences]
+    for end in range(first, len(ids)):
+        if any(len(s) <= end + 1 and tuple(ids[end + 1 - len(s) : end + 1]) == s for s in seqs):
+            return end
+    return None
+
+
+def truncate_at_stop_sequences(
+    responses: torch.Tensor, response_mask: torch.Tensor, old_logp: torch.Tensor, params: SamplingParams,
+    pad_token_id: int,
+) -> None:  # fmt: skip
+    """Ends each row after the first of ``params.stop_sequences`` its sampled ids complete, in place:
+    the tokens after it become ``pad_token_id`` with mask 0 and log-prob 0.
+
+    For an engine that cannot stop on token-id sequences while decoding (vLLM: its ``stop`` is text
+    and its ``stop_token_ids`` single tokens), applied to responses sampled without them. The rows
+    are then what the built-in sampler's check after each step gives for the same draws: a sequence
+    counts from token ``min_new_tokens`` on and only within the response, the tokens up to and
+    including it are kept.
+
+    Args:
+        responses, response_mask, old_logp: ``(B, R)``, each row's sampled tokens first (mask 1).
+        params: the stop sequences and ``min_new_tokens``.
+        pad_token_id: written after a row's end.
+    """
+    if not params.stop_sequences:
+        return
+    first = min(params.min_new_tokens, params.max_new_tokens)
+    for row in range(responses.shape[0]):
+        length = int(response_mask[row].sum())
+        end = stop_sequence_end(responses[row, :length].tolist(), params.stop_sequences, first)
+        if end is not None:
+            responses[row, end + 1 :] = pad_token_id
+            response_mask[row, end + 1 :] = 0
+            old_logp[row, end + 1 :] = 0.0

