@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
-from rlflow.engine.rollout import get_rollout_engine, list_rollout_engines
+from rlflow.engine.rollout import list_episode_engines, list_rollout_engines
 from rlflow.trainer.config_fields import ConfigError, _f, _Section
 
 __all__ = ["DataConfig", "MultiTurnConfig", "RolloutConfig", "WarmupConfig"]
@@ -153,11 +153,11 @@ class RolloutConfig(_Section):
     )
 
     def _check(self) -> None:
-        if self.multi_turn.enabled and getattr(get_rollout_engine(self.engine), "generate_episodes", None) is None:
+        if self.multi_turn.enabled and self.engine not in list_episode_engines():
             raise ConfigError(
                 "engine",
-                f"{self.engine!r} runs no multi-turn episodes (rollout.multi_turn; no generate_episodes): the "
-                "engines hf and vllm run them, on one process per dp rank",
+                f"{self.engine!r} runs no multi-turn episodes (rollout.multi_turn: no generate_episodes); engines "
+                f"that do: {list_episode_engines()}, on one process per dp rank",
             )
 
 

@@ -34,6 +34,7 @@ from transformers import AutoConfig
 from rlflow.data.tokenizer import load_tokenizer
 from rlflow.dataflow.algorithms import Algorithm, get_algorithm, list_algorithms, register_algorithm
 from rlflow.engine.models import is_sequence_classification
+from rlflow.engine.rollout import list_episode_engines
 from rlflow.trainer.config import ConfigError, ModelConfig, RLFlowConfig, load_config
 from rlflow.trainer.hub import resolve_model_dir
 from rlflow.workers.environments import MultiTurnSetup, ToolEnvironments, pack_environment
@@ -332,7 +333,7 @@ def multi_turn_setup(cfg: RLFlowConfig, tools: Sequence[Any] | None, environment
 
     Raises:
         ConfigError: tools and an environment both (from Python, the config or both); a rollout
-            engine other than ``hf``; an algorithm that samples nothing; an import path that does not
+            engine without ``generate_episodes``; an algorithm that samples nothing; an import path that does not
             resolve or an environment missing ``reset``/``step`` (config).
         TypeError: a Python tool without type hints or docstring, or an environment missing a
             method (the message names the function or the class).
@@ -344,9 +345,11 @@ def multi_turn_setup(cfg: RLFlowConfig, tools: Sequence[Any] | None, environment
     if sum(given.values()) > 1:
         named = [k for k, v in given.items() if v]
         raise ConfigError(named[0], f"{' and '.join(named)} both give the episodes; keep one")
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.engine not in list_episode_engines():
         raise ConfigError(
-            "rollout.engine", f"{cfg.rollout.engine!r} runs no multi-turn episodes; multi-turn needs engine: hf"
+            "rollout.engine",
+            f"{cfg.rollout.engine!r} runs no multi-turn episodes (no generate_episodes); engines that do: "
+            f"{list_episode_engines()}",
         )
     if not cfg.algorithm.record.samples_responses:
         raise ConfigError("rollout.multi_turn", f"algorithm {cfg.algorithm.name!r} samples no rollouts")

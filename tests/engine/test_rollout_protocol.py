@@ -27,6 +27,7 @@ from rlflow.engine.rollout import (
     SamplingParams,
     SleepsBetweenCalls,
     get_rollout_engine,
+    list_episode_engines,
     list_rollout_engines,
     register_rollout_engine,
 )
@@ -34,6 +35,7 @@ from rlflow.engine.rollout import base as rollout_base
 from rlflow.protocol import DataProto
 from rlflow.strategy import ParallelStrategy
 from rlflow.trainer.config import ConfigError, load_config
+from rlflow.trainer.inputs import multi_turn_setup
 from rlflow.trainer.placement import runtime_capabilities
 from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
 
@@ -136,8 +138,11 @@ def test_multi_turn_rollouts_need_an_engine_that_runs_episodes(registry, monkeyp
     vllm = [*episodes[:1], "rollout.engine=vllm", "placement.use_gpu=true"]
     assert load_config(GRPO, vllm).rollout.engine == "vllm"
     monkeypatch.setattr(KeptHFEngine, "generate_episodes", None)  # an engine without them
-    with pytest.raises(ConfigError, match=r"rollout.engine: 'kept_hf' runs no multi-turn episodes .* hf and vllm"):
+    assert list_episode_engines() == ["hf", "vllm"]
+    with pytest.raises(ConfigError, match=r"'kept_hf' runs no multi-turn episodes .* that do: \['hf', 'vllm'\]"):
         load_config(GRPO, [*episodes, "rollout.engine=kept_hf"])
+    with pytest.raises(ConfigError, match=r"'kept_hf' runs no multi-turn episodes \(no generate_episodes\)"):
+        multi_turn_setup(load_config(GRPO, ["rollout.engine=kept_hf", "placement.use_gpu=false"]), None, object)
 
 
 def test_config_reads_the_registry_and_the_device_an_engine_needs(registry):

@@ -59,6 +59,7 @@ __all__ = [
     "SleepsBetweenCalls",
     "assemble_rollout",
     "get_rollout_engine",
+    "list_episode_engines",
     "list_rollout_engines",
     "register_rollout_engine",
     "split_prompts",
@@ -392,6 +393,12 @@ def get_rollout_engine(name: str) -> type[RolloutEngine]:
 def list_rollout_engines() -> list[str]:
     """Names of the registered rollout engines, sorted."""
     return sorted(_ENGINES)
+
+
+def list_episode_engines() -> list[str]:
+    """Names of the registered rollout engines that run multi-turn episodes (a ``generate_episodes``
+    method, :mod:`rlflow.engine.rollout.multi_turn`), sorted."""
+    return sorted(name for name, cls in _ENGINES.items() if getattr(cls, "generate_episodes", None) is not None)
 
 
 def split_prompts(prompts: Prompts) -> tuple[torch.Tensor, torch.Tensor, DataProto | None]:
