@@ -94,8 +94,9 @@ class SamplingParams:
         stop_token_ids: a row finishes after emitting one of these (it is kept in the response).
         stop_sequences: a row finishes once its last sampled ids are one of these sequences (kept in
             the response), from its ``min_new_tokens``-th token on; what a multi-turn turn ends on at
-            a tool call's closing tag. Only the built-in sampler on one pipeline stage honours them
-            (the pipelined sampler and vLLM refuse them).
+            a tool call's closing tag. The built-in sampler on one pipeline stage checks them while
+            decoding, the vLLM engine cuts its rows after the fact (:func:`truncate_at_stop_sequences`);
+            the pipelined sampler refuses them.
         min_new_tokens: the stop tokens are kept out of the choice of a row's first this many
             tokens (HF's ``min_new_tokens``, vLLM's ``min_tokens``); ``old_logp`` stays the
             model's own log-prob of the chosen token, which training recomputes.
