@@ -6,6 +6,8 @@ as another engine; its ``generate`` un-fuses the pushed tensors into an HF model
 built-in sampler. A worker running it must then sample exactly what a worker with ``"hf"``
 samples, before and after a training step, build the engine once, push through the reshard
 executor and sleep it between calls — all from the declarations, the workers never see its name.
+The engine's multi-turn episodes around a scripted LLM in vLLM's place: the contexts reach it as
+token ids, its tokens come back as they are, cut after a stop sequence.
 
 GPU (needs vllm): pushing weights through the executor gives the parameters vLLM's own
 ``load_weights`` gives; greedy generation equals the built-in sampler's; a GRPO run on one GPU.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -200,6 +203,69 @@ def test_the_planner_offers_vllm_rollouts_on_every_worker_only():
     S = ParallelStrategy
     assert options["vllm"] == {(4, S(dp=4)), (4, S(dp=2, tp=2)), (4, S(tp=4))}
     assert options["vllm"] < options["hf"] and (1, S()) in options["hf"]  # HF rollouts also run on part of the pool
+
+
+class ScriptedLLM:
+    """``vllm.LLM.generate`` as the engine calls it: each request's response is ``max_tokens`` ids
+    counting up from the sum of its prompt ids (mod 90), each with log-prob ``-0.5``; the requests
+    are kept."""
+
+    def __init__(self):
+        self.requests: list[tuple[list[int], SimpleNamespace]] = []
+
+    def generate(self, requests, sampling_params, use_tqdm):
+        outputs = []
+        for request, params in zip(requests, sampling_params):
+            prompt = request["prompt_token_ids"]
+            self.requests.append((prompt, params))
+            ids = [(sum(prompt) + k) % 90 + 1 for k in range(params.max_tokens)]
+            logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
+            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+        return outputs
+
+
+class Twice:
+    """Two turns; each observation is ``[95, 96]``."""
+
+    def reset(self, row):
+        self.steps = 0
+        return row["prompt_ids"]
+
+    def step(self, ids):
+        self.steps += 1
+        return [95, 96], 1.0, self.steps >= 2
+
+    def metrics(self):
+        return {}
+
+
+def test_vllm_episodes_hand_vllm_each_context_as_token_ids_and_keep_its_tokens(monkeypatch):
+    from rlflow.engine.rollout import vllm_engine
+    from rlflow.engine.rollout.multi_turn import MultiTurn
+
+    fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(vllm_engine, "_import_vllm", lambda: fake_vllm)
+    engine = object.__new__(VLLMRolloutEngine)  # vLLM's engine around the scripted LLM, no vLLM started
+    engine._llm, engine._tp, engine._dp_rank, engine._pad_token_id = ScriptedLLM(), 1, 0, 0
+    engine._asleep, engine._sleeps = set(), False
+    prompts = DataProto.from_dict({"input_ids": torch.tensor([[0, 3, 4], [5, 6, 7]]),
+                                   "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])})  # fmt: skip
+    multi = MultiTurn(episodes=Twice, max_turns=2, max_total_tokens=12, max_prompt_tokens=4, stop_sequences=((9, 10),))
+    out = engine.generate_episodes(prompts, SamplingParams(max_new_tokens=4, seed=1), multi)
+    # Turn 1: [3, 4] -> 8 9 10 11, cut after the sequence (9, 10); [5, 6, 7] -> 19 20 21 22, whole.
+    # Turn 2 reads prompt + turn + observation, as ids: their sums (mod 90) + 1 start the next tokens.
+    first, second = [3, 4, 8, 9, 10, 95, 96], [5, 6, 7, 19, 20, 21, 22, 95, 96]
+    assert [prompt for prompt, _ in engine._llm.requests] == [[3, 4], [5, 6, 7], first, second]
+    assert all(p.max_tokens == 4 and p.logprobs == 0 for _, p in engine._llm.requests)
+    start = [(sum(first) % 90) + 1, (sum(second) % 90) + 1]
+    assert out.batch["responses"][0].tolist()[:9] == first[2:] + list(range(start[0], start[0] + 4))
+    assert out.batch["responses"][1].tolist()[:10] == second[3:] + list(range(start[1], start[1] + 4))
+    assert out.batch["response_mask"][0].tolist() == [1] * 3 + [0, 0] + [1] * 4 + [0] * 3
+    assert out.batch["old_logp"][0].tolist() == [-0.5] * 3 + [0, 0] + [-0.5] * 4 + [0] * 3
+    assert out.batch["response_attention"][1].tolist() == [1] * 10 + [0, 0]
+    engine._tp = 2
+    with pytest.raises(ValueError, match="one process per dp rank \\(tp=2\\)"):
+        engine.generate_episodes(prompts, SamplingParams(max_new_tokens=4), multi)
 
 
 # ---- GPU: real vLLM ----

@@ -222,7 +222,7 @@ class ActorInterface(ModelInterface):
         out.meta_info["response_length"] = float(out.batch["response_mask"].sum(dim=1).float().mean())
         if self.multi_turn is not None:  # episode metrics (multi_turn/*, the environment's tools/*)
             out.meta_info.update(sampled.meta_info)
-        if filtered is not None:
+        if filtered is not None:  # after the episode metrics, which carry the engine's flag as a bool
             out.meta_info["old_logp_filtered"] = float(bool(filtered))
         return out
 
