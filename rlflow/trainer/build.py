@@ -34,6 +34,7 @@ from rlflow.engine.router_loss import resolve_router_aux_loss_coef
 from rlflow.families import family_of, list_families
 from rlflow.families.generic import GenericFamily
 from rlflow.files import write_atomic
+from rlflow.parallel.vllm_layout import vllm_fusion
 from rlflow.planner.cluster import local_devices_per_node, local_gpus
 from rlflow.planner.compiled import compile_problem
 from rlflow.planner.memory import KEEP_COPY_MARGIN, CallMemory, copies_that_fit, peak_bytes_with_kept_copies
@@ -231,7 +232,9 @@ def _checked_family(name: str, path: str, rollout_engine: str) -> str:
             )
         engine = get_rollout_engine(rollout_engine)
         causal = any(a.endswith("ForCausalLM") for a in config.architectures or [])
-        if causal and engine.layout_style != "hf":
+        if causal and engine.layout_style == "vllm":
+            _check_vllm_layout(name, config, rollout_engine)
+        elif causal and engine.layout_style != "hf":
             raise ConfigError(
                 "rollout.engine",
                 f"{rollout_engine!r} generates with its own fused {engine.layout_style!r} layout, which rlflow maps for "
@@ -239,6 +242,20 @@ def _checked_family(name: str, path: str, rollout_engine: str) -> str:
                 "rollout.engine=hf (the built-in sampler)",
             )
     return path
+
+
+def _check_vllm_layout(name: str, config: AutoConfig, rollout_engine: str) -> None:
+    """Refuse, before any worker starts, a generic-family model whose layers vLLM's own model class
+    lays out in a way rlflow does not map (:func:`rlflow.parallel.vllm_layout.vllm_fusion`, which
+    reads vLLM's model registry: vLLM must be installed where the run is constructed)."""
+    try:
+        vllm_fusion(config)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(
+            "rollout.engine",
+            f"{rollout_engine!r} cannot generate models.{name} ({config.model_type!r}): {err}; use rollout.engine=hf "
+            "(the built-in sampler)",
+        ) from None
 
 
 # Beside a model the run built from its config: what it was built from. Another config (a new seed,

