@@ -180,7 +180,9 @@ class ModelFamily:
         layer_tp: the tensor-parallel split of every parameter-holding module of a layer.
         kv_modules: column-parallel layer modules whose output rows are kv heads: replicated
             when tp does not divide the kv heads (vLLM keeps one head per group of ranks).
-        vllm_fused: vLLM's fused layer modules and the HF modules stacked in them, in order.
+        vllm_fused: vLLM's fused layer modules and the HF modules stacked in them, in order (empty
+            in the generic family, whose table is read from vLLM's model class:
+            ``rlflow.parallel.vllm_layout.vllm_fusion``).
         vllm_o_bias: vLLM's model of the family has an o_proj bias when HF's has one.
         layer_types: ``layer_types(config)`` -> attention kind of every layer,
             ``"full_attention"`` or ``"sliding_attention"`` (the masks the pipeline builds).

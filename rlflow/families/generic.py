@@ -12,7 +12,9 @@ its ``base_model_pp_plan`` (the stages cut its items as for any family); with te
 where its ``base_model_tp_plan`` splits the layers' linears Megatron's way only (``colwise`` /
 ``rowwise``; other styles gather outputs or split experts, which rlflow's ``apply_tp`` does not
 run: :attr:`~ModelFamily.tp_blocker` says so). The built-in sampler generates it through HF's own
-modules; vLLM's fused layout and the lean decoder need what only a hand-written record states.
+modules (the lean decoder needs what only a hand-written record states); vLLM, where vLLM's own
+model class fuses modules rlflow maps: its ``vllm_fused`` table is empty here and read from that
+class where a vLLM rollout is laid out (:func:`rlflow.parallel.vllm_layout.vllm_fusion`).
 Whether a model's HF forward is the decoder's item sequence (no scaled logits, no per-layer
 rotary tables) is checked on the model itself before training (``rlflow.engine.pipeline``).
 """
