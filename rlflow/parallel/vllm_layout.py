@@ -163,8 +163,8 @@ def vllm_fusion_from_packed(config: Any, packed: Mapping[str, Sequence[str]]) ->
     experts = sorted(name for name, shape in shapes.items() if len(shape) > 2)
     if experts:
         raise ValueError(
-            f"{why}: its layers hold the {len(shapes[experts[0]])}-D tensors {experts[:2]} (experts stacked), which vLLM's "
-            "fused-MoE layer keeps under names and splits of its own (w13_weight, w2_weight)"
+            f"{why}: its layers hold the {len(shapes[experts[0]])}-D tensors {experts[:2]} (experts stacked), "
+            "which vLLM's fused-MoE layer keeps under names and splits of its own (w13_weight, w2_weight)"
         )
     modules = {name.rpartition(".")[0] for name in shapes}
     parents = sorted({module.rpartition(".")[0] for module in modules})
@@ -172,12 +172,12 @@ def vllm_fusion_from_packed(config: Any, packed: Mapping[str, Sequence[str]]) ->
     prepacked: list[str] = []
     for leaf, parts in packed.items():
         for parent in parents:
-            path = lambda m, parent=parent: f"{parent}.{m}" if parent else m  # noqa: E731
-            present = [path(p) for p in parts if path(p) in modules]
-            if path(leaf) in modules and (tuple(parts) == (leaf,) or not present):
-                prepacked.append(path(leaf))
+            under = f"{parent}." if parent else ""
+            target, present = under + leaf, [under + p for p in parts if under + p in modules]
+            if target in modules and (tuple(parts) == (leaf,) or not present):
+                prepacked.append(target)
             elif present and len(present) == len(parts):
-                fused[path(leaf)] = tuple(present)
+                fused[target] = tuple(present)
             elif present:
                 raise ValueError(f"{why}: vLLM packs {list(parts)} into {leaf}, but the layer holds only {present}")
     return VLLMFusion(fused, tuple(prepacked))
