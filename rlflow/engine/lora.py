@@ -11,7 +11,9 @@ What leaves the engine is the policy the adapters define:
 
 * :class:`MergedViews` — the reshard source of a LoRA home: every weight under its HF name,
   a targeted one merged (``W + scaling · B @ A``) into a fresh tensor, so the rollout engine
-  receives the merged model and the base weights are never touched;
+  receives the merged model and the base weights are never touched; or, for a copy kept between
+  calls, the base and the adapters apart (:func:`low_rank_updates`): the copy merges them itself
+  (:mod:`rlflow.parallel.low_rank`), and a push after the first moves the adapters only;
 * :func:`merged_state_dict` — the same, as full tensors (the HF export);
 * :func:`adapters_disabled` — the base model, for the reference policy's log-probs without a
   second copy of the weights;
@@ -37,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlflow.parallel.executor import ADAPTER_MARKERS, canonical_name, module_param_tensors
+from rlflow.parallel.low_rank import LowRankUpdate
 
 __all__ = [
     "ADAPTER_NAME",
@@ -49,6 +52,7 @@ __all__ = [
     "init_lora_weights",
     "linear_module_names",
     "lora_strategy_error",
+    "low_rank_updates",
     "merged_state_dict",
     "save_adapter",
 ]
@@ -56,6 +60,7 @@ __all__ = [
 ADAPTER_NAME = "default"  # peft's name of the one adapter; PEFT's files drop it from the keys
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the HF names in adapter files
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PUSH_MODES = ("adapters", "merged")  # what a push after the first moves to a kept copy (LoraSpec.push)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +75,9 @@ class LoraSpec:
             (``q_proj``, ``v_proj`` …), matched against the last component of module paths.
         seed: seed of ``lora_A``'s initialisation (``lora_B`` starts at zero).
         base_model: recorded as ``base_model_name_or_path`` in the saved adapter's config.
+        push: what a copy kept between calls gets after its first push: ``"adapters"`` (``A`` and
+            ``B``; the copy keeps the base of the adapted weights in fp32 and merges them itself)
+            or ``"merged"`` (the merged adapted weights; no base kept on the copy).
     """
 
     r: int
@@ -78,8 +86,11 @@ class LoraSpec:
     target_modules: tuple[str, ...]
     seed: int = 0
     base_model: str | None = None
+    push: str = "adapters"
 
     def __post_init__(self) -> None:
+        if self.push not in PUSH_MODES:
+            raise ValueError(f"LoRA push={self.push!r}; expected one of {PUSH_MODES}")
         if self.r < 1:
             raise ValueError(f"LoRA r={self.r} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
@@ -135,6 +146,24 @@ def adapted_weight_names(names: Iterable[str], spec: LoraSpec) -> frozenset[str]
         name
         for name in names
         if name.endswith(".weight") and ".layers." in name and name.rsplit(".", 2)[-2] in spec.target_modules
+    )
+
+
+def low_rank_updates(names: Iterable[str], spec: LoraSpec) -> tuple[LowRankUpdate, ...]:
+    """The adapted weights among the HF parameter ``names`` (in their order) as low-rank updates, their
+    adapters under PEFT's file keys without the prefix (``…q_proj.lora_A.weight``: :meth:`MergedViews.adapter_tensors`)."""
+    names = list(names)
+    adapted = adapted_weight_names(names, spec)
+    return tuple(
+        LowRankUpdate(
+            weight=n,
+            a=n.removesuffix("weight") + "lora_A.weight",
+            b=n.removesuffix("weight") + "lora_B.weight",
+            r=spec.r,
+            scaling=spec.scaling,
+        )
+        for n in names
+        if n in adapted
     )
 
 
@@ -261,6 +290,19 @@ class MergedViews:
         for name, value in _merged_weights(self.module, full=False).items():
             tensors[name] = [value]
         return tensors
+
+    def base_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's local tensors under HF names, the adapted weights unmerged (their ``base_layer``'s)."""
+        return module_param_tensors(self.module)
+
+    def adapter_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's local shards of every ``lora_A`` and ``lora_B``, keyed ``…q_proj.lora_A.weight``."""
+        module_param_tensors(self.module)  # reshards FSDP modules: their local shards are the current values
+        return {
+            canonical_name(name, None).replace(f".{ADAPTER_NAME}.", "."): [_local(param.detach())]
+            for name, param in self.module.named_parameters()
+            if any(m in name for m in ADAPTER_MARKERS)
+        }
 
     def weights_updated(self) -> None:
         raise RuntimeError("a LoRA model's merged weights are read-only: it cannot be the target of a weight copy")

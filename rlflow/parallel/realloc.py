@@ -42,6 +42,7 @@ from torch import nn
 
 from rlflow.parallel.executor import ParamViews, ReshardStats, execute_reshard, module_param_tensors
 from rlflow.parallel.layout import Layout
+from rlflow.parallel.low_rank import LowRankUpdate, LowRankViews, adapter_layouts, empty_boxes, merge_into
 from rlflow.parallel.offload import Offload, offload_module
 from rlflow.parallel.reshard import ReshardPlan, plan_reshard
 
@@ -55,6 +56,7 @@ ModuleFactory = Callable[[Layout], nn.Module | ParamViews]
 class _Copy:
     module: nn.Module | ParamViews
     version: int
+    base: dict[str, torch.Tensor] | None = None  # W0 of its adapted weights (a low-rank push's copy)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Model:
     offload_home: bool
     keep_copies: bool = False
     changing: frozenset[str] | None = None
+    low_rank: tuple[LowRankUpdate, ...] | None = None
     version: int = 0
     copies: dict[Layout, _Copy] = field(default_factory=dict)
     offloaded: Offload | None = None
@@ -96,6 +99,7 @@ class ReallocManager:
         self.device = torch.device(device)
         self._models: dict[str, _Model] = {}
         self._plans: dict[tuple[Layout, Layout], ReshardPlan] = {}
+        self._low_rank_layouts: dict[tuple, tuple[Layout, Layout]] = {}
         # Counters for metrics: reshards run on this rank, their seconds and wire bytes (what it
         # sent also split by the receiver's host: its own or another), and the calls off home
         # whose copy was current (no reshard).
@@ -125,6 +129,7 @@ class ReallocManager:
         offload_home: bool = False,
         keep_copies: bool = False,
         changing: frozenset[str] | None = None,
+        low_rank: tuple[LowRankUpdate, ...] | None = None,
     ) -> None:
         """Declare model ``name`` with its home layout (every pool rank calls it).
 
@@ -141,6 +146,11 @@ class ReallocManager:
             changing: names of the only parameters whose values a version bump can change (a
                 LoRA home: its adapted weights, merged; the rest is its frozen base); a kept copy
                 filled before gets only these (counted in ``stats["partial"]``). None: all of them.
+            low_rank: the weights a step changes through adapters (a LoRA home, given as
+                :class:`~rlflow.parallel.low_rank.LowRankViews`), with ``keep_copies``: a copy holds
+                their base and merges the adapters itself — its first push moves the base and the
+                adapters, later ones the adapters only (:mod:`rlflow.parallel.low_rank`). Copies
+                that are not kept get the home's ``param_tensors()`` (merged) as usual.
         """
         if name in self._models:
             raise ValueError(f"model {name!r} is already registered")
@@ -151,7 +161,9 @@ class ReallocManager:
             raise ValueError(
                 f"{name!r}: offload_home is for frozen models; a trainable model keeps its optimizer state"
             )
-        entry = _Model(home, module, factory, dtype, trainable, offload_home, keep_copies, changing)
+        if low_rank is not None and module is not None and not isinstance(module, LowRankViews):
+            raise ValueError(f"{name!r}: low_rank needs a home module with base_tensors() and adapter_tensors()")
+        entry = _Model(home, module, factory, dtype, trainable, offload_home, keep_copies, changing, low_rank)
         if offload_home and module is not None:
             entry.offloaded = offload_module(module)
         self._models[name] = entry
@@ -337,6 +349,9 @@ class ReallocManager:
         return False
 
     def _reshard(self, m: _Model, layout: Layout, version: int, filled: bool) -> None:
+        if m.low_rank is not None and m.keep_copies:
+            self._push_low_rank(m, layout, version, filled)
+            return
         src = dst = None
         reloaded = self._reload_home(m)
         src_layout, dst_layout = _changing_layouts(m, layout) if filled else (m.home, layout)
@@ -353,13 +368,55 @@ class ReallocManager:
         plan = self._plan(src_layout, dst_layout)
         self._count(execute_reshard(plan, self.rank, src, dst, dtype=m.dtype, group=self.group))
         self.stats["partial"] += int(partial)
+        self._pushed(m, layout, version)
+        if reloaded:
+            m.offloaded.offload()
+
+    def _pushed(self, m: _Model, layout: Layout, version: int) -> None:
+        """Mark this rank's copy of ``layout`` current at ``version`` (a :class:`ParamViews` engine is told)."""
         if self.rank in layout.ranks:
             copy = m.copies[layout]
             copy.version = version
             if not isinstance(copy.module, nn.Module):
                 copy.module.weights_updated()
-        if reloaded:
-            m.offloaded.offload()
+
+    def _push_low_rank(self, m: _Model, layout: Layout, version: int, filled: bool) -> None:
+        """A kept copy of a low-rank home: the base first (its adapted weights into ``W0`` buffers the
+        copy keeps) unless every rank's copy was filled before, then the adapters, merged on the copy."""
+        home_adapters, copy_adapters = self._adapter_layouts(m, layout)
+        in_copy = self.rank in layout.ranks
+        copy = None
+        if in_copy:
+            copy = m.copies.get(layout)
+            if copy is None:
+                copy = m.copies[layout] = _Copy(m.factory(layout), -1)  # current once filled
+        tensors = module_param_tensors(copy.module) if in_copy else None
+        device = next(iter(tensors.values()))[0].device if tensors else torch.device("cpu")
+        if not filled:
+            dst = None
+            if in_copy:
+                copy.base = empty_boxes(layout, self.rank, [u.weight for u in m.low_rank], m.dtype, device)
+                dst = {**tensors, **{name: [t] for name, t in copy.base.items()}}
+            src = m.module.base_tensors() if m.module is not None else None
+            plan = self._plan(m.home, layout)
+            self._count(execute_reshard(plan, self.rank, src, dst, dtype=m.dtype, group=self.group))
+        elif in_copy and copy.base is None:
+            raise RuntimeError(f"rank {self.rank}: a filled copy of a low-rank model holds no base weights")
+        adapters = empty_boxes(copy_adapters, self.rank, None, m.dtype, device) if in_copy else None
+        src = m.module.adapter_tensors() if m.module is not None else None
+        dst = {name: [t] for name, t in adapters.items()} if in_copy else None
+        plan = self._plan(home_adapters, copy_adapters)
+        self._count(execute_reshard(plan, self.rank, src, dst, dtype=m.dtype, group=self.group))
+        self.stats["partial"] += int(filled)
+        if in_copy:
+            merge_into(m.low_rank, m.home, layout, self.rank, copy.base, adapters, tensors)
+        self._pushed(m, layout, version)
+
+    def _adapter_layouts(self, m: _Model, layout: Layout) -> tuple[Layout, Layout]:
+        key = (m.home, layout, m.low_rank)
+        if key not in self._low_rank_layouts:
+            self._low_rank_layouts[key] = adapter_layouts(m.home, layout, m.low_rank)
+        return self._low_rank_layouts[key]
 
     def _count(self, stats: ReshardStats) -> None:
         self.stats["reshards"] += 1

@@ -467,6 +467,7 @@ def _lora_spec(cfg: RLFlowConfig, name: str, path: str, calls: Mapping[str, Call
         target_modules=tuple(lora.target_modules),
         seed=cfg.seed,
         base_model=str(Path(path).resolve()),
+        push=lora.push,
     )
 
 

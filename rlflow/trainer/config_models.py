@@ -28,6 +28,13 @@ class LoraConfig(_Section):
         ["q_proj", "k_proj", "v_proj", "o_proj"],
         "names of the linear modules of the decoder layers to adapt (the last part of their module paths)",
     )
+    push: str = _f(
+        "adapters",
+        "what a copy kept between calls (the rollout's) gets after its first push: adapters: lora_A and lora_B, "
+        "merged on the copy, which keeps the base of the adapted weights in float32; merged: the merged adapted "
+        "weights (more bytes a push, no base kept on the copy)",
+        choices=("adapters", "merged"),
+    )
 
     def _check(self) -> None:
         if not self.target_modules:

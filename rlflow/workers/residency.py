@@ -43,7 +43,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlflow.dataflow.mfc import MFCDef
 from rlflow.engine.loading import build_meta_model, init_buffers, sharded_model
-from rlflow.engine.lora import MergedViews, adapted_weight_names
+from rlflow.engine.lora import MergedViews, adapted_weight_names, low_rank_updates
 from rlflow.engine.models import build_value_model, init_value_model_from_lm, load_causal_lm
 from rlflow.engine.optim import build_lr_scheduler, build_optimizer
 from rlflow.engine.rollout import PER_PROCESS, RolloutBuild, RolloutEngine, get_rollout_engine
@@ -148,8 +148,11 @@ class Residency:
         if home_module is not None and model.lora is not None:
             home_module = MergedViews(home_module)  # copies (the rollout's among them) get the merged weights
         home_layout = self.layout(hosted, hosted.home, fsdp=True)
-        # A LoRA model's steps change its adapted weights only: a kept copy gets just those, merged.
-        changing = adapted_weight_names((p.name for p in home_layout.params), model.lora) if model.lora else None
+        # A LoRA model's steps change its adapted weights only: a kept copy gets just those, merged
+        # (push "merged"), or keeps their base and merges the adapters it gets (push "adapters").
+        names = [p.name for p in home_layout.params]
+        changing = adapted_weight_names(names, model.lora) if model.lora else None
+        low_rank = low_rank_updates(names, model.lora) if model.lora and model.lora.push == "adapters" else None
         self.manager.register(
             model.name,
             home_layout,
@@ -160,6 +163,7 @@ class Residency:
             offload_home=self.setup.offloads_home(model.name),
             keep_copies=model.name in self.setup.keep_copies,
             changing=changing,
+            low_rank=low_rank,
         )
         return hosted
 
