@@ -26,7 +26,14 @@ from rlflow.planner.cost import CallCost, Rates, Workload, call_cost
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.problem import CallOption, ModelEntry, PlanProblem
 from rlflow.planner.space import RuntimeCapabilities, enumerate_options
-from rlflow.planner.transfer import data_table, ema_time_table, key_bytes, realloc_time_table, reload_time
+from rlflow.planner.transfer import (
+    adapter_push_time_table,
+    data_table,
+    ema_time_table,
+    key_bytes,
+    realloc_time_table,
+    reload_time,
+)
 
 __all__ = ["Workload", "build_problem", "device_graph", "mfc_options", "pricing_rates"]
 
@@ -134,15 +141,15 @@ def _pairs(options: list[CallOption]) -> list[tuple]:
 
 
 def _weight_tables(mfcs: list[MFCDef], models, homes: dict[str, int | None], options, costs, cluster: ClusterSpec):
-    """Reallocation tables ``(home, i)`` of trained models and reload times of frozen ones."""
+    """Reallocation tables ``(home, i)`` of trained models (a model with ``push_params``: its adapter
+    pushes, every step's after the first) and reload times of frozen ones."""
     realloc, reload = {}, {}
     for i, m in enumerate(mfcs):
         home, model = homes[m.model_name], models[m.model_name]
         if home is not None and home != i:
             replicated = m.interface_type == "generate"
-            realloc[(home, i)] = realloc_time_table(
-                model, _pairs(options[home]), _pairs(options[i]), cluster, replicated=replicated
-            )
+            table = adapter_push_time_table if model.push_params is not None else realloc_time_table
+            realloc[(home, i)] = table(model, _pairs(options[home]), _pairs(options[i]), cluster, replicated=replicated)
         elif home is None:
             weights = np.array([o.weight_bytes for o in options[i]])
             first = np.array([c.first_pass_s for c in costs[i]])

@@ -52,6 +52,10 @@ class ModelSpec:
         trainable_params: parameters its optimizer trains, all inside the decoder layers (a LoRA
             model's adapters, :func:`lora_param_count`); the base weights stay frozen beside them.
             None: every parameter trains.
+        push_params, push_tensors: what a push after the first moves to each device of a kept copy
+            whose copy merges the adapters itself (a LoRA model, ``lora.push: adapters``): the
+            adapters (:func:`lora_param_count`) and their tensors (``A`` and ``B`` of each adapted
+            linear), all inside the decoder layers. None: the weights the copy holds.
 
     Shapes only: the bytes of a weight or an activation depend on the engine and the device,
     and come from the cluster (:class:`rlflow.planner.cluster.Precision`).
@@ -84,6 +88,8 @@ class ModelSpec:
     layer_expert_params: int = 0
     layer_active_matmul_count: int | None = None
     trainable_params: int | None = None
+    push_params: int | None = None
+    push_tensors: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -290,16 +296,26 @@ def lora_param_count(config: Any, r: int, target_modules: Sequence[str]) -> int:
         r: rank of the adapters.
         target_modules: last components of the linear module paths, as ``models.<role>.lora`` names them.
     """
+    return sum(r * (rows + cols) for rows, cols in _adapted_shapes(config, target_modules))
+
+
+def lora_tensor_count(config: Any, target_modules: Sequence[str]) -> int:
+    """Adapter tensors of LoRA on the named linear modules of every decoder layer: ``lora_A`` and ``lora_B`` each."""
+    return 2 * len(_adapted_shapes(config, target_modules))
+
+
+def _adapted_shapes(config: Any, target_modules: Sequence[str]) -> list[tuple[int, int]]:
+    """``(out, in)`` of every weight the named linear modules of the decoder layers have."""
     from rlflow.families import family_of
 
     family, targets = family_of(config), set(target_modules)
-    total = 0
+    shapes = []
     for layer in range(family.dims(config).num_layers):
         for name, shape in family.layer_param_shapes(config, layer).items():
             module, _, leaf = name.rpartition(".")
             if leaf == "weight" and len(shape) == 2 and module.rpartition(".")[2] in targets:
-                total += r * (shape[0] + shape[1])
-    return total
+                shapes.append((shape[0], shape[1]))
+    return shapes
 
 
 # Config keys of a mixture-of-experts model's routed experts, and of its top-k.

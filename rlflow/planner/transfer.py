@@ -14,6 +14,13 @@ source slice wanted by several dp replicas is broadcast), so the reallocation ta
 the slowest destination. This is computed analytically per (stage, tp shard) block — a block's
 bytes are spread evenly over its FSDP shards — for whole tables of option pairs at once.
 
+Adapter push (a model with ``ModelSpec.push_params``: LoRA whose kept copies merge the adapters
+themselves, :mod:`rlflow.parallel.low_rank`): after the first push, every destination device takes
+the whole adapters of its stage whatever the call's split, each home device holding ``1/size`` of
+them (its FSDP shards); priced like a reallocation by the slowest destination
+(:func:`adapter_push_time_table`). The copy's merge, one ``(out, r) @ (r, in)`` product per adapted
+weight, is not priced.
+
 EMA blend (``ParamReallocHook(source, eta)``, ``ReallocManager.ema_update``): the source's home
 weights are resharded onto the target's home (FSDP) layout into scratch tensors — the same
 transfer as a reallocation to an FSDP layout, free between identical layouts — then every
@@ -365,6 +372,81 @@ def realloc_bytes(
     holdings = _node_holdings(model, h, h_start, h_stop, cluster.num_nodes, dpn, b)
     every = slice(0, len(cols["device"]))
     total, on_node, local = _column_bytes(model, cluster, h, h_start, h_stop, holdings, cols, every)
+    return {
+        "local_bytes": float(local.sum()),
+        "intra_host_bytes": float((on_node - local).sum()),
+        "inter_host_bytes": float((total - on_node).sum()),
+    }
+
+
+def _push_bytes(model: ModelSpec, cluster: ClusterSpec, h: dict, cols: dict, sl: slice):
+    """Adapter push bytes every destination device in ``cols[sl]`` needs, of each home option:
+    ``(total, on_node, local)``, each ``(len(home), n_columns)``, as :func:`_column_bytes` gives them."""
+    b, dpn = cluster.precision.param_bytes, cluster.devices_per_node
+    layer = model.push_params * b / model.num_layers  # the adapters sit in the decoder layers alone
+    device, s_j, e_j = cols["device"][sl], cols["s"][sl], cols["e"][sl]
+    layers = np.clip(e_j, 1, model.num_layers + 1) - np.clip(s_j, 1, model.num_layers + 1)
+    total = np.broadcast_to(layers * layer, (len(h["first"]), len(device)))
+    lo, size = h["first"][:, None], h["size"][:, None]
+    node = device[None, :] // dpn
+    on_node_devices = _interval_overlap(lo, lo + size, node * dpn, (node + 1) * dpn)
+    inside = (device[None, :] >= lo) & (device[None, :] < lo + size)
+    return total, total * on_node_devices / size, np.where(inside, total / size, 0.0)
+
+
+def _push_columns(targets: Sequence[Option], model: ModelSpec) -> tuple[dict, dict]:
+    t = _option_arrays(targets)
+    t_start, t_stop = _stage_table(model, t["pp"])
+    return t, _target_columns(t, t_start, t_stop, replicated=True)
+
+
+def adapter_push_time_table(
+    model: ModelSpec, home: Sequence[Option], targets: Sequence[Option], cluster: ClusterSpec, replicated: bool = True
+) -> np.ndarray:
+    """Seconds of an adapter push (module docstring) from each home option to each target option.
+
+    Args:
+        model: a model with ``push_params`` (and ``push_tensors``: one message latency each).
+        home, targets, cluster: as :func:`realloc_time_table`.
+        replicated: the targets are generations; ``False``: FSDP layouts, free where equal to the home.
+
+    Returns:
+        Array ``(len(home), len(targets))``: the slowest destination device's receive time.
+    """
+    if model.push_params is None:
+        raise ValueError(f"model {model.name!r} has no push_params: its pushes move its weights (realloc_time_table)")
+    h = _option_arrays(home)
+    t, cols = _push_columns(targets, model)
+    # Many (option, rank) columns describe the same destination: same device and stage.
+    _, first, inverse = np.unique(_column_keys(cols, True), return_index=True, return_inverse=True)
+    unique = {k: cols[k][first] for k in ("device", "s", "e")}
+    total, on_node, local = _push_bytes(model, cluster, h, unique, slice(0, len(first)))
+    seconds = (on_node - local) / cluster.intra_host_bandwidth + (total - on_node) / cluster.inter_host_bandwidth
+    layers = np.clip(unique["e"], 1, model.num_layers + 1) - np.clip(unique["s"], 1, model.num_layers + 1)
+    latency = layers * model.push_tensors / model.num_layers * cluster.collective_latency_s
+    receives = total - local > _LOCAL_TOLERANCE * total
+    costs = np.where(receives, seconds + latency, local / cluster.intra_host_bandwidth)[:, inverse.reshape(-1)]
+    table = np.maximum.reduceat(costs, cols["segments"], axis=1)
+    return table if replicated else np.where(_same_layout(h, t), 0.0, table)
+
+
+def adapter_push_bytes(model: ModelSpec, src: Option, dst: Option, cluster: ClusterSpec) -> dict[str, float]:
+    """Bytes an adapter push (module docstring) from ``src`` to ``dst`` moves, by link, summed over the
+    destination devices, as :func:`realloc_bytes` counts them.
+
+    >>> from rlflow.planner.cluster import cluster_preset
+    >>> from rlflow.planner.mesh import DeviceMesh
+    >>> model = ModelSpec(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=2,
+    ...                   vocab_size=8, push_params=100, push_tensors=4)
+    >>> cluster = cluster_preset("a100-80g", num_nodes=1, devices_per_node=2)
+    >>> mesh = DeviceMesh(1, 2, 0, 0, 2)
+    >>> adapter_push_bytes(model, (mesh, ParallelStrategy(dp=2)), (mesh, ParallelStrategy(tp=2)), cluster)
+    {'local_bytes': 400.0, 'intra_host_bytes': 400.0, 'inter_host_bytes': 0.0}
+    """
+    if model.push_params is None:
+        raise ValueError(f"model {model.name!r} has no push_params: its pushes move its weights (realloc_bytes)")
+    _, cols = _push_columns([dst], model)
+    total, on_node, local = _push_bytes(model, cluster, _option_arrays([src]), cols, slice(0, len(cols["device"])))
     return {
         "local_bytes": float(local.sum()),
         "intra_host_bytes": float((on_node - local).sum()),

@@ -30,7 +30,7 @@ from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
 from rlflow.planner.cluster import ClusterSpec, cluster_preset
-from rlflow.planner.model_spec import ModelSpec, lora_param_count
+from rlflow.planner.model_spec import ModelSpec, lora_param_count, lora_tensor_count
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.profile import CallTimings, MachineProfile, cached_profile_path, profile_cache_key, save_profile
@@ -89,10 +89,15 @@ class Placement:
 
 
 def model_specs(
-    model_paths: Mapping[str, str | None], value_heads: set[str], lora: Mapping[str, LoraConfig] | None = None
+    model_paths: Mapping[str, str | None],
+    value_heads: set[str],
+    lora: Mapping[str, LoraConfig] | None = None,
+    keep_copies: bool | None = None,
 ) -> dict[str, ModelSpec]:
     """Planner specs of the models that have weights, read from their HF configs; a model of ``lora``
-    (``models.<role>.lora``) trains its adapters only (:attr:`ModelSpec.trainable_params`)."""
+    (``models.<role>.lora``) trains its adapters only (:attr:`ModelSpec.trainable_params`) and, with
+    ``push: adapters`` unless copies are never kept (``placement.keep_copies`` false), pushes them
+    alone after the first push (:attr:`ModelSpec.push_params`; null prices the copies as kept)."""
     specs = {}
     for name, path in model_paths.items():
         if path is None:
@@ -102,6 +107,9 @@ def model_specs(
         if lora and name in lora:
             adapters = lora_param_count(config, lora[name].r, lora[name].target_modules)
             spec = replace(spec, trainable_params=adapters)
+            if lora[name].push == "adapters" and keep_copies is not False:
+                tensors = lora_tensor_count(config, lora[name].target_modules)
+                spec = replace(spec, push_params=adapters, push_tensors=tensors)
         specs[name] = spec
     return specs
 

@@ -334,7 +334,7 @@ class Trainer:
             return placement
         values = {n for n in self.cfg.models if n in build.VALUE_ROLES}
         lora = {n: m.lora for n, m in self.cfg.models.items() if m.lora is not None}
-        specs = trainer_placement.model_specs(self.model_paths, values, lora)
+        specs = trainer_placement.model_specs(self.model_paths, values, lora, self.cfg.placement.keep_copies)
         actor = specs.get("actor", next(iter(specs.values()), None))
         started = time.perf_counter()
         found = trainer_placement.load_profile_for(self.cfg, self.use_gpu, self.run_dir, actor, self.progress_bars)

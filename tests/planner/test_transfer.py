@@ -3,6 +3,7 @@ per-device, per-block reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -13,6 +14,8 @@ from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec, model_preset
 from rlflow.planner.space import enumerate_meshes
 from rlflow.planner.transfer import (
+    adapter_push_bytes,
+    adapter_push_time_table,
     data_time_table,
     ema_time_table,
     key_bytes,
@@ -156,3 +159,29 @@ def test_one_worker_copies_its_weights_in_memory_without_broadcasts():
     assert copy == pytest.approx(_reference(model, one, one, cluster, True), rel=1e-9)
     fsdp = realloc_time_table(model, [(M(1, 2), S(dp=2))], [one], cluster)[0, 0]
     assert fsdp >= int(model.item_tensors.sum()) * cluster.collective_latency_s > copy
+
+
+def test_an_adapter_push_moves_the_whole_adapters_to_every_destination_device():
+    """A LoRA model whose kept copies merge the adapters: each destination device takes all of them
+    (r * (in + out) per adapted weight), from its own home shard, its host, or another host."""
+    adapters = 16 * 32 * (4096 + 4096) * 4  # r=16 on q, k, v, o of 32 layers
+    lora = dataclasses.replace(LLAMA7B, trainable_params=adapters, push_params=adapters, push_tensors=2 * 4 * 32)
+    home = (M(1, 8), S(dp=8))
+    targets = [(M(1, 8), S(tp=8)), (M(1, 4, 1, 4), S(tp=4)), (M(1, 8), S(dp=8)), (M(1, 8), S(dp=2, tp=2, pp=2))]
+    table = adapter_push_time_table(lora, [home], targets, A100)
+    full = realloc_time_table(LLAMA7B, [home], targets, A100)
+    assert (table > 0).all() and (table < full).all()  # adapters, not the weights
+    b, latency = 4 * adapters, lora.push_tensors * A100.collective_latency_s
+    # On the home's host: 7/8 from the other home devices, 1/8 its own shard.
+    assert table[0, 0] == pytest.approx(b * 7 / 8 / A100.intra_host_bandwidth + latency, rel=1e-9)
+    assert table[0, 1] == pytest.approx(b / A100.inter_host_bandwidth + latency, rel=1e-9)  # all from host 0
+    moved = adapter_push_bytes(lora, home, targets[1], A100)
+    assert moved == {"local_bytes": 0.0, "intra_host_bytes": 0.0, "inter_host_bytes": 4 * b}
+    moved = adapter_push_bytes(lora, home, targets[0], A100)
+    assert moved == pytest.approx({"local_bytes": b, "intra_host_bytes": 7 * b, "inter_host_bytes": 0.0})
+    # A pipeline stage takes its layers' adapters only.
+    assert table[0, 3] < table[0, 0]
+    # An FSDP copy on the home's own layout is the home: nothing moves.
+    assert adapter_push_time_table(lora, [home], [home], A100, replicated=False)[0, 0] == 0.0
+    with pytest.raises(ValueError, match="no push_params"):
+        adapter_push_time_table(LLAMA7B, [home], targets, A100)

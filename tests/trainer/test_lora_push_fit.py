@@ -3,11 +3,19 @@ samples and ends with the same weights, moving the adapters alone after the firs
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_e2e import GRPO, GRPO_TINY, fit, manual, step_metrics
+from transformers import AutoConfig
 
+from rlflow.planner.cluster import cluster_preset
+from rlflow.planner.mesh import DeviceMesh
+from rlflow.planner.model_spec import ModelSpec, lora_param_count
+from rlflow.planner.transfer import adapter_push_bytes
+from rlflow.strategy import ParallelStrategy
 from rlflow.trainer import ConfigError, load_config
 
 pytest.importorskip("peft")
@@ -49,6 +57,11 @@ def test_the_adapter_push_samples_and_trains_as_the_merged_push_does(ray_session
         record = step_metrics(run)[2]
         pushed[mode] = {k: record.get(f"realloc/actor_gen/bytes_{k}", 0.0) for k in ("local", "intra_host")}
     assert pushed["adapters"] == {"local": adapters, "intra_host": adapters}
+    config = AutoConfig.from_pretrained(runs["adapters"] / "models" / "actor")  # the planner prices that
+    spec = replace(ModelSpec.from_hf_config(config), push_params=lora_param_count(config, 4, TARGETS))
+    mesh, cluster = DeviceMesh(1, 2, 0, 0, 2), cluster_preset("a100-80g", num_nodes=1, devices_per_node=2)
+    planned = adapter_push_bytes(spec, (mesh, ParallelStrategy(dp=2)), (mesh, ParallelStrategy(tp=2)), cluster)
+    assert planned == {"local_bytes": adapters, "intra_host_bytes": adapters, "inter_host_bytes": 0.0}
     assert sum(pushed["merged"].values()) == 4 * sum(base[k].numel() for k in adapted)
     mismatch = {m: step_metrics(run)[2].get("actor_inf/logp_mismatch_max") for m, run in runs.items()}
     assert mismatch["adapters"] == mismatch["merged"]

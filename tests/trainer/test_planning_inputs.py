@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from rlflow.planner.transfer import adapter_push_time_table
 from rlflow.trainer.config import load_config
 from rlflow.trainer.placement import planning_cluster, planning_workload
 
@@ -218,14 +220,14 @@ def _actor_train_options(tmp_path: Path, model_type: str, extra: list[str], fiel
     specs = model_specs({"actor": path}, set(), lora)
     placement = plan_placement(cfg, build_dataflow(cfg, rule_reward=True), specs, use_gpu=True, progress=False)
     problem = placement.problem
-    return specs["actor"], problem, problem.options[problem.mfc_names.index("actor_train")]
+    return specs["actor"], problem, problem.options[problem.mfc_names.index("actor_train")], cfg
 
 
 def test_a_lora_actor_is_priced_with_optimizer_state_for_its_adapters_and_no_reference(tmp_path) -> None:
     pytest.importorskip("peft")
     lora = ["models.actor.lora.r=4", "models.actor.lora.target_modules=[q_proj,v_proj]", "algorithm.kl_coef=0.1",
             "algorithm.kl_in_reward=false"]  # fmt: skip
-    spec, problem, options = _actor_train_options(tmp_path, "llama", lora)
+    spec, problem, options, cfg = _actor_train_options(tmp_path, "llama", lora)
     # r * (in + out) for q (64 -> 64) and v (64 -> 32) of 4 layers
     assert spec.trainable_params == 4 * 4 * ((64 + 64) + (64 + 32))
     assert "ref_inf" not in problem.mfc_names  # the reference is the base, adapters disabled
@@ -234,11 +236,36 @@ def test_a_lora_actor_is_priced_with_optimizer_state_for_its_adapters_and_no_ref
     for o in options:
         assert o.train_state_bytes == spec.trainable_params * per_param / o.strategy.dp
         assert o.weight_bytes == spec.num_params * 4 / o.strategy.dp  # the whole base, fp32 master shards
+    # A push after the first moves the adapters (lora.push: adapters), priced so for the rollout.
+    assert spec.push_params == spec.trainable_params and spec.push_tensors == 2 * 2 * 4
+    train, gen = problem.mfc_names.index("actor_train"), problem.mfc_names.index("actor_gen")
+    pairs = [[(o.mesh, o.strategy) for o in problem.options[i]] for i in (train, gen)]
+    expected = adapter_push_time_table(spec, *pairs, planning_cluster(cfg, True, None))
+    np.testing.assert_array_equal(problem.realloc_time[(train, gen)], expected)
+
+
+def test_a_lora_actor_whose_copies_are_not_kept_or_get_merged_weights_is_priced_by_its_weights(tmp_path) -> None:
+    pytest.importorskip("peft")
+    from rlflow.data.tiny_models import save_tiny_model_and_tokenizer
+    from rlflow.trainer.placement import model_specs
+
+    path = save_tiny_model_and_tokenizer(tmp_path / "m", family="llama", hidden_size=64, intermediate_size=128,
+                                         num_layers=2, num_heads=4, num_kv_heads=2)  # fmt: skip
+    for extra, keep, pushes_adapters in (
+        ([], None, True),
+        ([], False, False),
+        (["models.actor.lora.push=merged"], True, False),
+    ):
+        cfg = load_config(GRPO, ["models.actor.lora.r=4", *extra])
+        spec = model_specs({"actor": path}, set(), {"actor": cfg.models["actor"].lora}, keep)["actor"]
+        assert (spec.push_params is not None) == pushes_adapters, (extra, keep)
 
 
 def test_a_moe_actor_with_its_router_loss_trains_without_pipeline_stages(tmp_path) -> None:
     fields = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    _, _, options = _actor_train_options(tmp_path / "on", "qwen3_moe", [], fields)
+    _, _, options, _ = _actor_train_options(tmp_path / "on", "qwen3_moe", [], fields)
     assert options and all(o.strategy.pp == 1 for o in options)
-    _, _, options = _actor_train_options(tmp_path / "off", "qwen3_moe", ["models.actor.router_aux_loss_coef=0"], fields)
+    _, _, options, _ = _actor_train_options(
+        tmp_path / "off", "qwen3_moe", ["models.actor.router_aux_loss_coef=0"], fields
+    )
     assert any(o.strategy.pp > 1 for o in options)
