@@ -163,6 +163,48 @@ def test_workers_push_into_vllms_layout_and_sample_like_the_hf_copy(one_rank_wor
     assert padding.shape[0] == 28 and not padding.any()  # left alone by the pushes
 
 
+def test_a_lora_homes_adapter_push_into_vllms_layout_equals_its_merged_push(one_rank_world):
+    """A kept vLLM copy of a LoRA home takes the adapters after its first push and merges them into
+    its fused tensors: bit for bit what the merged push writes there."""
+    pytest.importorskip("peft")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rlflow.engine.lora import LoraSpec, MergedViews, adapted_weight_names, low_rank_updates
+    from rlflow.engine.train_engine import EngineConfig, TrainEngine
+    from rlflow.parallel.layout import build_layout
+    from rlflow.parallel.realloc import ReallocManager
+
+    spec = LoraSpec(r=2, alpha=4.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"), seed=1)
+    mesh = DeviceMesh("cpu", torch.zeros(1, 1, 1, dtype=torch.long), mesh_dim_names=("pp", "dp", "tp"))
+    model = AutoModelForCausalLM.from_pretrained(one_rank_world, dtype=torch.float32)
+    engine = TrainEngine(model, mesh, EngineConfig(device="cpu", lora=spec, optim=OptimConfig(lr=0.05)))
+    config = engine.stage.config
+    home = build_layout(config, ParallelStrategy(), [0], fsdp=True)
+    copy = build_layout(config, ParallelStrategy(), [0], style="vllm")
+    names = [p.name for p in home.params]
+    managers, engines = {}, {}
+    for mode, low_rank in (("adapters", low_rank_updates(names, spec)), ("merged", None)):
+        managers[mode] = ReallocManager(0)
+        engines[mode] = StandInVLLM(config)
+        managers[mode].register("actor", home, MergedViews(engine.stage), lambda _, m=mode: engines[m],
+                                dtype=torch.float32, keep_copies=True, changing=adapted_weight_names(names, spec),
+                                low_rank=low_rank)  # fmt: skip
+    ids = torch.randint(1, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        if step:
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            engine.train_step(batch, lambda out, b: (-out["log_probs"].mean(), {}))
+            for m in managers.values():
+                m.bump_version("actor")
+        for m in managers.values():
+            m.pre_call("actor", copy)
+        for name, value in engines["merged"].params.items():
+            assert torch.equal(engines["adapters"].params[name], value), (step, name)
+    assert engines["adapters"].events.count("updated") == 3 and managers["adapters"].stats["partial"] == 2
+    merged = engines["merged"].unfused_state()
+    assert not torch.equal(merged["model.layers.0.mlp.gate_proj.weight"], model.model.layers[0].mlp.gate_proj.weight)
+
+
 def test_vllm_generation_must_span_the_pool_in_one_layout():
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
     del mfcs["reward_inf"]
