@@ -60,8 +60,10 @@ def weight_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precis
         model: the model.
         strategy: its strategy.
         precision: the engines' dtypes.
-        generate: a generation's dp-replicated copy (``generate_bytes * P_stage / tp``); else an
-            FSDP layout (fp32 master shards, ``param_bytes * P_stage / (tp * dp)``).
+        generate: a generation's dp-replicated copy (``generate_bytes * P_stage / tp``, plus, for a
+            model whose copies merge its adapters (``push_params``), the base of its adapted weights
+            in fp32: ``param_bytes * B_stage / tp``); else an FSDP layout (fp32 master shards,
+            ``param_bytes * P_stage / (tp * dp)``).
 
     >>> from rlflow.planner.cluster import Precision
     >>> from rlflow.planner.model_spec import model_preset
@@ -70,7 +72,11 @@ def weight_bytes(model: ModelSpec, strategy: ParallelStrategy, precision: Precis
     """
     stage = max_stage_params(model, strategy.pp) / strategy.tp
     if generate:
-        return stage * precision.generate_bytes
+        base = 0.0
+        if model.push_params is not None:  # rlflow.parallel.low_rank: W0 kept beside the merged weights
+            layers = int(model.stage_layers(strategy.pp).max())
+            base = model.push_base_params * layers / model.num_layers / strategy.tp * precision.param_bytes
+        return stage * precision.generate_bytes + base
     return stage * precision.param_bytes / strategy.dp
 
 

@@ -56,6 +56,8 @@ class ModelSpec:
             whose copy merges the adapters itself (a LoRA model, ``lora.push: adapters``): the
             adapters (:func:`lora_param_count`) and their tensors (``A`` and ``B`` of each adapted
             linear), all inside the decoder layers. None: the weights the copy holds.
+        push_base_params: elements of the adapted weights (``out · in`` each), whose base such a
+            generation copy keeps in fp32 beside its weights to merge the adapters into.
 
     Shapes only: the bytes of a weight or an activation depend on the engine and the device,
     and come from the cluster (:class:`rlflow.planner.cluster.Precision`).
@@ -90,6 +92,7 @@ class ModelSpec:
     trainable_params: int | None = None
     push_params: int | None = None
     push_tensors: int = 0
+    push_base_params: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -302,6 +305,11 @@ def lora_param_count(config: Any, r: int, target_modules: Sequence[str]) -> int:
 def lora_tensor_count(config: Any, target_modules: Sequence[str]) -> int:
     """Adapter tensors of LoRA on the named linear modules of every decoder layer: ``lora_A`` and ``lora_B`` each."""
     return 2 * len(_adapted_shapes(config, target_modules))
+
+
+def lora_adapted_params(config: Any, target_modules: Sequence[str]) -> int:
+    """Elements of the weights LoRA adapts on the named linear modules of every decoder layer (``out · in`` each)."""
+    return sum(rows * cols for rows, cols in _adapted_shapes(config, target_modules))
 
 
 def _adapted_shapes(config: Any, target_modules: Sequence[str]) -> list[tuple[int, int]]:

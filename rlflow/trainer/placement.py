@@ -30,7 +30,7 @@ from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
 from rlflow.planner.build import Workload, build_problem
 from rlflow.planner.cluster import ClusterSpec, cluster_preset
-from rlflow.planner.model_spec import ModelSpec, lora_param_count, lora_tensor_count
+from rlflow.planner.model_spec import ModelSpec, lora_adapted_params, lora_param_count, lora_tensor_count
 from rlflow.planner.plan import ExecutionPlan
 from rlflow.planner.problem import PlanProblem
 from rlflow.planner.profile import CallTimings, MachineProfile, cached_profile_path, profile_cache_key, save_profile
@@ -108,8 +108,13 @@ def model_specs(
             adapters = lora_param_count(config, lora[name].r, lora[name].target_modules)
             spec = replace(spec, trainable_params=adapters)
             if lora[name].push == "adapters" and keep_copies is not False:
-                tensors = lora_tensor_count(config, lora[name].target_modules)
-                spec = replace(spec, push_params=adapters, push_tensors=tensors)
+                targets = lora[name].target_modules
+                spec = replace(
+                    spec,
+                    push_params=adapters,
+                    push_tensors=lora_tensor_count(config, targets),
+                    push_base_params=lora_adapted_params(config, targets),
+                )
         specs[name] = spec
     return specs
 

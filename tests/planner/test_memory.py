@@ -168,3 +168,17 @@ def test_a_moe_layer_saves_for_backward_what_its_active_experts_compute():
         attention = spec.q_size + 2 * spec.kv_size + spec.q_size
         per_token = 4 * h + 2 * h + 2 * e + attention + 3 * spec.active_intermediate_size
         assert memory.saved_bytes_per_token(spec, 1, 4) == 4 * per_token
+
+
+def test_a_rollout_copy_that_merges_adapters_holds_the_base_of_the_adapted_weights_too():
+    model = model_preset("llama2-7b")
+    adapted = 32 * 4 * 4096 * 4096  # q, k, v, o of every layer
+    lora = dataclasses.replace(model, trainable_params=1, push_params=1, push_tensors=2, push_base_params=adapted)
+    prec = Precision()
+    for strategy in (ParallelStrategy(tp=2), ParallelStrategy(tp=1, pp=2)):
+        merged, adapters = (memory.weight_bytes(m, strategy, prec, generate=True) for m in (model, lora))
+        share = int(model.stage_layers(strategy.pp).max()) / 32
+        assert adapters - merged == pytest.approx(adapted * share * prec.param_bytes / strategy.tp)
+    assert memory.weight_bytes(lora, ParallelStrategy(dp=2), prec) == memory.weight_bytes(
+        model, ParallelStrategy(dp=2), prec
+    )

@@ -238,6 +238,7 @@ def test_a_lora_actor_is_priced_with_optimizer_state_for_its_adapters_and_no_ref
         assert o.weight_bytes == spec.num_params * 4 / o.strategy.dp  # the whole base, fp32 master shards
     # A push after the first moves the adapters (lora.push: adapters), priced so for the rollout.
     assert spec.push_params == spec.trainable_params and spec.push_tensors == 2 * 2 * 4
+    assert spec.push_base_params == 4 * (64 * 64 + 32 * 64)  # the rollout copy keeps their base in fp32
     train, gen = problem.mfc_names.index("actor_train"), problem.mfc_names.index("actor_gen")
     pairs = [[(o.mesh, o.strategy) for o in problem.options[i]] for i in (train, gen)]
     expected = adapter_push_time_table(spec, *pairs, planning_cluster(cfg, True, None))
