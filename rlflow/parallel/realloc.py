@@ -19,7 +19,9 @@ Calling protocol (what the worker/trainer layer must do; ``U = home.ranks ∪ la
    registered). A kept copy carries the home version it was made from; ``pre_call`` reshards
    it only when the home changed since (counted in ``stats["skipped"]`` otherwise), and then
    only the parameters registered as ``changing`` when every rank's copy was filled before (a
-   LoRA home: the adapted weights; the frozen rest of a kept copy is current already);
+   LoRA home: the adapted weights; the frozen rest of a kept copy is current already), or, for a
+   model registered ``low_rank``, only its adapters, which the copy merges itself
+   (:mod:`rlflow.parallel.low_rank`);
 4. after each optimizer step of ``m``: ``bump_version(m)`` on the ranks of ``m``'s home layout;
 5. an EMA reference: ``ema_update(ref, actor, eta)`` on every rank of both home layouts;
 6. a model that starts as a copy of another (``init: copy``): ``copy_weights(target, source)``

@@ -151,8 +151,9 @@ class Residency:
         # A LoRA model's steps change its adapted weights only: a kept copy gets just those, merged
         # (push "merged"), or keeps their base and merges the adapters it gets (push "adapters").
         names = [p.name for p in home_layout.params]
-        changing = adapted_weight_names(names, model.lora) if model.lora else None
-        low_rank = low_rank_updates(names, model.lora) if model.lora and model.lora.push == "adapters" else None
+        adapters = model.lora is not None and model.lora.push == "adapters"
+        changing = adapted_weight_names(names, model.lora) if model.lora and not adapters else None
+        low_rank = low_rank_updates(names, model.lora) if adapters else None
         self.manager.register(
             model.name,
             home_layout,
