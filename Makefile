@@ -52,7 +52,15 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -c "import vllm, rlflow; print('vllm', vllm.__version__)"
 	touch $@
 
-test-vllm: install $(VLLM_STAMP)
+# The lora extra (peft), for the LoRA push into vLLM (tests/vllm_rollouts/test_lora_push.py); a stamp of
+# its own, so a venv built before it gets it without a rebuild.
+VLLM_LORA_STAMP := $(VLLM_VENV)/.installed-lora
+$(VLLM_LORA_STAMP): $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q \
+		$$($(VLLM_PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['lora']))")
+	touch $@
+
+test-vllm: install $(VLLM_STAMP) $(VLLM_LORA_STAMP)
 	@failed=""; for t in $(VLLM_TESTS); do \
 		start=$$(date +%s); \
 		VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -m vllm -q -p no:cacheprovider $$t || failed="$$failed $$t"; \

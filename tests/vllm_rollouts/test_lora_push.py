@@ -1,0 +1,92 @@
+"""A one-process GRPO ModelWorker with a LoRA actor and ``rollout_engine="vllm"`` on CPU: the kept
+vLLM engine gets the base once and the adapters after each step, merges them into its fused
+parameters exactly as the trainer's merged view computes them, and samples the trainer's policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlflow.algos.params import AlgorithmParams
+from rlflow.dataflow import algorithm_mfcs
+from rlflow.engine.optim import OptimConfig
+from rlflow.engine.rollout import SamplingParams
+from rlflow.protocol import DataProto
+from rlflow.strategy import ParallelStrategy
+from rlflow.workers.model_worker import ModelWorker
+from rlflow.workers.setup import CallLayout, ModelSetup, WorkerSetup
+
+pytestmark = pytest.mark.vllm
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture
+def worker(tmp_path):
+    """A built one-rank GRPO worker (a LoRA actor, rewards given) over a tiny Llama with head_dim 32."""
+    from rlflow.data.tiny_models import build_tiny_model
+    from rlflow.data.tokenizer import build_char_tokenizer
+    from rlflow.engine.lora import LoraSpec
+    from rlflow.parallel.groups import clear_group_cache
+    from rlflow.rendezvous import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+        tie_word_embeddings=True, seed=0,
+    )  # fmt: skip
+    with torch.no_grad():  # decisive logits: differences in the numerics would show
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
+    del mfcs["reward_inf"]  # rewards are given
+    lora = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"), seed=1)
+    actor = ModelSetup("actor", "actor", str(tmp_path), trainable=True, optim=OptimConfig(lr=5e-2), lora=lora)
+    one = CallLayout((0,), ParallelStrategy())
+    setup = WorkerSetup(
+        {"actor": actor}, mfcs, {n: one for n in mfcs}, AlgorithmParams(name="grpo", adv_estimator="grpo", n_samples=2),
+        SamplingParams(n=2, max_new_tokens=6, seed=0), SamplingParams(greedy=True, max_new_tokens=6), str(tmp_path),
+        rollout_engine="vllm", keep_copies=("actor",),
+    )  # fmt: skip
+    built = ModelWorker(setup)
+    built.build()
+    yield built, tokenizer
+    clear_group_cache()  # the world stays: vLLM's exit handler destroys its groups over it
+
+
+def _call(worker: ModelWorker, name: str, *inputs: DataProto) -> DataProto:
+    worker.pre_call(name, 0)
+    out = getattr(worker, worker.setup.mfcs[name].interface_type)(name, *inputs, step=0)
+    worker.post_call(name, 0)
+    return out
+
+
+def test_vllm_merges_the_pushed_adapters_into_the_trainers_merged_weights(worker):
+    from rlflow.engine.lora import MergedViews
+
+    worker, tokenizer = worker
+    enc = tokenizer(["12+3=", "4+5=", "99-1=", "7+70="], padding=True, return_tensors="pt")
+    prompts = DataProto.from_dict({"prompts": enc.input_ids, "prompt_mask": enc.attention_mask})
+    home = worker.residency.models["actor"].engine
+    manager = worker.residency.manager
+    for step in range(2):  # before and after the optimizer step
+        out = _call(worker, "actor_gen", prompts)
+        (engine,) = [e for e in worker.residency._copies.values()]  # built once, kept between the calls
+        assert type(engine).__name__ == "VLLMRolloutEngine"
+        merged, pushed = MergedViews(home.stage).param_tensors(), engine.param_tensors()
+        assert sorted(merged) == sorted(pushed)
+        for name, (value,) in merged.items():  # vLLM's views hold exactly the merged weights (fp32 on CPU)
+            assert all(torch.equal(t, value) for t in pushed[name]), (step, name)
+        width = out.batch["old_logp"].shape[1]
+        trainer = home.forward({k: out.batch[k] for k in ("input_ids", "attention_mask")})["log_probs"][:, -width:]
+        mask = out.batch["response_mask"][:, -width:].bool()
+        torch.testing.assert_close(out.batch["old_logp"][mask], trainer[mask], atol=1e-4, rtol=0)
+        if step == 0:
+            rewards = DataProto.from_dict({"rewards": torch.arange(len(out), dtype=torch.float32)})
+            _call(worker, "actor_train", out, rewards)
+    assert manager.stats["partial"] == 1  # the second push moved the adapters alone
+    q = home.stage.get_submodule("model.layers.0.self_attn.q_proj")
+    assert q.lora_B["default"].weight.abs().sum() > 0  # the step moved the adapters
