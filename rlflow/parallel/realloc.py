@@ -362,10 +362,7 @@ class ReallocManager:
             src = module_param_tensors(m.module)
             src = _restrict(src, src_layout, self.rank) if partial else src
         if self.rank in layout.ranks:
-            copy = m.copies.get(layout)
-            if copy is None:
-                copy = m.copies[layout] = _Copy(m.factory(layout), -1)  # current once filled
-            dst = module_param_tensors(copy.module)
+            dst = module_param_tensors(self._copy_of(m, layout).module)
             dst = _restrict(dst, dst_layout, self.rank) if partial else dst
         plan = self._plan(src_layout, dst_layout)
         self._count(execute_reshard(plan, self.rank, src, dst, dtype=m.dtype, group=self.group))
@@ -373,6 +370,13 @@ class ReallocManager:
         self._pushed(m, layout, version)
         if reloaded:
             m.offloaded.offload()
+
+    @staticmethod
+    def _copy_of(m: _Model, layout: Layout) -> _Copy:
+        """This rank's copy of ``layout``, built empty (version -1) when it has none."""
+        if layout not in m.copies:
+            m.copies[layout] = _Copy(m.factory(layout), -1)  # current once filled
+        return m.copies[layout]
 
     def _pushed(self, m: _Model, layout: Layout, version: int) -> None:
         """Mark this rank's copy of ``layout`` current at ``version`` (a :class:`ParamViews` engine is told)."""
@@ -387,11 +391,7 @@ class ReallocManager:
         copy keeps) unless every rank's copy was filled before, then the adapters, merged on the copy."""
         home_adapters, copy_adapters = self._adapter_layouts(m, layout)
         in_copy = self.rank in layout.ranks
-        copy = None
-        if in_copy:
-            copy = m.copies.get(layout)
-            if copy is None:
-                copy = m.copies[layout] = _Copy(m.factory(layout), -1)  # current once filled
+        copy = self._copy_of(m, layout) if in_copy else None
         tensors = module_param_tensors(copy.module) if in_copy else None
         device = next(iter(tensors.values()))[0].device if tensors else torch.device("cpu")
         if not filled:

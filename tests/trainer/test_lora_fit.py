@@ -23,7 +23,7 @@ LORA = [
     "algorithm.entropy_coef=0.1",  # a tiny random model earns no reward: the entropy bonus gives a gradient
     "algorithm.kl_coef=0.5", "algorithm.kl_in_reward=false",  # the KL loss against the reference
     "algorithm.recompute_old_logp=true",  # logs how far the rollout's log-probs are from the trainer's
-    "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
+    "checkpoint.every_n_steps=1", "checkpoint.keep_last=0", "logging.rollouts_every=1",
 ]  # fmt: skip
 ACTOR_TRAIN = "actor_train/"
 
@@ -110,6 +110,10 @@ def test_a_resumed_lora_run_equals_the_run_in_one_go(whole, tmp_path) -> None:
     want, got = train_records(run)[2], train_records(split)[2]
     for key in ("actor_train/loss", "actor_train/kl_loss", "actor_train/entropy", "actor_inf/logp_mismatch_max"):
         assert got[key] == want[key], key
+    # The resumed run's rollout copy got the base and the adapters afresh and merged them itself; it
+    # sampled the tokens the run in one go sampled from its adapter-only push.
+    rollouts = Path("rollouts", "step_2.jsonl")
+    assert (split / rollouts).read_text() == (run / rollouts).read_text()
     adapter = Path("checkpoints", "step_2", "actor", "engine", "adapter", "adapter_model.safetensors")
     a, b = load_file(run / adapter), load_file(split / adapter)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
