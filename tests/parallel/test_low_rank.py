@@ -91,16 +91,22 @@ def home_shape(home, update: LowRankUpdate) -> tuple[int, int]:
     return next(p.shape for p in home.params if p.name == update.weight)
 
 
-def test_a_copy_split_otherwise_merges_each_of_its_boxes_as_the_home_merges_its_rows() -> None:
-    # A home of 2 FSDP row shards, a copy at tp=2 (q_proj split by rows, down_proj by columns).
+@pytest.mark.parametrize(
+    ("strategy", "fsdp"),
+    [(ParallelStrategy(tp=2), False), (ParallelStrategy(pp=2), False), (ParallelStrategy(dp=2), True)],
+    ids=["tp2-rollout", "pp2-rollout", "dp2-fsdp-copy"],
+)
+def test_a_copy_split_otherwise_merges_each_of_its_boxes_as_the_home_merges_its_rows(strategy, fsdp) -> None:
+    # A home of 2 FSDP row shards; a copy at tp=2 (q_proj split by rows, down_proj by columns), in two
+    # pipeline stages (each its layer's adapters), or FSDP-sharded (a forward copy: rows of the home's).
     config = _model().config
     home = build_layout(config, ParallelStrategy(dp=2), [0, 1], fsdp=True)
-    copy = build_layout(config, ParallelStrategy(tp=2), [2, 3])
+    copy = build_layout(config, strategy, [2, 3], fsdp=fsdp)
     updates = low_rank_updates([p.name for p in home.params], SPEC)
     home_adapters, copy_adapters = adapter_layouts(home, copy, updates)
     g = torch.Generator().manual_seed(0)
     full = {p.name: torch.randn(p.shape, generator=g) for p in home.params}
-    adapters = {p.name: torch.randn(p.shape, generator=g) for p in copy_adapters.params}
+    adapters = {p.name: torch.randn(p.shape, generator=g) for p in home_adapters.params}
     # What each home rank's merged view sends: its rows, merged.
     merged = {}
     for u in updates:
@@ -110,14 +116,19 @@ def test_a_copy_split_otherwise_merges_each_of_its_boxes_as_the_home_merges_its_
         for u in updates:
             assert home_adapters.slices(rank)[u.b][0] == home.slices(rank)[u.weight][0]
             assert home_adapters.slices(rank)[u.a][0] == slice(2 * rank, 2 * rank + 2)
+    merged_boxes = 0
     for rank in copy.ranks:
         boxes = copy.slices(rank)
-        assert copy_adapters.slices(rank) == {n: tuple(slice(0, s) for s in adapters[n].shape) for n in adapters}
-        base = {u.weight: full[u.weight][boxes[u.weight]].clone() for u in updates}
-        dst = {u.weight: [torch.empty_like(base[u.weight])] for u in updates}
+        held = copy_adapters.slices(rank)  # whole, for the adapted weights of the rank's stage
+        assert held == {n: tuple(slice(0, s) for s in adapters[n].shape) for n in held}
+        assert {u.a for u in updates if u.weight in boxes} | {u.b for u in updates if u.weight in boxes} == set(held)
+        base = {u.weight: full[u.weight][boxes[u.weight]].clone() for u in updates if u.weight in boxes}
+        dst = {name: [torch.empty_like(t)] for name, t in base.items()}
         merge_into(updates, home, copy, rank, base, adapters, dst)
-        for u in updates:
-            assert torch.equal(dst[u.weight][0], merged[u.weight][boxes[u.weight]]), (rank, u.weight)
+        for name in base:
+            assert torch.equal(dst[name][0], merged[name][boxes[name]]), (rank, name)
+            merged_boxes += 1
+    assert merged_boxes == (2 * len(updates) if strategy.pp == 1 else len(updates))
 
 
 def test_adapter_layouts_refuse_a_home_split_by_tp() -> None:
