@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlflow.engine.lora import PUSH_MODES
 from rlflow.engine.optim import OptimConfig
 from rlflow.families import list_families
 from rlflow.trainer.config_fields import ConfigError, _f, _Section
@@ -33,7 +34,7 @@ class LoraConfig(_Section):
         "what a copy kept between calls (the rollout's) gets after its first push: adapters: lora_A and lora_B, "
         "merged on the copy, which keeps the base of the adapted weights in float32; merged: the merged adapted "
         "weights (more bytes a push, no base kept on the copy)",
-        choices=("adapters", "merged"),
+        choices=PUSH_MODES,
     )
 
     def _check(self) -> None:
