@@ -279,7 +279,9 @@ class MergedViews:
     local tensors under HF names, each adapted weight merged into a fresh tensor.
 
     Read-only: a write into a merged tensor does not reach the model. Every :meth:`param_tensors`
-    call merges the current adapters (collective over dp when they are sharded).
+    call merges the current adapters (collective over dp when they are sharded). For a low-rank push
+    (:class:`rlflow.parallel.low_rank.LowRankViews`) it gives the base (:meth:`base_tensors`) and the
+    adapters (:meth:`adapter_tensors`) apart, for the copy to merge.
     """
 
     def __init__(self, module: nn.Module) -> None:
