@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlflow.dataflow import Algorithm, list_algorithms
 from rlflow.trainer import load_config
@@ -55,7 +56,7 @@ def test_a_user_algorithm_recipe_is_not_a_shipped_algorithm(module):
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
 def test_recipe_validates_and_lists_the_models_its_algorithm_uses(path):
     cfg = load_config(path)
-    assert path.stem in (f"{cfg.algorithm.name}_arithmetic", f"{cfg.algorithm.name}_tools_arithmetic")
+    assert path.stem in (f"{cfg.algorithm.name}{v}_arithmetic" for v in ("", "_tools", "_lora"))
     # No model is missing, and none is listed without being used (a reference nobody reads).
     assert set(cfg.models) == set(cfg.required_models())
     assert cfg.experiment_name == path.stem
@@ -104,6 +105,52 @@ def test_distill_recipe_trains_the_missing_teacher_then_distils_it(tmp_path, mon
     result = main(student, sft_argv=teacher)
     assert has_model("runs/sft_arithmetic/actor")
     assert result.steps == 2 and len(result.mfc_seconds["teacher_inf"]) == 2
+
+
+def test_the_lora_recipe_starts_from_the_main_recipes_warm_up_and_adapts_every_linear():
+    grpo, lora = (load_config(RECIPES / f"{n}_arithmetic.yaml") for n in ("grpo", "grpo_lora"))
+    actor = lora.models["actor"]
+    assert Path(actor.path) == Path("runs/sft_warmup_arithmetic/actor") and lora.warmup.steps == 0
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # a Llama layer's
+    assert set(actor.lora.target_modules) == linears
+    assert lora.seed == grpo.seed and lora.data == grpo.data and lora.algorithm == grpo.algorithm
+    assert lora.required_models() == ("actor",)
+
+
+def test_grpo_lora_recipe_trains_the_missing_base_then_adapters_that_load_in_plain_peft(tmp_path, monkeypatch):
+    """The short recipe: 1 SFT step for the base, 2 GRPO steps on its adapters; the exported adapter
+    loads onto the base with ``PeftModel.from_pretrained`` and gives the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.engine.lora import linear_module_names
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from grpo_lora_arithmetic import main
+    from stages import has_model
+
+    driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
+    base = [*SFT_TINY, *driver, "trainer.total_steps=1", "data.eval_size=2", "logging.console=false"]
+    grpo = [*driver, "trainer.total_steps=2", "data.batch_size=2", "algorithm.n_samples=2", "data.eval_size=2"]
+    grpo += ["trainer.eval_every=0", "trainer.eval_before_train=false", "logging.console=false"]
+    grpo += ["logging.tensorboard=false", "models.actor.dtype=float32"]
+    grpo += ["algorithm.entropy_coef=0.1"]  # an untrained base earns no reward: the entropy bonus gives a gradient
+    result = main(grpo, sft_argv=base)
+
+    base_dir = tmp_path / "runs/sft_warmup_arithmetic/actor"
+    assert has_model(base_dir) and result.steps == 2
+    final = Path(result.run_dir) / "final" / "actor"
+    merged = AutoModelForCausalLM.from_pretrained(final, local_files_only=True, dtype=torch.float32)
+    base_model = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
+    linears = set(linear_module_names(base_model))  # before peft wraps them
+    with_adapter = peft.PeftModel.from_pretrained(base_model, str(final / "adapter"))
+    ids = torch.tensor([[1, 5, 9, 4, 7, 3]])
+    torch.testing.assert_close(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5)
+    adapted = {p.rsplit(".", 1)[-1] for p, m in with_adapter.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == linears == set(with_adapter.peft_config["default"].target_modules)
+    with with_adapter.disable_adapter():  # the adapters moved the policy off its base
+        assert not torch.allclose(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
 
 
 @pytest.mark.distributed
