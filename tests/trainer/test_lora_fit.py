@@ -1,6 +1,7 @@
 """GRPO with LoRA through the public Trainer: the base weights stay, the adapters move, the rollout
-samples from the merged policy, the reference is the base with adapters disabled, the saved adapter
-loads in plain peft, and a resumed run equals the run in one go."""
+samples from the merged policy, the reference is the base with adapters disabled, the SFT warm-up
+trains the adapters too, the saved adapter loads in plain peft, and a resumed run equals the run in
+one go."""
 
 from __future__ import annotations
 
@@ -117,6 +118,20 @@ def test_a_resumed_lora_run_equals_the_run_in_one_go(whole, tmp_path) -> None:
     adapter = Path("checkpoints", "step_2", "actor", "engine", "adapter", "adapter_model.safetensors")
     a, b = load_file(run / adapter), load_file(split / adapter)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_sft_warm_up_of_a_lora_actor_trains_its_adapters_only(tmp_path) -> None:
+    run = tmp_path / "run"
+    warmup = ["warmup.steps=2", "warmup.batch_size=4", "warmup.lr=0.05", "warmup.eval_every=0"]
+    # GRPO's one step at lr 1e-12 moves the adapters by ~1e-12 (Adam): what moved them is the warm-up.
+    fit(run, "trainer.total_steps=1", "models.actor.lr=1e-12", *warmup, "warmup.target_score=null")
+    ckpt = run / "checkpoints" / "step_1" / "actor"
+    adapters = load_file(ckpt / "engine" / "adapter" / "adapter_model.safetensors")
+    assert max(v.abs().max().item() for k, v in adapters.items() if ".lora_B." in k) > 1e-3  # from zero
+    base = load_file(run / "models" / "actor" / "model.safetensors")
+    merged = load_file(ckpt / "hf" / "model.safetensors")
+    kept = [k for k in base if k.rsplit(".", 2)[-2] not in ("q_proj", "v_proj", "down_proj")]
+    assert kept and all(torch.equal(merged[k], base[k]) for k in kept)  # embeddings, norms, k/o/gate/up as built
 
 
 def test_a_target_matching_no_module_is_a_config_error(tmp_path) -> None:
