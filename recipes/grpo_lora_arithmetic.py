@@ -19,7 +19,7 @@ from rlflow.trainer import FitResult, load_config, run_recipe
 from rlflow.trainer.recipe import recipe_args
 
 RECIPE = Path(__file__).with_suffix(".yaml")
-# The main recipe's warm-up as a run of its own: seed 0 reaches 72.4% there after 350 steps.
+# The main recipe's warm-up as a run of its own, as long as it runs at seed 0 (docs/benchmarks.md, "Recipes").
 SFT_WARMUP = ["experiment_name=sft_warmup_arithmetic", "trainer.total_steps=350", "trainer.eval_every=50"]
 
 
