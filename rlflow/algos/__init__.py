@@ -15,7 +15,14 @@ from rlflow.algos.advantages import (
     remax_advantages,
     rloo_advantages,
 )
-from rlflow.algos.distill import distill_metrics, distill_signal, reverse_kl_advantages
+from rlflow.algos.distill import (
+    DISTILL_LOSSES,
+    distill_metrics,
+    distill_signal,
+    reverse_kl_advantages,
+    vocab_log_probs,
+    vocab_reverse_kl,
+)
 from rlflow.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -58,6 +65,7 @@ from rlflow.algos.utils import (
 )
 
 __all__ = [
+    "DISTILL_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "SEQ_RATIO_FORMS",
@@ -109,4 +117,6 @@ __all__ = [
     "sft_loss",
     "unclipped_policy_loss",
     "value_loss",
+    "vocab_log_probs",
+    "vocab_reverse_kl",
 ]

@@ -5,7 +5,9 @@ At each sampled token ``a_t`` the signal is the negative reverse-KL sample
 ``log pi_teacher(a_t) - log pi_student(a_t)``, undiscounted and without a gradient: the student
 is pushed toward tokens the teacher finds likelier than it does. It is the whole advantage of the
 ``reverse_kl`` estimator (algorithm ``distill``), or ``distill_coef`` times it is added to a reward
-estimator's advantages.
+estimator's advantages. With ``algorithm.distill_loss: full_vocab`` the teacher's whole next-token
+distribution is read instead (:func:`vocab_reverse_kl`): the exact reverse KL at each sampled position
+is a loss term, a lower-variance signal than the one-token estimate.
 """
 
 from __future__ import annotations
@@ -16,7 +18,18 @@ from torch import Tensor
 from rlflow.algos.advantages import register_adv_estimator
 from rlflow.algos.utils import masked_mean
 
-__all__ = ["distill_metrics", "distill_signal", "reverse_kl_advantages"]
+__all__ = [
+    "DISTILL_LOSSES",
+    "distill_metrics",
+    "distill_signal",
+    "reverse_kl_advantages",
+    "vocab_log_probs",
+    "vocab_reverse_kl",
+]
+
+# How the teacher's signal enters: ``sampled`` (the advantage of each sampled token) or ``full_vocab``
+# (the exact KL over the vocabulary at each sampled position, a loss term).
+DISTILL_LOSSES = ("sampled", "full_vocab")
 
 
 def distill_signal(old_logp: Tensor, teacher_logp: Tensor, response_mask: Tensor) -> Tensor:
@@ -79,3 +92,43 @@ def distill_metrics(signal: Tensor, task_advantages: Tensor | None, coef: float,
         "distill_reverse_kl": float(-masked_mean(signal, mask)),
         "distill_share": weighted / total if total > 0 else (1.0 if task_advantages is None else 0.0),
     }
+
+
+def vocab_log_probs(logits: Tensor) -> Tensor:
+    """``(B, T, V)`` next-token log-probs aligned with the tokens: position ``t`` holds
+    ``log_softmax(logits[:, t - 1])``, the distribution token ``t`` was drawn from; 0 at ``t = 0``.
+
+    Args:
+        logits: ``(B, T, V)`` a model's logits of a row of tokens (``logits[:, t]`` predicts token ``t + 1``).
+
+    >>> vocab_log_probs(torch.zeros(1, 2, 2)).exp()[0, 1]
+    tensor([0.5000, 0.5000])
+    """
+    # float32: the softmax of a bf16 forward loses the small probabilities the KL weighs.
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.nn.functional.pad(logp[:, :-1], (0, 0, 1, 0))
+
+
+def vocab_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """``(B, T)`` ``KL(pi_student || pi_teacher)`` over the whole vocabulary at each position:
+    ``sum_v pi_student(v) (log pi_student(v) - log pi_teacher(v))``.
+
+    The gradient flows through the student's log-probs only. Positions whose rows are all zeros in
+    both (a sequence start, see :func:`vocab_log_probs`) give ``sum_v 1 * 0 = 0``; the caller masks
+    the rest of the non-response positions.
+
+    Args:
+        student_logp: ``(B, T, V)`` :func:`vocab_log_probs` of the student (with its gradient).
+        teacher_logp: ``(B, T, V)`` the same of the teacher, on the same tokens.
+
+    >>> s = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    >>> round(float(vocab_reverse_kl(s, torch.log(torch.tensor([[[0.9, 0.1]]])))), 4)
+    0.5108
+    """
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(
+            f"student_logp {tuple(student_logp.shape)} and teacher_logp {tuple(teacher_logp.shape)} must have the "
+            "same (B, T, V) shape: the teacher must share the student's vocabulary"
+        )
+    teacher = teacher_logp.detach().to(student_logp.dtype)
+    return (student_logp.exp() * (student_logp - teacher)).sum(-1)

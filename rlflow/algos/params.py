@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
+from rlflow.algos.distill import DISTILL_LOSSES
 from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, get_policy_loss, list_policy_losses
 from rlflow.algos.mismatch import SEQ_RATIO_FORMS
@@ -85,6 +86,14 @@ class AlgorithmParams:
         "sampled token's advantage (reverse KL to models.teacher, undiscounted); 0: no teacher. Algorithm "
         "distill uses the teacher's signal alone",
         ge=0.0,
+    )
+    distill_loss: str = declared_field(
+        "sampled",
+        "how the teacher's signal enters: sampled (log pi_teacher - log pi_old of each sampled token as its "
+        "advantage) or full_vocab (the exact KL(student || teacher) over the vocabulary at each sampled position "
+        "as a loss term, weighted by distill_coef, or 1 under algorithm distill; the teacher's call then ships "
+        "(N, T, vocab) log-probs: for small vocabularies)",
+        choices=DISTILL_LOSSES,
     )
     loss_agg_mode: str = declared_field("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
     norm_adv_by_std: bool = declared_field(
@@ -221,6 +230,11 @@ class AlgorithmParams:
             return (
                 "kl_in_reward",
                 f"the {estimator} estimator reads no reward for a KL penalty to enter; set false (a KL loss)",
+            )
+        if self.distill_loss != "sampled" and not self.uses_teacher:
+            return (
+                "distill_loss",
+                "no teacher is read (algorithm distill, or distill_coef > 0, reads one); set sampled",
             )
         if self.distill_coef > 0 and not get_algorithm(self.name).samples_responses:
             return ("distill_coef", f"algorithm {self.name!r} samples nothing for a teacher to score; set 0")

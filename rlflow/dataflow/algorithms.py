@@ -25,6 +25,8 @@ key                         meaning (shape, dtype)
                             sampled each response token (N, P+R), int64, 0 elsewhere
 ``ref_logp``                the same under the reference model
 ``teacher_logp``            the same under the distillation teacher (:func:`with_teacher`)
+``teacher_vocab_logp``      with ``GraphOptions.teacher_vocab``: the teacher's log-probs of the whole vocabulary at
+                            every position (N, P+R, V), float; position t holds the distribution of token t
 ``values``                  critic values (N, P+R), float
 ``rewards``                 one scalar per sequence (N,), float
 ``env_rewards``             multi-turn rollouts: each episode's summed step rewards (N,), a non-tensor column
@@ -105,6 +107,8 @@ class GraphOptions:
             calls read it (partial rollouts, :func:`with_token_versions`).
         use_teacher: add the distillation teacher's log-prob call (:func:`with_teacher`); algorithms
             whose record ``needs_teacher`` build it regardless; only for algorithms that sample responses.
+        teacher_vocab: the teacher's call also writes its whole next-token distributions,
+            ``teacher_vocab_logp`` (``algorithm.distill_loss: full_vocab``); only with ``use_teacher``.
     """
 
     n_seqs: int | None = None
@@ -116,6 +120,7 @@ class GraphOptions:
     recompute_old_logp: bool = False
     token_versions: bool = False
     use_teacher: bool = False
+    teacher_vocab: bool = False
 
 
 # --- The record ---
@@ -245,7 +250,9 @@ class Algorithm:
         if options.use_teacher:
             if not self.samples_responses:
                 raise ValueError(f"algorithm {self.name!r} samples nothing: a teacher has no samples to score")
-            mfcs = with_teacher(mfcs)
+            mfcs = with_teacher(mfcs, vocab=options.teacher_vocab)
+        elif options.teacher_vocab:
+            raise ValueError(f"algorithm {self.name!r}: teacher_vocab=True needs the teacher's call (use_teacher)")
         if options.recompute_old_logp:
             if not self.samples_responses:
                 raise ValueError(f"algorithm {self.name!r} samples nothing: it has no old log-probs to recompute")
@@ -399,12 +406,14 @@ def with_token_versions(mfcs: list[MFCDef]) -> list[MFCDef]:
 # --- The distillation teacher ---
 
 
-def with_teacher(mfcs: list[MFCDef]) -> list[MFCDef]:
+def with_teacher(mfcs: list[MFCDef], vocab: bool = False) -> list[MFCDef]:
     """The MFCs with a frozen teacher's log-probs of the sampled responses, for on-policy distillation.
 
     An inference call ``teacher_inf`` on model ``teacher`` (placed right after the generate call
     that writes ``old_logp``, the shape of the reference's ``ref_inf``) reads the rollout and writes
     ``teacher_logp``; the ``rl`` train calls of the generating model read it for their advantages.
+    ``vocab``: it also writes ``teacher_vocab_logp``, its whole next-token distributions, which the
+    train calls read for the full-vocabulary KL loss.
 
     Raises:
         ValueError: not exactly one generate call writes ``old_logp``, or a call named
@@ -421,20 +430,21 @@ def with_teacher(mfcs: list[MFCDef]) -> list[MFCDef]:
     if any(m.name == TEACHER_CALL for m in mfcs):
         raise ValueError(f"the graph already has a call named {TEACHER_CALL!r}")
     (gen,) = gens
+    keys = ("teacher_logp", "teacher_vocab_logp") if vocab else ("teacher_logp",)
     teacher = MFCDef(
         TEACHER_CALL,
         TEACHER,
         "inference",
         ROLLOUT_KEYS,
-        ("teacher_logp",),
-        output_key_remap={"logp": "teacher_logp"},
+        keys,
+        output_key_remap={"logp": "teacher_logp", **({"vocab_logp": "teacher_vocab_logp"} if vocab else {})},
         n_seqs=gen.n_seqs,
         n_mbs=gen.n_mbs,
     )
     out: list[MFCDef] = []
     for mfc in mfcs:
         if mfc.objective == "rl" and mfc.model_name == gen.model_name:
-            out.append(replace(mfc, input_keys=mfc.input_keys + ("teacher_logp",)))
+            out.append(replace(mfc, input_keys=mfc.input_keys + keys))
         else:
             out.append(mfc)
         if mfc is gen:

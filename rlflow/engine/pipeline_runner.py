@@ -135,7 +135,7 @@ class PipelineRunner:
         cols = torch.arange(layout.cols.start, layout.cols.stop)
         out = {}
         for key, value in e.named_outputs(merged).items():
-            full = torch.zeros(batch["attention_mask"].shape, dtype=torch.float32)
+            full = torch.zeros((*batch["attention_mask"].shape, *value.shape[2:]), dtype=torch.float32)  # (B, T[, V])
             full[rows[:, None], cols] = value[valid.to(value.device)].float().cpu()
             out[key] = full
         return out

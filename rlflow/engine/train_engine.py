@@ -457,11 +457,13 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
-    def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch: Mapping[str, torch.Tensor], logits: bool = False) -> dict[str, torch.Tensor] | None:
         """Outputs for the given sequences (no gradients).
 
         Args:
             batch: dp-local rows with ``input_ids`` and ``attention_mask`` ``(B, T)``.
+            logits: an LM also returns its ``logits`` ``(B, T, V)`` (``logits[:, i]`` predicts
+                token ``i + 1``; 0 at padding): ``B·T·V`` floats, for small vocabularies.
 
         Returns:
             On last-stage ranks, CPU tensors: ``log_probs`` and ``entropy`` ``(B, T)`` float32
@@ -470,7 +472,7 @@ class TrainEngine:
             value at each row's last valid token) for a value head. ``None`` on other ranks.
         """
         self.stage.eval()
-        self.stage.return_logits = False
+        self.stage.return_logits = logits
         try:
             if self.runner is not None:
                 out = self.runner.forward(batch)
@@ -492,7 +494,8 @@ class TrainEngine:
         out: dict[str, torch.Tensor] = {}
         for mb in split_micro_batches(batch, **self.config.split_kwargs()):
             named = self.run_micro_batch(mb.data)
-            named.pop("logits", None)
+            if not self.stage.return_logits:
+                named.pop("logits", None)
             self._scatter(out, named, mb, shape)
         return out
 
@@ -500,7 +503,7 @@ class TrainEngine:
     def _scatter(out: dict[str, torch.Tensor], named: dict[str, torch.Tensor], mb: MicroBatch, shape) -> None:
         for key, value in named.items():
             if key not in out:
-                out[key] = torch.zeros(shape, dtype=torch.float32)
+                out[key] = torch.zeros((*shape, *value.shape[2:]), dtype=torch.float32)  # (B, T[, V])
             out[key][mb.indices[:, None], torch.arange(mb.col_start, mb.col_stop)] = value.float().cpu()
 
     # ------------------------------------------------------------------ state

@@ -317,6 +317,7 @@ def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
         rule_based_reward=rule_reward,
         use_ref="ref" in cfg.required_models(),  # a KL term reads it; without one it is not built
         use_teacher="teacher" in cfg.required_models(),  # on-policy distillation: its advantage reads it
+        teacher_vocab=algo.distill_loss == "full_vocab",  # the full-vocabulary KL loss reads its distributions
         ref_ema_eta=algo.ema_eta,
         recompute_old_logp=algo.recomputes_old_logp(cfg.rollout, cfg.placement.use_gpu, cfg.model_dtype("actor")),
         token_versions=cfg.rollout.partial_tokens > 0,

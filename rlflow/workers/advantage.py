@@ -123,8 +123,11 @@ class AdvantageEstimator:
             metrics.update(distill_metrics(advantages, None, 1.0, mask))
         elif "teacher_logp" in batch and self.algo.distill_coef > 0:
             signal = distill_signal(batch["old_logp"], batch["teacher_logp"], mask)
-            metrics.update(distill_metrics(signal, advantages, self.algo.distill_coef, mask))
-            advantages = advantages + self.algo.distill_coef * signal
+            if self.algo.distill_loss == "sampled":
+                metrics.update(distill_metrics(signal, advantages, self.algo.distill_coef, mask))
+                advantages = advantages + self.algo.distill_coef * signal
+            else:  # full_vocab: the teacher enters the loss (policy_loss_fn), not the advantage
+                metrics["distill_reverse_kl"] = distill_metrics(signal, None, 1.0, mask)["distill_reverse_kl"]
         metrics["advantage_mean"] = float(masked_mean(advantages, mask))
         metrics["return_mean"] = float(masked_mean(returns, mask))
         return advantages[rows].float(), returns[rows].float(), metrics

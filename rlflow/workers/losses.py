@@ -32,8 +32,10 @@ from rlflow.algos import (
     mismatch_weights,
     sft_loss,
     value_loss,
+    vocab_log_probs,
+    vocab_reverse_kl,
 )
-from rlflow.algos.params import AlgorithmParams
+from rlflow.algos.params import AlgorithmParams, estimator_reads
 from rlflow.engine.models import sequence_scores
 from rlflow.workers.context import shift_right
 
@@ -70,8 +72,13 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
     (``seq_tis_cap``, ``seq_mask_*``, ``token_mask_*``: :func:`~rlflow.algos.mismatch_weights`)
     multiply into it.
 
+    Under ``distill_loss: full_vocab`` the exact ``KL(pi_theta || pi_teacher)`` over the vocabulary
+    at each response position (:func:`~rlflow.algos.vocab_reverse_kl`) is added with weight
+    ``distill_coef``; under the ``reverse_kl`` estimator (algorithm distill) it replaces the policy
+    loss, weight 1.
+
     Batch keys: ``response_mask``, ``old_logp``, ``advantages`` (all ``(b, t)``), ``ref_logp``,
-    ``rollout_logp``, ``prox_logp``.
+    ``rollout_logp``, ``prox_logp``, ``teacher_vocab_logp`` ``(b, t, V)``.
     """
     policy = get_policy_loss(algo.policy_loss)
     options = _supported(
@@ -84,6 +91,10 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         },
     )
     use_kl_loss = not algo.kl_in_reward and kl_coef > 0
+    # Full-vocabulary distillation: the teacher's term is a loss of its own. Alone (estimator reverse_kl)
+    # it is the whole loss: the advantage is the sampled estimate of the same KL and would count it twice.
+    distill_alone = estimator_reads(algo.adv_estimator, "teacher_logp")
+    vocab_coef = (1.0 if distill_alone else algo.distill_coef) if algo.distill_loss == "full_vocab" else 0.0
     decoupled = algo.behaviour_correction == "decoupled"
     mismatch = {k: v for k, v in algo.mismatch_options().items() if k != "tis_cap"}
 
@@ -116,7 +127,9 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
             advantages = advantages * weight
         out = policy(log_prob, old_logp, advantages, mask, **options)
         entropy = agg_loss(outputs["entropy"], mask, algo.loss_agg_mode)
-        loss = out.loss - algo.entropy_coef * entropy
+        loss = -algo.entropy_coef * entropy
+        if not (vocab_coef and distill_alone):
+            loss = loss + out.loss
         metrics = {
             "pg_loss": float(out.loss.detach()),
             "clip_fraction": float(out.clip_fraction),
@@ -126,6 +139,11 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
             **{k: float(v) for k, v in out.metrics.items()},
             **correction,
         }
+        if vocab_coef:
+            student = vocab_log_probs(outputs["logits"])
+            vocab_kl = agg_loss(vocab_reverse_kl(student, batch["teacher_vocab_logp"]), mask, algo.loss_agg_mode)
+            loss = loss + vocab_coef * vocab_kl
+            metrics["distill_vocab_kl"] = float(vocab_kl.detach())
         if use_kl_loss:
             kl = kl_loss(log_prob, batch["ref_logp"], mask, algo.kl_estimator, algo.loss_agg_mode)
             loss = loss + kl_coef * kl

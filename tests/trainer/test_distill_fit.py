@@ -89,6 +89,29 @@ def test_the_student_moves_toward_the_teacher(teacher, tmp_path):
     assert after < 0.5 * before, (before, after)
 
 
+def test_the_full_vocabulary_loss_moves_the_student_toward_the_teacher(teacher, tmp_path):
+    run = tmp_path / "run"
+    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "trainer.total_steps=8", "data.batch_size=8"]
+    overrides += [
+        "algorithm.n_samples=2",
+        "models.actor.lr=2e-2",
+        "models.teacher.init=path",
+        f"models.teacher.path={teacher}",
+        f"logging.dir={run}",
+    ]
+    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+        assert "teacher_vocab_logp" in trainer.graph.nodes["actor_train"]["mfc"].input_keys
+        trainer.fit()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["actor_train/distill_vocab_kl"] for r in records if "actor_train/distill_vocab_kl" in r]
+    assert len(kl) == 8 and all(k >= 0 for k in kl), kl
+    # The loss is the exact KL on the student's own samples: it falls, and so does the KL on held-out answers.
+    assert sum(kl[-2:]) / 2 < 0.5 * sum(kl[:2]) / 2, kl
+    before = exact_reverse_kl(run / "models" / "actor", teacher, run / "tokenizer")
+    after = exact_reverse_kl(run / "final" / "actor", teacher, run / "tokenizer")
+    assert after < 0.5 * before, (before, after)
+
+
 def test_a_reward_and_the_teacher_mixed(tmp_path):
     run = tmp_path / "run"
     teacher = ["models.teacher.init=tiny", *(f"models.teacher.{o}" for o in TEACHER_SHAPE)]

@@ -315,6 +315,8 @@ class ActorInterface(ModelInterface):
             batch["ref_logp"] = tensors_of(data, ("ref_logp",))["ref_logp"]
         if "rollout_logp" in data.batch_keys:  # old_logp was recomputed by the trainer (see policy_loss_fn)
             batch["rollout_logp"] = data.batch["rollout_logp"]
+        if "teacher_vocab_logp" in data.batch_keys:  # the full-vocabulary distillation loss (see policy_loss_fn)
+            batch["teacher_vocab_logp"] = data.batch["teacher_vocab_logp"]
         if self.algo.mask_truncated:
             metrics["truncated_fraction"] = self._mask_truncated(batch)
         num_mini_batches = self.num_mini_batches(ctx)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlflow.algos import vocab_log_probs
 from rlflow.protocol import DataProto
-from rlflow.workers.context import CallContext
+from rlflow.workers.context import CallContext, temperature_scaled, tensors_of
 from rlflow.workers.interfaces.base import ModelInterface, log_probs
 
 if TYPE_CHECKING:
@@ -29,6 +30,17 @@ class RefInterface(ModelInterface):
 
 
 class TeacherInterface(RefInterface):
-    """``logp`` ``(N, T)`` of the student's sampled tokens under the distillation teacher, at the policy's temperature."""
+    """``logp`` ``(N, T)`` of the student's sampled tokens under the distillation teacher, at the policy's
+    temperature; under ``algorithm.distill_loss: full_vocab`` also ``vocab_logp`` ``(N, T, V)``, its whole
+    next-token distributions (:func:`~rlflow.algos.vocab_log_probs`: position ``t`` is token ``t``'s)."""
 
     role = "teacher"
+
+    def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
+        if self.algo.distill_loss != "full_vocab":
+            return log_probs(engine, data, self.temperature)
+        with temperature_scaled(engine, self.temperature):
+            out = engine.forward(tensors_of(data, ("input_ids", "attention_mask")), logits=True)
+        if out is None:
+            return None
+        return DataProto.from_dict({"logp": out["log_probs"], "vocab_logp": vocab_log_probs(out["logits"])})

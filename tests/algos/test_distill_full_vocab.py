@@ -1,0 +1,125 @@
+"""Full-vocabulary on-policy distillation (``algorithm.distill_loss: full_vocab``): the exact
+KL(student || teacher) over the vocabulary at each sampled position, its alignment and gradient
+checked against plain-Python arithmetic; the policy loss it enters; the teacher call's extra key."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_distill import CTX, rows
+
+from rlflow.algos import agg_loss, vocab_log_probs, vocab_reverse_kl
+from rlflow.algos.params import AlgorithmParams
+from rlflow.dataflow.algorithms import algorithm_graph, algorithm_mfcs
+from rlflow.workers.advantage import AdvantageEstimator
+from rlflow.workers.losses import policy_loss_fn
+
+# One row of three tokens over a vocabulary of three: the logits at t predict token t + 1.
+STUDENT_LOGITS = [[[0.0, 1.0, 2.0], [1.5, -0.5, 0.0], [3.0, 0.0, 0.0]]]
+TEACHER_LOGITS = [[[2.0, 0.0, 0.0], [0.0, 0.0, 4.0], [1.0, 1.0, 1.0]]]
+
+
+def softmax(xs: list[float]) -> list[float]:
+    z = sum(math.exp(x) for x in xs)
+    return [math.exp(x) / z for x in xs]
+
+
+def reference_kl(student: list[float], teacher: list[float]) -> float:
+    """sum_v p(v) log(p(v) / q(v)) of two logit rows, in plain Python."""
+    p, q = softmax(student), softmax(teacher)
+    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+
+
+def test_position_t_holds_the_distribution_token_t_was_drawn_from():
+    logp = vocab_log_probs(torch.tensor(STUDENT_LOGITS))
+    assert logp.shape == (1, 3, 3) and logp[0, 0].abs().sum() == 0  # a sequence start has no prediction
+    for t in (1, 2):
+        assert logp[0, t].exp().tolist() == pytest.approx(softmax(STUDENT_LOGITS[0][t - 1]))
+
+
+def test_the_vocabulary_kl_is_the_exact_reverse_kl_at_each_position():
+    s, t = (vocab_log_probs(torch.tensor(x)) for x in (STUDENT_LOGITS, TEACHER_LOGITS))
+    kl = vocab_reverse_kl(s, t)
+    expected = [0.0] + [reference_kl(STUDENT_LOGITS[0][i], TEACHER_LOGITS[0][i]) for i in (0, 1)]
+    assert kl[0].tolist() == pytest.approx(expected, rel=1e-5)
+    assert vocab_reverse_kl(t, t).abs().max() < 1e-6  # the teacher against itself: 0
+    with pytest.raises(ValueError, match="same \\(B, T, V\\) shape"):
+        vocab_reverse_kl(s, t[..., :2])
+
+
+def test_the_gradient_is_the_analytic_one_and_never_reaches_the_teacher():
+    # d KL(p || q) / d z_i = p_i (log p_i - log q_i - KL), with p = softmax(z).
+    z = torch.tensor([[STUDENT_LOGITS[0][0], STUDENT_LOGITS[0][0]]], requires_grad=True)
+    teacher = vocab_log_probs(torch.tensor([[TEACHER_LOGITS[0][0], TEACHER_LOGITS[0][0]]])).requires_grad_()
+    vocab_reverse_kl(vocab_log_probs(z), teacher)[0, 1].backward()
+    p, q = softmax(STUDENT_LOGITS[0][0]), softmax(TEACHER_LOGITS[0][0])
+    kl = reference_kl(STUDENT_LOGITS[0][0], TEACHER_LOGITS[0][0])
+    assert z.grad[0, 0].tolist() == pytest.approx([pi * (math.log(pi / qi) - kl) for pi, qi in zip(p, q)], rel=1e-5)
+    assert teacher.grad is None
+
+
+def loss_inputs(mask: list[list[int]]) -> tuple[dict, dict, torch.Tensor]:
+    """Engine outputs and a train batch for one row of three tokens; the expected masked mean KL."""
+    logits = torch.tensor(STUDENT_LOGITS, requires_grad=True)
+    logp = vocab_log_probs(logits)
+    ids = torch.tensor([[0, 2, 0]])
+    token_logp = logp.gather(-1, ids[..., None])[..., 0]
+    outputs = {"log_probs": token_logp, "entropy": torch.zeros(1, 3), "logits": logits}
+    response = torch.tensor(mask, dtype=torch.float32)
+    batch = {
+        "response_mask": response,
+        "old_logp": token_logp.detach(),
+        "advantages": torch.tensor([[0.0, 2.0, -1.0]]),
+        "teacher_vocab_logp": vocab_log_probs(torch.tensor(TEACHER_LOGITS)),
+    }
+    kl = [reference_kl(STUDENT_LOGITS[0][i], TEACHER_LOGITS[0][i]) for i in (0, 1)]
+    expected = torch.tensor(sum(k * m for k, m in zip(kl, mask[0][1:])) / sum(mask[0][1:]))
+    return outputs, batch, expected
+
+
+def test_alone_the_vocabulary_kl_is_the_whole_loss():
+    algo = AlgorithmParams("distill", distill_loss="full_vocab").resolved()
+    outputs, batch, expected = loss_inputs([[0, 1, 1]])
+    loss, metrics = policy_loss_fn(algo, 0.0)(outputs, batch)
+    # The sampled advantages (2, -1) would move the loss: at ratio 1 the PPO term is -mean(A) = -0.5.
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    assert metrics["distill_vocab_kl"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_mixed_with_a_reward_it_is_added_to_the_policy_loss_with_its_coefficient():
+    coef = 0.25
+    algo = AlgorithmParams("grpo", n_samples=1, distill_coef=coef, distill_loss="full_vocab").resolved()
+    outputs, batch, expected = loss_inputs([[0, 0, 1]])  # only the last token is a response token
+    loss, metrics = policy_loss_fn(algo, 0.0)(outputs, batch)
+    pg = -agg_loss(batch["advantages"], batch["response_mask"], "token-mean")  # ratio 1: -mean(A)
+    assert float(loss.detach()) == pytest.approx(float(pg + coef * expected), rel=1e-5)
+    assert metrics["pg_loss"] == pytest.approx(float(pg))
+    # The sampled distillation default leaves the loss the policy term alone.
+    plain, plain_metrics = policy_loss_fn(AlgorithmParams("grpo", n_samples=1, distill_coef=coef).resolved(), 0.0)(
+        outputs, batch
+    )
+    assert float(plain.detach()) == pytest.approx(float(pg)) and "distill_vocab_kl" not in plain_metrics
+
+
+def test_under_full_vocab_the_teacher_leaves_the_advantages_to_the_reward():
+    mixed = AlgorithmParams("grpo", n_samples=2, distill_coef=0.3, distill_loss="full_vocab").resolved()
+    adv, _, metrics = AdvantageEstimator(mixed)(rows(), CTX)
+    plain, _, _ = AdvantageEstimator(AlgorithmParams("grpo", n_samples=2).resolved())(rows(), CTX)
+    assert torch.equal(adv, plain) and "distill_reverse_kl" in metrics and "distill_share" not in metrics
+
+
+def test_the_teacher_call_also_writes_its_distributions_for_the_train_step():
+    mfcs = {m.name: m for m in algorithm_mfcs("distill", use_ref=False, teacher_vocab=True)}
+    assert mfcs["teacher_inf"].output_keys == ("teacher_logp", "teacher_vocab_logp")
+    assert mfcs["teacher_inf"].output_key_remap["vocab_logp"] == "teacher_vocab_logp"
+    assert "teacher_vocab_logp" in mfcs["actor_train"].input_keys
+    assert "teacher_vocab_logp" not in {k for m in algorithm_mfcs("distill", use_ref=False) for k in m.output_keys}
+    with pytest.raises(ValueError, match="teacher_vocab=True needs the teacher's call"):
+        algorithm_graph("grpo", teacher_vocab=True)
+
+
+def test_full_vocab_without_a_teacher_is_refused():
+    with pytest.raises(ValueError, match="AlgorithmParams.distill_loss='full_vocab': no teacher is read"):
+        AlgorithmParams("grpo", distill_loss="full_vocab")
