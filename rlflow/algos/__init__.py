@@ -16,10 +16,12 @@ from rlflow.algos.advantages import (
     rloo_advantages,
 )
 from rlflow.algos.distill import (
+    DISTILL_DIVERGENCES,
     DISTILL_LOSSES,
     distill_metrics,
     distill_signal,
     reverse_kl_advantages,
+    vocab_forward_kl,
     vocab_log_probs,
     vocab_reverse_kl,
 )
@@ -65,6 +67,7 @@ from rlflow.algos.utils import (
 )
 
 __all__ = [
+    "DISTILL_DIVERGENCES",
     "DISTILL_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -117,6 +120,7 @@ __all__ = [
     "sft_loss",
     "unclipped_policy_loss",
     "value_loss",
+    "vocab_forward_kl",
     "vocab_log_probs",
     "vocab_reverse_kl",
 ]

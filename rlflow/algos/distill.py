@@ -19,10 +19,12 @@ from rlflow.algos.advantages import register_adv_estimator
 from rlflow.algos.utils import masked_mean
 
 __all__ = [
+    "DISTILL_DIVERGENCES",
     "DISTILL_LOSSES",
     "distill_metrics",
     "distill_signal",
     "reverse_kl_advantages",
+    "vocab_forward_kl",
     "vocab_log_probs",
     "vocab_reverse_kl",
 ]
@@ -30,6 +32,8 @@ __all__ = [
 # How the teacher's signal enters: ``sampled`` (the advantage of each sampled token) or ``full_vocab``
 # (the exact KL over the vocabulary at each sampled position, a loss term).
 DISTILL_LOSSES = ("sampled", "full_vocab")
+# Which KL over the vocabulary full_vocab takes: KL(student || teacher) or KL(teacher || student).
+DISTILL_DIVERGENCES = ("reverse", "forward")
 
 
 def distill_signal(old_logp: Tensor, teacher_logp: Tensor, response_mask: Tensor) -> Tensor:
@@ -132,3 +136,24 @@ def vocab_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
         )
     teacher = teacher_logp.detach().to(student_logp.dtype)
     return (student_logp.exp() * (student_logp - teacher)).sum(-1)
+
+
+def vocab_forward_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """``(B, T)`` ``KL(pi_teacher || pi_student)`` over the whole vocabulary at each position:
+    ``sum_v pi_teacher(v) (log pi_teacher(v) - log pi_student(v))``, the cross-entropy to the teacher's
+    distribution less its entropy. Shapes and masking as :func:`vocab_reverse_kl`.
+
+    Unlike the reverse KL it weighs each token by the teacher's probability: the tokens the teacher
+    all but excludes, whose log-probs span tens of nats, pull on the student no harder than in SFT.
+
+    >>> s = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    >>> round(float(vocab_forward_kl(s, torch.log(torch.tensor([[[0.9, 0.1]]])))), 4)
+    0.3681
+    """
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(
+            f"student_logp {tuple(student_logp.shape)} and teacher_logp {tuple(teacher_logp.shape)} must have the "
+            "same (B, T, V) shape: the teacher must share the student's vocabulary"
+        )
+    teacher = teacher_logp.detach().to(student_logp.dtype)
+    return (teacher.exp() * (teacher - student_logp)).sum(-1)

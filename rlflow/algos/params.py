@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
-from rlflow.algos.distill import DISTILL_LOSSES
+from rlflow.algos.distill import DISTILL_DIVERGENCES, DISTILL_LOSSES
 from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, get_policy_loss, list_policy_losses
 from rlflow.algos.mismatch import SEQ_RATIO_FORMS
@@ -94,6 +94,12 @@ class AlgorithmParams:
         "as a loss term, weighted by distill_coef, or 1 under algorithm distill; the teacher's call then ships "
         "(N, T, vocab) log-probs: for small vocabularies)",
         choices=DISTILL_LOSSES,
+    )
+    distill_divergence: str = declared_field(
+        "reverse",
+        "the KL distill_loss full_vocab takes at each sampled position: reverse KL(student || teacher) or forward "
+        "KL(teacher || student) (the teacher's soft labels on the student's own prefixes, GKD's beta=0)",
+        choices=DISTILL_DIVERGENCES,
     )
     loss_agg_mode: str = declared_field("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
     norm_adv_by_std: bool = declared_field(
@@ -230,6 +236,12 @@ class AlgorithmParams:
             return (
                 "kl_in_reward",
                 f"the {estimator} estimator reads no reward for a KL penalty to enter; set false (a KL loss)",
+            )
+        if self.distill_divergence != "reverse" and self.distill_loss != "full_vocab":
+            return (
+                "distill_divergence",
+                f"distill_loss {self.distill_loss!r} estimates the reverse KL from the sampled tokens; the forward KL "
+                "needs the teacher's whole distributions (distill_loss: full_vocab)",
             )
         if self.distill_loss != "sampled" and not self.uses_teacher:
             return (

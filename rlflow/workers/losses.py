@@ -32,6 +32,7 @@ from rlflow.algos import (
     mismatch_weights,
     sft_loss,
     value_loss,
+    vocab_forward_kl,
     vocab_log_probs,
     vocab_reverse_kl,
 )
@@ -141,7 +142,8 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         }
         if vocab_coef:
             student = vocab_log_probs(outputs["logits"])
-            vocab_kl = agg_loss(vocab_reverse_kl(student, batch["teacher_vocab_logp"]), mask, algo.loss_agg_mode)
+            divergence = vocab_reverse_kl if algo.distill_divergence == "reverse" else vocab_forward_kl
+            vocab_kl = agg_loss(divergence(student, batch["teacher_vocab_logp"]), mask, algo.loss_agg_mode)
             loss = loss + vocab_coef * vocab_kl
             metrics["distill_vocab_kl"] = float(vocab_kl.detach())
         if use_kl_loss:

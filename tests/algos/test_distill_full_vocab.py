@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_distill import CTX, rows
 
-from rlflow.algos import agg_loss, vocab_log_probs, vocab_reverse_kl
+from rlflow.algos import agg_loss, vocab_forward_kl, vocab_log_probs, vocab_reverse_kl
 from rlflow.algos.params import AlgorithmParams
 from rlflow.dataflow.algorithms import algorithm_graph, algorithm_mfcs
 from rlflow.workers.advantage import AdvantageEstimator
@@ -60,8 +60,20 @@ def test_the_gradient_is_the_analytic_one_and_never_reaches_the_teacher():
     assert teacher.grad is None
 
 
-def loss_inputs(mask: list[list[int]]) -> tuple[dict, dict, torch.Tensor]:
-    """Engine outputs and a train batch for one row of three tokens; the expected masked mean KL."""
+def test_the_forward_kl_weighs_tokens_by_the_teacher_and_its_gradient_is_softmax_minus_teacher():
+    s, t = (vocab_log_probs(torch.tensor(x)) for x in (STUDENT_LOGITS, TEACHER_LOGITS))
+    expected = [0.0] + [reference_kl(TEACHER_LOGITS[0][i], STUDENT_LOGITS[0][i]) for i in (0, 1)]
+    assert vocab_forward_kl(s, t)[0].tolist() == pytest.approx(expected, rel=1e-5)
+    # d KL(q || p) / d z = p - q (cross-entropy to soft labels), with p = softmax(z).
+    z = torch.tensor([STUDENT_LOGITS[0][:2]], requires_grad=True)
+    vocab_forward_kl(vocab_log_probs(z), t[:, :2])[0, 1].backward()
+    p, q = softmax(STUDENT_LOGITS[0][0]), softmax(TEACHER_LOGITS[0][0])
+    assert z.grad[0, 0].tolist() == pytest.approx([pi - qi for pi, qi in zip(p, q)], rel=1e-5)
+
+
+def loss_inputs(mask: list[list[int]], forward: bool = False) -> tuple[dict, dict, torch.Tensor]:
+    """Engine outputs and a train batch for one row of three tokens; the expected masked mean KL
+    (reverse, or ``forward``)."""
     logits = torch.tensor(STUDENT_LOGITS, requires_grad=True)
     logp = vocab_log_probs(logits)
     ids = torch.tensor([[0, 2, 0]])
@@ -74,7 +86,8 @@ def loss_inputs(mask: list[list[int]]) -> tuple[dict, dict, torch.Tensor]:
         "advantages": torch.tensor([[0.0, 2.0, -1.0]]),
         "teacher_vocab_logp": vocab_log_probs(torch.tensor(TEACHER_LOGITS)),
     }
-    kl = [reference_kl(STUDENT_LOGITS[0][i], TEACHER_LOGITS[0][i]) for i in (0, 1)]
+    pairs = [(STUDENT_LOGITS[0][i], TEACHER_LOGITS[0][i]) for i in (0, 1)]
+    kl = [reference_kl(*(pair[::-1] if forward else pair)) for pair in pairs]
     expected = torch.tensor(sum(k * m for k, m in zip(kl, mask[0][1:])) / sum(mask[0][1:]))
     return outputs, batch, expected
 
@@ -84,6 +97,14 @@ def test_alone_the_vocabulary_kl_is_the_whole_loss():
     outputs, batch, expected = loss_inputs([[0, 1, 1]])
     loss, metrics = policy_loss_fn(algo, 0.0)(outputs, batch)
     # The sampled advantages (2, -1) would move the loss: at ratio 1 the PPO term is -mean(A) = -0.5.
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    assert metrics["distill_vocab_kl"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_the_forward_divergence_is_the_loss_when_chosen():
+    algo = AlgorithmParams("distill", distill_loss="full_vocab", distill_divergence="forward").resolved()
+    outputs, batch, expected = loss_inputs([[0, 1, 1]], forward=True)
+    loss, metrics = policy_loss_fn(algo, 0.0)(outputs, batch)
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
     assert metrics["distill_vocab_kl"] == pytest.approx(float(expected), rel=1e-5)
 
@@ -123,3 +144,5 @@ def test_the_teacher_call_also_writes_its_distributions_for_the_train_step():
 def test_full_vocab_without_a_teacher_is_refused():
     with pytest.raises(ValueError, match="AlgorithmParams.distill_loss='full_vocab': no teacher is read"):
         AlgorithmParams("grpo", distill_loss="full_vocab")
+    with pytest.raises(ValueError, match="AlgorithmParams.distill_divergence='forward': .* needs the teacher's whole"):
+        AlgorithmParams("distill", distill_divergence="forward")
