@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlflow.data.tiny_models import build_tiny_model
+from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.dataflow import Algorithm, list_algorithms
 from rlflow.trainer import load_config
 
@@ -24,6 +26,7 @@ YAMLS = sorted(RECIPES.glob("*.yaml"))
 pytestmark = [pytest.mark.slow]
 USER_ALGORITHM_RECIPES = ("a2c_custom",)  # trained by tests/dataflow/test_custom_algorithm.py
 HELPERS = {"stages"}
+BASELINES = {"distill_sft_arithmetic"}  # run another recipe's YAML (distill_arithmetic's) another way
 
 # A 2-layer, 64-wide policy; 2 SFT steps, 2 reward-model steps and 2 PPO steps of 8 prompts.
 TINY_MODEL = ["hidden_size=64", "intermediate_size=128", "num_layers=2", "num_heads=4", "num_kv_heads=2"]
@@ -42,7 +45,7 @@ def test_there_is_a_recipe_per_algorithm():
     # Any other script is a user's algorithm in one file (its record, graph and config in the
     # module) or a helper the recipes share.
     scripts = {p.stem for p in RECIPES.glob("*.py")}
-    assert scripts - names == set(USER_ALGORITHM_RECIPES) | HELPERS
+    assert scripts - names == set(USER_ALGORITHM_RECIPES) | HELPERS | BASELINES
 
 
 @pytest.mark.parametrize("module", USER_ALGORITHM_RECIPES)
@@ -100,7 +103,6 @@ def test_distill_recipe_trains_the_missing_teacher_then_distils_it(tmp_path, mon
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     teacher = [*SFT_TINY, *driver, "trainer.total_steps=1", "data.eval_size=2", "logging.tensorboard=false"]
     student = [*driver, "trainer.total_steps=2", "data.batch_size=2", "data.eval_size=2", "trainer.eval_every=0"]
-    student += ["warmup.steps=1", "warmup.eval_every=0", "warmup.target_score=null", "warmup.batch_size=4"]
     student += ["trainer.eval_before_train=false", "logging.console=false", "logging.tensorboard=false"]
     result = main(student, sft_argv=teacher)
     assert has_model("runs/sft_arithmetic/actor")
@@ -151,6 +153,28 @@ def test_grpo_lora_recipe_trains_the_missing_base_then_adapters_that_load_in_pla
     assert adapted == linears == set(with_adapter.peft_config["default"].target_modules)
     with with_adapter.disable_adapter():  # the adapters moved the policy off its base
         assert not torch.allclose(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+
+
+def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from distill_sft_arithmetic import main
+
+    tok = build_char_tokenizer()
+    build_tiny_model(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
+        "runs/sft_arithmetic/actor"
+    )
+    tok.save_pretrained("runs/sft_arithmetic/actor")
+    driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
+    student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
+    student += ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
+    result = main(student)
+    # 3 steps of 4 sequences: every training prompt once (a pass), each with one sample of the teacher.
+    rows = [json.loads(line) for line in Path("runs/distill_arithmetic_sft_data/train.jsonl").open()]
+    assert len(rows) == 4096 and all(set(r) == {"prompt", "completion"} for r in rows)
+    assert result.steps == 3 and "actor_train" in result.mfc_seconds and result.score_after is not None
+    cfg = load_config(Path(result.run_dir) / "config.yaml")
+    assert cfg.algorithm.name == "sft" and cfg.models["actor"].num_layers == 2 and cfg.data.batch_size == 4
 
 
 @pytest.mark.distributed
