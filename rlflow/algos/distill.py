@@ -6,8 +6,9 @@ At each sampled token ``a_t`` the signal is the negative reverse-KL sample
 is pushed toward tokens the teacher finds likelier than it does. It is the whole advantage of the
 ``reverse_kl`` estimator (algorithm ``distill``), or ``distill_coef`` times it is added to a reward
 estimator's advantages. With ``algorithm.distill_loss: full_vocab`` the teacher's whole next-token
-distribution is read instead (:func:`vocab_reverse_kl`): the exact reverse KL at each sampled position
-is a loss term, a lower-variance signal than the one-token estimate.
+distribution is read instead: the exact KL at each sampled position is a loss term, reverse
+(:func:`vocab_reverse_kl`, a lower-variance form of the one-token estimate) or forward
+(:func:`vocab_forward_kl`, ``algorithm.distill_divergence``).
 """
 
 from __future__ import annotations

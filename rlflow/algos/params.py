@@ -90,7 +90,7 @@ class AlgorithmParams:
     distill_loss: str = declared_field(
         "sampled",
         "how the teacher's signal enters: sampled (log pi_teacher - log pi_old of each sampled token as its "
-        "advantage) or full_vocab (the exact KL(student || teacher) over the vocabulary at each sampled position "
+        "advantage) or full_vocab (the exact KL over the vocabulary at each sampled position, distill_divergence, "
         "as a loss term, weighted by distill_coef, or 1 under algorithm distill; the teacher's call then ships "
         "(N, T, vocab) log-probs: for small vocabularies)",
         choices=DISTILL_LOSSES,
