@@ -123,12 +123,20 @@ def _models(
     return {n: (trains[n][0] if n in trainable else None) for n in names}
 
 
-def _data_tables(dgraph: nx.DiGraph, index: dict[str, int], options, cluster: ClusterSpec, workload: Workload):
+def _data_tables(
+    dgraph: nx.DiGraph,
+    index: dict[str, int],
+    options,
+    cluster: ClusterSpec,
+    workload: Workload,
+    models: dict[str, ModelSpec],
+):
     """Data edges as MFC index pairs and their transfer-time tables (stored by dp degree)."""
     edges, tables = [], []
     for u, v, keys in dgraph.edges(data="keys"):
-        n = workload.n_seqs(dgraph.nodes[u]["mfc"])
-        nbytes = sum(key_bytes(k, n, workload.seq_len, workload.prompt_len) for k in keys)
+        mfc = dgraph.nodes[u]["mfc"]
+        n, vocab = workload.n_seqs(mfc), models[mfc.model_name].vocab_size  # vocab: a teacher's whole distributions
+        nbytes = sum(key_bytes(k, n, workload.seq_len, workload.prompt_len, vocab) for k in keys)
         src, dst = index[u], index[v]
         pairs = [(o.mesh, o.strategy) for o in options[src]], [(o.mesh, o.strategy) for o in options[dst]]
         edges.append((src, dst))
@@ -238,7 +246,7 @@ def build_problem(
             )
         options.append(opts)
         costs.append(cs)
-    data_edges, data_time = _data_tables(device_graph(graph), index, options, cluster, workload)
+    data_edges, data_time = _data_tables(device_graph(graph), index, options, cluster, workload, models)
     realloc, reload = _weight_tables(mfcs, models, homes, options, costs, cluster)
     hooks = _hook_tables(mfcs, models, homes, options, cluster)
     kept = [(e, s) for e, s in zip(version_edges(graph), version_spans(graph, policy_lag)) if set(e) <= set(index)]

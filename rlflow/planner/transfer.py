@@ -57,16 +57,19 @@ EMA_BLEND_PASSES = 4
 # ----------------------------------------------------------------------------- data keys
 
 
-def key_bytes(key: str, n_seqs: int, seq_len: int, prompt_len: int) -> float:
+def key_bytes(key: str, n_seqs: int, seq_len: int, prompt_len: int, vocab_size: int = 1) -> float:
     """Bytes of one dataflow key for ``n_seqs`` sequences.
 
-    Token ids are int64, masks one byte per token, per-sequence rewards one fp32, every other
-    key (log-probs, values, advantages, …) one fp32 per token; prompt keys span the prompt only.
+    Token ids are int64, masks one byte per token, per-sequence rewards one fp32, whole next-token
+    distributions (``*vocab_logp``, the distillation teacher's) ``vocab_size`` fp32 per token, every
+    other key (log-probs, values, advantages, …) one fp32 per token; prompt keys span the prompt only.
 
     >>> key_bytes("input_ids", 2, 10, 4), key_bytes("greedy_rewards", 2, 10, 4), key_bytes("old_logp", 2, 10, 4)
     (160.0, 8.0, 80.0)
     """
     base = key.removeprefix("greedy_")
+    if base.endswith("vocab_logp"):
+        return 4.0 * n_seqs * seq_len * vocab_size
     if base in ("prompts", "prompt_mask"):
         return float(n_seqs * prompt_len * (8 if base == "prompts" else 1))
     if base.endswith("rewards") or base == "answers":

@@ -12,8 +12,8 @@ from rlflow.trainer.placement import plan_placement
 DISTILL = ["algorithm.name=distill", "models.teacher.init=tiny", "placement.mode=heuristic"]
 
 
-def plan(teacher: str):
-    cfg = load_config(None, DISTILL)
+def plan(teacher: str, overrides: tuple[str, ...] = ()):
+    cfg = load_config(None, [*DISTILL, *overrides])
     cfg.placement.devices_per_node = 8
     specs = {"actor": model_preset("llama2-7b"), "teacher": model_preset(teacher)}
     placement = plan_placement(cfg, build_dataflow(cfg, rule_reward=True), specs, use_gpu=True, progress=False)
@@ -38,3 +38,16 @@ def test_rlflow_plan_takes_a_teacher_preset(capsys):
     table = capsys.readouterr().out.split("plan search")[0]
     row = next(line for line in table.splitlines() if line.startswith("teacher_inf "))
     assert row.split()[1] == "teacher"
+
+
+def test_the_teachers_whole_distributions_are_priced_by_the_vocabulary():
+    def edge_seconds(overrides: tuple[str, ...]) -> float:
+        _, placement = plan("llama2-7b", overrides)
+        problem = placement.problem
+        edge = (problem.mfc_names.index("teacher_inf"), problem.mfc_names.index("actor_train"))
+        return float(problem.data_time[problem.data_edges.index(edge)].seconds.max())
+
+    sampled = edge_seconds(())
+    full = edge_seconds(("algorithm.distill_loss=full_vocab",))
+    # One fp32 per token becomes 32000 (llama2's vocabulary) plus the per-token log-prob: far slower.
+    assert full > 1000 * sampled

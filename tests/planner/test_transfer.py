@@ -125,6 +125,8 @@ def test_data_transfers():
     assert not data_time_table(0, gen, train, A100).any()
     assert key_bytes("input_ids", 4, 10, 3) == 320 and key_bytes("prompts", 4, 10, 3) == 96
     assert key_bytes("response_mask", 4, 10, 3) == 40 and key_bytes("rewards", 4, 10, 3) == 16
+    # The distillation teacher's whole distributions: one fp32 per token and vocabulary entry.
+    assert key_bytes("teacher_vocab_logp", 4, 10, 3, vocab_size=100) == 4 * 4 * 10 * 100
 
 
 def test_reload_hides_under_the_first_forward_pass():
