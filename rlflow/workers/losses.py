@@ -129,10 +129,11 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         out = policy(log_prob, old_logp, advantages, mask, **options)
         entropy = agg_loss(outputs["entropy"], mask, algo.loss_agg_mode)
         loss = -algo.entropy_coef * entropy
-        if not (vocab_coef and distill_alone):
+        replaced = vocab_coef and distill_alone  # the policy term is not optimised: no pg_loss to log
+        if not replaced:
             loss = loss + out.loss
         metrics = {
-            "pg_loss": float(out.loss.detach()),
+            **({} if replaced else {"pg_loss": float(out.loss.detach())}),
             "clip_fraction": float(out.clip_fraction),
             "dual_clip_fraction": float(out.dual_clip_fraction),
             "approx_kl": float(out.approx_kl),

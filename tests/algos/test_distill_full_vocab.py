@@ -99,6 +99,7 @@ def test_alone_the_vocabulary_kl_is_the_whole_loss():
     # The sampled advantages (2, -1) would move the loss: at ratio 1 the PPO term is -mean(A) = -0.5.
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
     assert metrics["distill_vocab_kl"] == pytest.approx(float(expected), rel=1e-5)
+    assert "pg_loss" not in metrics and "clip_fraction" in metrics
 
 
 def test_the_forward_divergence_is_the_loss_when_chosen():
