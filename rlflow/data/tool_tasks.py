@@ -1,6 +1,6 @@
 """A tool for the arithmetic task, and the traces that teach a policy to call it.
 
-``recipes/grpo_tool_multiply.yaml`` names them by import path: the policy may call
+``recipes/grpo_tools_arithmetic.yaml`` names them by import path: the policy may call
 :func:`multiply` (``rollout.multi_turn.tools``), and its SFT warm-up writes the turns of
 :func:`multiply_traces` (``warmup.tool_traces``) — a call in the plain tag format, then the answer.
 """

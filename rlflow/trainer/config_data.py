@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, SyntheticTask
 from rlflow.engine.rollout import list_episode_engines, list_rollout_engines
 from rlflow.trainer.config_fields import ConfigError, _f, _Section
+from rlflow.workers.tool_render import TOOL_LISTINGS
 
 __all__ = ["DataConfig", "MultiTurnConfig", "RolloutConfig", "WarmupConfig"]
 
@@ -85,6 +86,14 @@ class MultiTurnConfig(_Section):
     max_turns: int = _f(4, "sampled turns per episode at most", ge=1)
     max_total_tokens: int = _f(256, "response tokens per episode, sampled and observation ones together", ge=1)
     max_prompt_tokens: int = _f(256, "tokens of an episode's first observation (its prompt, tools listed)", ge=1)
+    tool_listing: str = _f(
+        "schema",
+        "how a prompt lists the tools for a tokenizer without a tool chat template (the <call> tag format): "
+        "schema (each tool's JSON schema, then the call and result syntax), signature (one line per tool, "
+        "'name(a: int) -> int: description', then the call syntax), none (the prompt alone: SFT traces teach the "
+        "calls); a template that takes tools= (hermes, Qwen) lists them itself",
+        choices=list(TOOL_LISTINGS),
+    )
     tool_timeout_s: float = _f(30.0, "tools: seconds a call may take before it is reported as timed out", gt=0.0)
     num_threads: int = _f(8, "episodes stepping (running tools) at once on a worker", ge=1)
     overlap: bool = _f(

@@ -355,7 +355,10 @@ def multi_turn_setup(cfg: RLFlowConfig, tools: Sequence[Any] | None, environment
         raise ConfigError("rollout.multi_turn", f"algorithm {cfg.algorithm.name!r} samples no rollouts")
     try:
         if tools or mt.tools:
-            spec = pack_environment(ToolEnvironments(tools or mt.tools, mt.tool_timeout_s, mt.num_threads))
+            factory = ToolEnvironments(
+                tools or mt.tools, mt.tool_timeout_s, mt.num_threads, tool_listing=mt.tool_listing
+            )
+            spec = pack_environment(factory)
         else:
             spec = pack_environment(environment if environment is not None else mt.environment)
     except (ValueError, TypeError) as err:

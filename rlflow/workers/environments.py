@@ -33,7 +33,14 @@ from transformers import PreTrainedTokenizerBase
 
 from rlflow.engine.rollout.multi_turn import MultiTurn
 from rlflow.workers.reward_funcs import dumps_by_value
-from rlflow.workers.tool_render import call_format, render_observation, render_prompt, stop_sequences, tool_messages
+from rlflow.workers.tool_render import (
+    TOOL_LISTINGS,
+    call_format,
+    render_observation,
+    render_prompt,
+    stop_sequences,
+    tool_messages,
+)
 from rlflow.workers.tool_runner import ToolRunner, ToolStats
 from rlflow.workers.tools import CALL_FORMATS, Tool, build_tools, parse_tool_calls
 
@@ -105,10 +112,15 @@ class ToolEnvironment:
     Args:
         runner: runs the calls (shared by the episodes of one factory).
         formats: the call formats read (:data:`~rlflow.workers.tools.CALL_FORMATS`).
+        tool_listing: how the ``tag`` format's prompt lists the tools
+            (:data:`~rlflow.workers.tool_render.TOOL_LISTINGS`).
     """
 
-    def __init__(self, runner: ToolRunner, formats: Sequence[str] = tuple(CALL_FORMATS)) -> None:
+    def __init__(
+        self, runner: ToolRunner, formats: Sequence[str] = tuple(CALL_FORMATS), tool_listing: str = "schema"
+    ) -> None:
         self.runner, self.formats, self.stats = runner, tuple(formats), ToolStats()
+        self.tool_listing = tool_listing
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -142,6 +154,12 @@ class ToolEnvironments:
         timeout_s: seconds a call may take.
         max_workers: threads running calls at once, over all episodes of a process.
         formats: the call formats read; both by default.
+        tool_listing: how the ``tag`` format's prompt lists the tools: ``schema`` (their JSON
+            schemas), ``signature`` (one line each) or ``none``
+            (:data:`~rlflow.workers.tool_render.TOOL_LISTINGS`).
+
+    Raises:
+        ValueError: ``tool_listing`` is none of those.
     """
 
     def __init__(
@@ -150,13 +168,16 @@ class ToolEnvironments:
         timeout_s: float = 30.0,
         max_workers: int = 8,
         formats: Sequence[str] = tuple(CALL_FORMATS),
+        tool_listing: str = "schema",
     ) -> None:
+        if tool_listing not in TOOL_LISTINGS:
+            raise ValueError(f"ToolEnvironments: tool_listing={tool_listing!r}; expected one of {list(TOOL_LISTINGS)}")
         resolved = [import_object(t) if isinstance(t, str) else t for t in tools]
         self.runner = ToolRunner(build_tools(resolved), timeout_s, max_workers)
-        self.formats = tuple(formats)
+        self.formats, self.tool_listing = tuple(formats), tool_listing
 
     def __call__(self) -> ToolEnvironment:
-        return ToolEnvironment(self.runner, self.formats)
+        return ToolEnvironment(self.runner, self.formats, self.tool_listing)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -329,7 +350,8 @@ class TokenEpisode:
         schemas = getattr(self.env, "tool_schemas", None)
         templated = self.tokenizer.chat_template is not None and (bool(schemas) or not isinstance(first, str))
         if schemas:
-            text = render_prompt(self.tokenizer, first, schemas, self.format)
+            listing = getattr(self.env, "tool_listing", "schema")
+            text = render_prompt(self.tokenizer, first, schemas, self.format, listing)
         elif templated:
             text = self.tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
         else:

@@ -15,6 +15,8 @@ Two formats (:data:`rlflow.workers.tools.CALL_FORMATS`), chosen by :func:`call_f
 
   Results are rendered in the template's ``tool`` role where it has one, else as a user turn
   holding the ``<result>`` elements, else (no template) as the ``<result>`` lines themselves.
+  The listing (:data:`TOOL_LISTINGS`) may be shorter: one signature line per tool, or nothing at
+  all when SFT traces teach the calls (a character-level tokenizer pays one token per character).
 
 Observations are the text the template puts *after* the model's turn: when a turn ended on the
 template's end-of-turn token (``<|im_end|>``), pass its text as ``stop_text`` so that it is not
@@ -31,7 +33,16 @@ from transformers import PreTrainedTokenizerBase
 
 from rlflow.workers.tool_runner import ToolResult
 
-__all__ = ["call_format", "render_observation", "render_prompt", "stop_sequences", "tag_tools_prompt", "tool_messages"]
+__all__ = [
+    "TOOL_LISTINGS",
+    "call_format",
+    "render_observation",
+    "render_prompt",
+    "stop_sequences",
+    "tag_tools_prompt",
+    "tool_messages",
+    "tool_signature",
+]
 
 Messages = list[dict[str, Any]]
 _SENTINEL = "\x00rlflow-sentinel\x00"
@@ -41,6 +52,10 @@ _TOOL_ROLE: dict[str, bool] = {}  # chat template -> whether it renders the tool
 # What a tool call's JSON ends on before its closing tag (the arguments' last value, then one or two
 # braces), or a space or newline: a BPE tokenizer may merge such a run of punctuation with the tag's start.
 _BEFORE_TAG = ("", "}", "}}", "}}}", '"}}', "]}}", "\n", "}\n", " ")
+# How the tag format lists the tools in the prompt: each tool's JSON schema, its one-line signature, or nothing.
+TOOL_LISTINGS = ("schema", "signature", "none")
+# JSON-schema types as a Python signature writes them.
+_PY_TYPES = {"integer": "int", "number": "float", "string": "str", "boolean": "bool", "array": "list", "object": "dict"}
 _PROBE_TOOL = {"type": "function", "function": {"name": "rlflow_probe_tool", "description": "probe", "parameters": {}}}
 
 
@@ -60,8 +75,24 @@ def call_format(tokenizer: PreTrainedTokenizerBase) -> str:
     return _FORMAT[template]
 
 
-def tag_tools_prompt(schemas: Sequence[Mapping[str, Any]]) -> str:
-    """The system text that offers ``schemas`` in the ``tag`` format (see the module docstring)."""
+def tag_tools_prompt(schemas: Sequence[Mapping[str, Any]], listing: str = "schema") -> str:
+    """The system text that offers ``schemas`` in the ``tag`` format (see the module docstring).
+
+    Args:
+        schemas: the tools' JSON schemas.
+        listing: ``"schema"`` (each schema as JSON, the call and result syntax), ``"signature"``
+            (each tool's :func:`tool_signature`, the call syntax) or ``"none"`` (empty text).
+
+    Raises:
+        ValueError: ``listing`` is not one of :data:`TOOL_LISTINGS`.
+    """
+    if listing == "none":
+        return ""
+    if listing == "signature":
+        lines = "\n".join(tool_signature(s) for s in schemas)
+        return f'You can call these tools:\n{lines}\nTo call one, write <call>{{"name": ..., "arguments": {{...}}}}</call>.'
+    if listing != "schema":
+        raise ValueError(f"tag_tools_prompt: listing={listing!r}; expected one of {list(TOOL_LISTINGS)}")
     lines = "\n".join(json.dumps(s) for s in schemas)
     return (
         "You can call these tools. Each is described by a JSON schema:\n"
@@ -71,17 +102,47 @@ def tag_tools_prompt(schemas: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+def tool_signature(schema: Mapping[str, Any]) -> str:
+    """One line for a tool's JSON schema: its name, typed arguments, return type and description.
+
+    >>> ints = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    >>> fn = {"name": "multiply", "description": "Multiplies two integers.", "parameters": {"properties": ints}}
+    >>> tool_signature({"type": "function", "function": {**fn, "return": {"type": "integer"}}})
+    'multiply(a: int, b: int) -> int: Multiplies two integers.'
+    """
+    fn = schema["function"]
+    params = fn.get("parameters", {}).get("properties", {})
+    args = ", ".join(f"{name}: {_py_type(p)}" for name, p in params.items())
+    returns = f" -> {_py_type(fn['return'])}" if "return" in fn else ""
+    description = f": {fn['description']}" if fn.get("description") else ""
+    return f"{fn['name']}({args}){returns}{description}"
+
+
+def _py_type(prop: Mapping[str, Any]) -> str:
+    kind = prop.get("type", "any")
+    kinds = kind if isinstance(kind, list) else [kind]
+    return " | ".join(_PY_TYPES.get(k, "None" if k == "null" else k) for k in kinds)
+
+
 def render_prompt(
-    tokenizer: PreTrainedTokenizerBase, prompt: str | Messages, schemas: Sequence[Mapping[str, Any]], fmt: str
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | Messages,
+    schemas: Sequence[Mapping[str, Any]],
+    fmt: str,
+    listing: str = "schema",
 ) -> str:
-    """The first turn's text: ``prompt`` (text or chat messages) offering the tools ``schemas`` in ``fmt``."""
+    """The first turn's text: ``prompt`` (text or chat messages) offering the tools ``schemas`` in ``fmt``.
+
+    ``listing`` (:data:`TOOL_LISTINGS`) is how the ``tag`` format lists them; a ``hermes`` template
+    lists them itself.
+    """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if fmt == "hermes":
         return tokenizer.apply_chat_template(messages, tools=list(schemas), add_generation_prompt=True, tokenize=False)
-    offer = tag_tools_prompt(schemas)
-    if messages and messages[0]["role"] == "system":
+    offer = tag_tools_prompt(schemas, listing)  # empty with listing "none": the prompt as it is
+    if offer and messages and messages[0]["role"] == "system":
         messages[0]["content"] = f"{offer}\n\n{messages[0]['content']}"
-    else:
+    elif offer:
         messages.insert(0, {"role": "system", "content": offer})
     if tokenizer.chat_template is None:
         return "\n\n".join(m["content"] for m in messages) + "\n"

@@ -18,7 +18,7 @@ from rlflow.workers.environments import (
     import_object,
     pack_environment,
 )
-from rlflow.workers.tool_render import call_format, tag_tools_prompt
+from rlflow.workers.tool_render import call_format, tag_tools_prompt, tool_signature
 
 ROW = {"prompt": [{"role": "user", "content": "What is 3*4?"}], "answer": "12"}
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
@@ -117,6 +117,36 @@ def test_tag_format_without_a_chat_template_tells_the_model_the_format():
         "<result name=\"pow\">Error: there is no tool 'pow'; the tools are ['multiply']</result>\n"
     )
     assert (env.stats.calls, env.stats.malformed) == (2, 1)
+
+
+def test_tag_format_lists_the_tools_as_signatures_or_not_at_all_and_reads_the_same_calls():
+    tok = build_char_tokenizer()
+    prompts = {}
+    for listing in ("schema", "signature", "none"):
+        env = ToolEnvironments([multiply], tool_listing=listing)()
+        episode = TokenEpisode(env, tok)
+        prompts[listing] = tok.decode(episode.reset({"prompt": "3*4="}), skip_special_tokens=True)
+        turn = tok('<call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</call>', add_special_tokens=False)
+        obs, _, done = episode.step(turn.input_ids)
+        assert tok.decode(obs) == '\n<result name="multiply">12</result>\n' and not done
+    assert tool_signature(env.tool_schemas[0]) == "multiply(a: int, b: int) -> int: Multiplies two integers."
+    assert prompts["signature"] == (
+        "You can call these tools:\nmultiply(a: int, b: int) -> int: Multiplies two integers.\n"
+        'To call one, write <call>{"name": ..., "arguments": {...}}</call>.\n\n3*4=\n'
+    )
+    assert prompts["none"] == "3*4=\n"
+    assert len(prompts["signature"]) < len(prompts["schema"]) / 2
+    with pytest.raises(ValueError, match="tool_listing='json'; expected one of"):
+        ToolEnvironments([multiply], tool_listing="json")
+
+
+def test_a_hermes_template_lists_the_tools_itself_whatever_the_tag_listing():
+    tok = chat_tokenizer(HERMES_TEMPLATE)
+    prompts = {
+        listing: tok.decode(TokenEpisode(ToolEnvironments([multiply], tool_listing=listing)(), tok).reset(ROW))
+        for listing in ("schema", "none")
+    }
+    assert prompts["none"] == prompts["schema"] and '"name": "multiply"' in prompts["none"]
 
 
 def test_tag_format_with_a_chat_template_without_tool_role_answers_in_a_user_turn():

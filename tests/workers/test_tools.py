@@ -9,7 +9,7 @@ import threading
 import pytest
 from tool_helpers import HERMES_TEMPLATE, chat_tokenizer, lookup, multiply
 
-from rlflow.workers import environments, tool_runner, tools
+from rlflow.workers import environments, tool_render, tool_runner, tools
 from rlflow.workers.tool_runner import ToolRunner, ToolStats
 from rlflow.workers.tools import Tool, build_tools, parse_tool_calls
 
@@ -215,7 +215,7 @@ def test_runner_arguments_are_checked():
         ToolRunner(build_tools([multiply]), max_workers=0)
 
 
-@pytest.mark.parametrize("module", [tools, tool_runner, environments], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [tools, tool_runner, environments, tool_render], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
