@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -147,22 +148,34 @@ def test_the_tool_recipe_warms_up_on_tool_traces_then_rolls_out_tool_episodes(tm
     recipe = REPO / "recipes" / "grpo_tools_arithmetic.yaml"
     overrides = [
         *(o for o in TINY if not o.startswith(("rollout.multi_turn.", "rollout.max_new_tokens"))),
-        "warmup.steps=2", "warmup.batch_size=4", "warmup.eval_every=0", "warmup.target_score=null", "trainer.total_steps=1",
-        "placement.devices_per_node=1", "trainer.max_wall_seconds=null", "checkpoint.every_n_steps=0",
-        "checkpoint.save_final=false", "checkpoint.save_hf=false", "rollout.max_new_tokens=8",
-        f"logging.dir={tmp_path}",
+        "warmup.steps=2", "warmup.batch_size=4", "warmup.eval_every=2", "warmup.target_score=null", "trainer.total_steps=1",
+        "trainer.eval_every=1", "trainer.max_wall_seconds=null", "checkpoint.every_n_steps=0",
+        "checkpoint.save_final=false", "checkpoint.save_hf=false", "rollout.max_new_tokens=8", f"logging.dir={tmp_path}",
     ]  # fmt: skip
     with Trainer(recipe, overrides=overrides) as trainer:
         traces = trainer.data.warmup.dataset
         assert isinstance(traces, TraceDataset) and len(traces) > 0
-        trainer.fit()
+        result = trainer.fit()
     # Each trace: the prompt and the tool's result out of the loss, the call and the answer in it.
     tok = build_char_tokenizer()
     item = traces[0]
     written = tok.decode([i for i, m in zip(item["input_ids"], item["loss_mask"]) if m], skip_special_tokens=True)
     assert written.startswith('<call>{"name": "multiply", "arguments": {"a": ') and "<result" not in written
+    # The recipe lists no tool in the prompt (rollout.multi_turn.tool_listing: none): the traces teach the call.
+    prompt = tok.decode(item["input_ids"][: item["loss_mask"].index(1)], skip_special_tokens=True)
+    assert re.fullmatch(r"\d+\*\d+=\n", prompt)
     (metrics,) = _steps(tmp_path)
     assert "actor_gen/tools/calls" in metrics and metrics["actor_gen/multi_turn/turns"] >= 1.0
+    # The held-out score with the tool: after the warm-up, and after GRPO.
+    assert [step for step, _ in result.warmup_history] == [2] and result.score_after is not None
+
+
+def test_the_tool_recipe_without_tools_is_the_control_warmed_up_on_the_answers(tmp_path):
+    recipe = REPO / "recipes" / "grpo_tools_arithmetic.yaml"
+    control = ["rollout.multi_turn.tools=[]", "warmup.tool_traces=null"]  # as docs/benchmarks.md runs it
+    overrides = [*TINY_ACTOR, *DRIVER_FIT, "warmup.steps=1", "warmup.batch_size=4", f"logging.dir={tmp_path}"]
+    with Trainer(recipe, overrides=[*overrides, *control]) as trainer:
+        assert trainer.multi_turn is None and not isinstance(trainer.data.warmup.dataset, TraceDataset)
 
 
 def test_episodes_scored_by_their_environment_alone(tmp_path):
