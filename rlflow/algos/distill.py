@@ -114,6 +114,16 @@ def vocab_log_probs(logits: Tensor) -> Tensor:
     return torch.nn.functional.pad(logp[:, :-1], (0, 0, 1, 0))
 
 
+def _teacher_like(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """``teacher_logp`` detached, in the student's dtype; refuses a shape other than the student's."""
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(
+            f"student_logp {tuple(student_logp.shape)} and teacher_logp {tuple(teacher_logp.shape)} must have the "
+            "same (B, T, V) shape: the teacher must share the student's vocabulary"
+        )
+    return teacher_logp.detach().to(student_logp.dtype)
+
+
 def vocab_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
     """``(B, T)`` ``KL(pi_student || pi_teacher)`` over the whole vocabulary at each position:
     ``sum_v pi_student(v) (log pi_student(v) - log pi_teacher(v))``.
@@ -130,12 +140,7 @@ def vocab_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
     >>> round(float(vocab_reverse_kl(s, torch.log(torch.tensor([[[0.9, 0.1]]])))), 4)
     0.5108
     """
-    if student_logp.shape != teacher_logp.shape:
-        raise ValueError(
-            f"student_logp {tuple(student_logp.shape)} and teacher_logp {tuple(teacher_logp.shape)} must have the "
-            "same (B, T, V) shape: the teacher must share the student's vocabulary"
-        )
-    teacher = teacher_logp.detach().to(student_logp.dtype)
+    teacher = _teacher_like(student_logp, teacher_logp)
     return (student_logp.exp() * (student_logp - teacher)).sum(-1)
 
 
@@ -151,10 +156,5 @@ def vocab_forward_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
     >>> round(float(vocab_forward_kl(s, torch.log(torch.tensor([[[0.9, 0.1]]])))), 4)
     0.3681
     """
-    if student_logp.shape != teacher_logp.shape:
-        raise ValueError(
-            f"student_logp {tuple(student_logp.shape)} and teacher_logp {tuple(teacher_logp.shape)} must have the "
-            "same (B, T, V) shape: the teacher must share the student's vocabulary"
-        )
-    teacher = teacher_logp.detach().to(student_logp.dtype)
+    teacher = _teacher_like(student_logp, teacher_logp)
     return (teacher.exp() * (teacher - student_logp)).sum(-1)

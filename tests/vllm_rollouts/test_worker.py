@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from vllm_helpers import save_char_llama
 
 from rlflow.algos.params import AlgorithmParams
 from rlflow.dataflow import algorithm_mfcs
@@ -23,22 +24,11 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture
 def worker(tmp_path):
     """A built one-rank GRPO worker (actor only, rewards given) over a tiny Llama with head_dim 32."""
-    from rlflow.data.tiny_models import build_tiny_model
-    from rlflow.data.tokenizer import build_char_tokenizer
     from rlflow.parallel.groups import clear_group_cache
     from rlflow.rendezvous import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-        tie_word_embeddings=True, seed=0,
-    )  # fmt: skip
-    with torch.no_grad():  # decisive logits: differences in the numerics would show
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    tokenizer = save_char_llama(tmp_path)
     mfcs = {m.name: m for m in algorithm_mfcs("grpo", rule_based_reward=False, use_ref=False)}
     del mfcs["reward_inf"]  # rewards are given
     actor = ModelSetup("actor", "actor", str(tmp_path), trainable=True, optim=OptimConfig(lr=5e-2))

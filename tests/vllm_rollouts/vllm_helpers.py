@@ -31,6 +31,26 @@ def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return model
 
 
+def save_char_llama(path):
+    """A 2-layer Llama of width 64 (head_dim 32, one kv head, tied embeddings) over rlflow's character
+    tokenizer, saved with it at ``path``; weights of std 0.3 give decisive logits, so differences in
+    the numerics would show. Returns the tokenizer."""
+    from rlflow.data.tiny_models import build_tiny_model
+    from rlflow.data.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+        tie_word_embeddings=True, seed=0,
+    )  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
 def left_padded_prompts(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)`` of random prompts of the given lengths, left-padded."""
     gen = torch.Generator().manual_seed(seed)
