@@ -168,7 +168,7 @@ def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False, graph: nx.DiG
         multi = {"turns": turns, "observation_len": observation, "tool_s": mt.tool_seconds,
                  "tool_threads": mt.num_threads}  # fmt: skip
     algo = cfg.algorithm
-    if getattr(algo, "dynamic_sampling", False) and graph is not None:
+    if algo.dynamic_sampling and graph is not None:
         multi |= {"rollout_rounds": algo.dynamic_sampling_rounds, "rollout_calls": frozenset(rollout_calls(graph))}
     return Workload(
         batch_size=cfg.data.batch_size,

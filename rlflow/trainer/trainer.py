@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -524,22 +525,28 @@ class Trainer:
         self.result.steps = self.step
 
     def _rollout_calls(self, step: int) -> list[str]:
-        """The calls whose rows ``step`` writes (``logging.rollouts_every``): the first generate
-        call and the call that scores its rows; none on other steps."""
+        """The calls whose rows ``step`` writes (``logging.rollouts_every``); none on other steps."""
         every = self.cfg.logging.rollouts_every
-        if not every or step % every:
-            return []
+        return self._rollout_log_calls if every and step % every == 0 else []
+
+    @cached_property
+    def _rollout_log_calls(self) -> list[str]:
+        """The first generate call and the call that scores its rows (the producer of ``rewards``), if any."""
         mfcs = [self.runner.placements[n].mfc for n in self.runner.order]
         generate = next(m.name for m in mfcs if m.interface_type == "generate")
         scores = [m.name for m in mfcs if "rewards" in m.output_keys and m.interface_type == "inference"]
         return [generate, *scores[:1]]
 
+    @cached_property
+    def _rollout_log_tokenizer(self):
+        return tokenizer_io.load_tokenizer(self.tokenizer_path)
+
     def _write_rollouts(self, step: int, rows: dict[str, DataProto]) -> None:
         if not rows:
             return
-        generate, *scores = self._rollout_calls(step)
+        generate, *scores = self._rollout_log_calls
         records = rollout_log.rollout_records(
-            tokenizer_io.load_tokenizer(self.tokenizer_path), rows[generate], rows[scores[0]] if scores else None
+            self._rollout_log_tokenizer, rows[generate], rows[scores[0]] if scores else None
         )
         rollout_log.write_rollouts(self.run_dir, step, records)
 
