@@ -153,12 +153,7 @@ class RunCalibration:
         names = [n for n in estimated if n in kinds and len(measured.get(n, ())) > self.steps * len(self.threads)]
         calls = [{n: self._phase(measured[n], i) for n in names} for i in range(len(self.threads))]
         cfg, waits, priced_waits = self._tools(cfg, graph, placement, tool_seconds or {})
-        measured_rounds = rounds[1 : 1 + self.steps * len(self.threads)]
-        repeats: dict[str, float] = {}  # the calls of a generation round, run that many times a step
-        if measured_rounds:
-            mean = sum(measured_rounds) / len(measured_rounds)
-            cfg = replace(cfg, algorithm=replace(cfg.algorithm, dynamic_sampling_rounds=mean))
-            repeats = dict.fromkeys(rollout_calls(graph), mean)
+        cfg, repeats = self._rounds(cfg, graph, rounds)
         # A step's seconds by call type; the calls' own work (one call each; the waits for tools
         # neither scale with the machine nor with threads).
         phases = [_per_kind(kinds, {n: s * repeats.get(n, 1.0) for n, s in c.items()}) for c in calls]
@@ -189,10 +184,24 @@ class RunCalibration:
             seconds = cfg.rollout.multi_turn.tool_seconds
             decision.metrics["planner/tool_seconds"] = seconds
             decision.message += f"; tools measured {seconds:.3f} s an episode step"
-        if measured_rounds:
+        if repeats:
             decision.metrics["planner/dynamic_sampling_rounds"] = cfg.algorithm.dynamic_sampling_rounds
             decision.message += f"; {cfg.algorithm.dynamic_sampling_rounds:.2f} generation rounds a step"
         return decision
+
+    def _window(self, values: Sequence[float]) -> Sequence[float]:
+        """The values of the calibration's steps among a run's per-step ``values`` (the warm-up step left out)."""
+        return values[1 : 1 + self.steps * len(self.threads)]
+
+    def _rounds(self, cfg: RLFlowConfig, graph: nx.DiGraph, rounds: Sequence[float]) -> tuple[RLFlowConfig, dict]:
+        """``cfg`` with the mean of the measured generation ``rounds``, and the calls of a round with
+        that mean (each runs it many times a step); unchanged and empty without dynamic sampling."""
+        measured = self._window(rounds)
+        if not measured:
+            return cfg, {}
+        mean = sum(measured) / len(measured)
+        cfg = replace(cfg, algorithm=replace(cfg.algorithm, dynamic_sampling_rounds=mean))
+        return cfg, dict.fromkeys(rollout_calls(graph), mean)
 
     def _tools(
         self, cfg: RLFlowConfig, graph: nx.DiGraph, placement: Placement, tool_seconds: Mapping[str, Sequence[float]]
@@ -200,8 +209,7 @@ class RunCalibration:
         """``cfg`` with the measured ``tool_seconds`` (their median over the calibration's steps, over
         the generate calls), and by call type the waits for tools at those seconds, and by call name
         the waits the running plan priced; unchanged and empty when no tool time was measured."""
-        steps = self.steps * len(self.threads)
-        seen = [s for values in tool_seconds.values() for s in values[1 : 1 + steps]]
+        seen = [s for values in tool_seconds.values() for s in self._window(values)]
         if not self.multi_turn or not seen or placement.plan is None:
             return cfg, {}, {}
         mt = cfg.rollout.multi_turn
