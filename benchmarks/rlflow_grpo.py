@@ -28,12 +28,12 @@ _REWARD_KEYS = ("reward_inf/score_mean", "actor_train/score_mean")
 
 
 def _compute_dtype(trainer, role: str) -> str:
-    """The precision ``models.<role>.dtype`` resolved to on this machine (``auto``: by CPU and layer size)."""
+    """The precision ``models.<role>.dtype`` resolved to on this machine (``auto``: by CPU and a pass's work)."""
     from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 
-    path = Path(trainer.cfg.models[role].path) / "config.json"
-    layer = layer_matmul_params(json.loads(path.read_text()))
-    return str(resolve_compute_dtype(trainer.cfg.models[role].dtype, "cpu", layer)).removeprefix("torch.")
+    cfg = trainer.cfg
+    layer = layer_matmul_params(json.loads((Path(cfg.models[role].path) / "config.json").read_text()))
+    return str(resolve_compute_dtype(cfg.models[role].dtype, "cpu", layer, cfg.pass_tokens(role))).removeprefix("torch.")
 
 
 def main(spec_path: str, events_path: str) -> int:

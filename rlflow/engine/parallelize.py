@@ -53,9 +53,10 @@ MESH_AXES = ("pp", "dp", "tp")
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # /proc/cpuinfo flags of a CPU that multiplies bf16 natively (AVX512-BF16 dot products, AMX tiles).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-# ``auto`` computes in bf16 on such a CPU only for decoder layers at least this large (multiplying
-# parameters per layer): below it a step is per-op overhead (see resolve_compute_dtype).
-CPU_BF16_MIN_LAYER_PARAMS = 1 << 20
+# ``auto`` computes in bf16 on such a CPU only where one decoder layer's forward pass multiplies at
+# least this much (multiplying parameters x tokens of a pass): below it a pass is per-op overhead
+# and the casts around it (see resolve_compute_dtype).
+CPU_BF16_MIN_PASS_WORK = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,17 @@ def layer_matmul_params(config: Mapping[str, Any]) -> int | None:
     return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * mlp
 
 
-def resolve_compute_dtype(name: str, device_type: str, layer_params: int | None = None) -> torch.dtype:
+def resolve_compute_dtype(
+    name: str, device_type: str, layer_params: int | None = None, tokens: int | None = None
+) -> torch.dtype:
     """The compute dtype a model's ``dtype`` setting asks for on ``device_type`` workers.
 
     ``"auto"`` is bf16 on CUDA; on a CPU bf16 where it computes it natively
-    (:func:`cpu_computes_bf16`, this host's flags) for a model whose decoder layers hold at least
-    ``CPU_BF16_MIN_LAYER_PARAMS`` multiplying parameters (``layer_params``), else fp32: a small
-    layer's time is per-op overhead, which bf16 does not shrink, and its decode steps would lose the
-    fp32-only C++ step (docs/benchmarks.md, "Precision", measures both sides). ``"float32"`` and
+    (:func:`cpu_computes_bf16`, this host's flags) and one decoder layer's forward pass multiplies
+    at least ``CPU_BF16_MIN_PASS_WORK``: ``layer_params`` multiplying parameters times the
+    ``tokens`` of a training pass; else fp32. A smaller pass is per-op overhead and the casts
+    around its products, which bf16 does not shrink, and its decode steps would lose the fp32-only
+    C++ step (docs/benchmarks.md, "Precision", measures both sides). ``"float32"`` and
     ``"bfloat16"`` are themselves.
 
     >>> resolve_compute_dtype("auto", "cuda"), resolve_compute_dtype("float32", "cuda")
@@ -150,7 +154,7 @@ def resolve_compute_dtype(name: str, device_type: str, layer_params: int | None 
         return COMPUTE_DTYPES[name]
     if device_type == "cuda":
         return torch.bfloat16
-    large = layer_params is not None and layer_params >= CPU_BF16_MIN_LAYER_PARAMS
+    large = layer_params is not None and tokens is not None and layer_params * tokens >= CPU_BF16_MIN_PASS_WORK
     if device_type == "cpu" and large and cpu_computes_bf16():
         return torch.bfloat16
     return torch.float32

@@ -403,7 +403,9 @@ def model_setups(
             gradient_checkpointing=m.gradient_checkpointing,
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
-            compute_dtype=resolve_compute_dtype(m.dtype, "cuda" if use_gpu else "cpu", _layer_params(paths[name])),
+            compute_dtype=resolve_compute_dtype(
+                m.dtype, "cuda" if use_gpu else "cpu", _layer_params(paths[name]), cfg.pass_tokens(name)
+            ),
             lora=_lora_spec(cfg, name, paths[name], calls) if m.lora is not None else None,
             router_aux_loss_coef=_router_aux_loss_coef(cfg, name, paths[name], calls),
         )

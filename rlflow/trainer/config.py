@@ -411,6 +411,25 @@ class RLFlowConfig(_Section):
             and not (self.needs_critic() and algo.resolved_kl_in_reward)
         )
 
+    def pass_tokens(self, role: str) -> int:
+        """Tokens of one training forward pass of ``role`` when one worker runs the whole step: a
+        mini-batch's rows at their longest (prompt and response), at most the model's
+        ``micro_batch_tokens``. With the layer's size, the work ``models.<role>.dtype: auto`` weighs
+        on CPUs."""
+        record, algo, mt = self.algorithm.record, self.algorithm, self.rollout.multi_turn
+        if mt.enabled:
+            length = mt.max_prompt_tokens + mt.max_total_tokens
+        else:
+            length = self.data.max_prompt_len + (self.max_new_tokens or DEFAULT_RESPONSE_LEN)
+        if record.dataset == "pairs":
+            rows = 2 * self.data.batch_size
+        elif record.samples_responses:
+            rows = max(1, self.data.batch_size * algo.n_samples // algo.n_minibatches)
+        else:
+            rows = self.data.batch_size
+        budget = self.models[role].micro_batch_tokens if role in self.models else None
+        return min(rows * length, budget) if budget else rows * length
+
     def model_dtype(self, role: str) -> str:
         """``models.<role>.dtype`` as set (``auto`` unresolved); ``float32`` for a model not configured."""
         return self.models[role].dtype if role in self.models else "float32"

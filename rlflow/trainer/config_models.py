@@ -66,8 +66,8 @@ class ModelConfig(_Section):
     dtype: str = _f(
         "auto",
         "compute precision of its training, inference and generation (master weights and optimizer state stay "
-        "float32); auto: bfloat16 on GPUs, and on CPUs with avx512_bf16 or amx_bf16 for decoder layers of at "
-        "least 2^20 multiplying parameters; else float32",
+        "float32); auto: bfloat16 on GPUs, and on CPUs with avx512_bf16 or amx_bf16 where a decoder layer's "
+        "multiplying parameters times a training pass's tokens reach 2^28; else float32",
         choices=("auto", "float32", "bfloat16"),
     )
     trainable: bool | None = _f(None, "null: actor and critic train (and reward under rm); ref and teacher never train")

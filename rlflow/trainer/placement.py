@@ -478,13 +478,14 @@ def _call_placements(graph: nx.DiGraph, plan: ExecutionPlan | None, cfg: RLFlowC
     return {mfc.name: CallPlacement(mfc, *layout[mfc.name]) for mfc in mfcs}
 
 
-def _cpu_precision(m, spec: ModelSpec) -> str:
-    """``"bf16"`` or ``"fp32"``: what CPU workers compute the model of ``spec`` in (``models.<role>.dtype``)."""
+def _cpu_precision(cfg: RLFlowConfig, role: str, spec: ModelSpec) -> str:
+    """``"bf16"`` or ``"fp32"``: what CPU workers compute ``role``'s model of ``spec`` in (``models.<role>.dtype``)."""
     layer = layer_matmul_params({
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, "head_dim": spec.head_dim,
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
     })  # fmt: skip
-    return "bf16" if resolve_compute_dtype(m.dtype, "cpu", layer) == torch.bfloat16 else "fp32"
+    dtype = resolve_compute_dtype(cfg.models[role].dtype, "cpu", layer, cfg.pass_tokens(role))
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
 def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
@@ -497,7 +498,8 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
     the whole batch and one worker's share in one process while the others idle, in the precision
     the workers will compute in; they calibrate the estimates of every call type on many workers
     and on one."""
-    m = cfg.models["actor"] if "actor" in cfg.models else next(iter(cfg.models.values()))
+    role = "actor" if "actor" in cfg.models else next(iter(cfg.models))
+    m = cfg.models[role]
     layer = {k: getattr(m, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads")}
     if spec is not None:
         layer = {k: getattr(spec, k) for k in layer}
@@ -515,7 +517,7 @@ def profile_shapes(cfg: RLFlowConfig, spec: ModelSpec | None = None) -> dict:
         model = {k: getattr(spec, k) for k in fields}
         shapes |= _call_shapes(
             model,
-            _cpu_precision(m, spec),
+            _cpu_precision(cfg, role, spec),
             cfg.placement.devices_per_node,
             cfg.data.batch_size,
             prompts,

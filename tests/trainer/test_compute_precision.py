@@ -41,38 +41,59 @@ def test_dtype_takes_auto_float32_or_bfloat16_and_names_the_field_otherwise():
         assert "bfloat16" in str(err.value) and "auto" in str(err.value)  # the allowed values
 
 
-# Decoder layers of issue 25's compute-bound model (width 512, MLP 1024) and of the main job (width 128).
+# Decoder layers of issue 25's compute-bound model (width 512, MLP 1024) and of the main job (width 128),
+# and the tokens of a training pass of the main job (256 rows of 8 + 5) and of the tiny task (16 rows of 8 + 32).
 LARGE = parallelize.layer_matmul_params({"hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 1024})
 SMALL = parallelize.layer_matmul_params({"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512})
+TINY_LAYER = parallelize.layer_matmul_params({"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256})
+MAIN_PASS, TINY_PASS = 256 * 13, 16 * 40
 
 
 @pytest.mark.parametrize(
-    ("flags", "device", "layer_params", "expected"),
+    ("flags", "device", "layer_params", "tokens", "expected"),
     [
-        (NATIVE_BF16, "cpu", LARGE, torch.bfloat16),
-        (AMX, "cpu", LARGE, torch.bfloat16),
-        (NATIVE_BF16, "cpu", SMALL, torch.float32),  # per-op overhead: bf16 does not pay
-        (NATIVE_BF16, "cpu", None, torch.float32),  # size unknown
-        (AVX2_ONLY, "cpu", LARGE, torch.float32),
-        (frozenset(), "cpu", LARGE, torch.float32),  # no /proc/cpuinfo
-        (AVX2_ONLY, "cuda", SMALL, torch.bfloat16),
+        (NATIVE_BF16, "cpu", LARGE, TINY_PASS, torch.bfloat16),
+        (AMX, "cpu", LARGE, TINY_PASS, torch.bfloat16),
+        (NATIVE_BF16, "cpu", SMALL, MAIN_PASS, torch.bfloat16),  # a small layer over many tokens
+        (NATIVE_BF16, "cpu", SMALL, 64, torch.float32),  # per-op overhead: bf16 does not pay
+        (NATIVE_BF16, "cpu", TINY_LAYER, TINY_PASS, torch.float32),
+        (NATIVE_BF16, "cpu", None, MAIN_PASS, torch.float32),  # size unknown
+        (NATIVE_BF16, "cpu", LARGE, None, torch.float32),  # tokens unknown
+        (AVX2_ONLY, "cpu", LARGE, MAIN_PASS, torch.float32),
+        (frozenset(), "cpu", LARGE, MAIN_PASS, torch.float32),  # no /proc/cpuinfo
+        (AVX2_ONLY, "cuda", TINY_LAYER, 1, torch.bfloat16),
     ],
 )
-def test_auto_is_bf16_on_gpus_and_for_large_layers_on_cpus_that_compute_it_natively(
-    monkeypatch, flags, device, layer_params, expected
+def test_auto_is_bf16_on_gpus_and_for_large_passes_on_cpus_that_compute_it_natively(
+    monkeypatch, flags, device, layer_params, tokens, expected
 ):
     monkeypatch.setattr(parallelize, "cpu_flags", lambda: flags)
-    assert resolve_compute_dtype("auto", device, layer_params) == expected
-    assert resolve_compute_dtype("float32", device, layer_params) == torch.float32  # explicit names are what they say
-    assert resolve_compute_dtype("bfloat16", device, layer_params) == torch.bfloat16
+    assert resolve_compute_dtype("auto", device, layer_params, tokens) == expected
+    # explicit names are what they say
+    assert resolve_compute_dtype("float32", device, layer_params, tokens) == torch.float32
+    assert resolve_compute_dtype("bfloat16", device, layer_params, tokens) == torch.bfloat16
 
 
 def test_layer_params_count_the_projections_and_the_mlp():
-    assert SMALL < parallelize.CPU_BF16_MIN_LAYER_PARAMS <= LARGE
+    assert TINY_LAYER * TINY_PASS < parallelize.CPU_BF16_MIN_PASS_WORK <= SMALL * MAIN_PASS
     assert LARGE == 4 * 512 * 512 + 3 * 512 * 1024
     gqa = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 1024}
     assert parallelize.layer_matmul_params(gqa) == 2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1024
     assert parallelize.layer_matmul_params({}) is None
+
+
+def test_a_pass_holds_a_mini_batchs_rows_at_their_longest_at_most_the_micro_batch_budget():
+    cfg = load_config(None, ["data.batch_size=32", "algorithm.n_samples=8", "data.max_prompt_len=8",
+                             "rollout.max_new_tokens=5", "data.max_response_len=5"])  # fmt: skip
+    assert cfg.pass_tokens("actor") == 32 * 8 * 13
+    halves = load_config(None, ["data.batch_size=32", "algorithm.n_samples=8", "data.max_prompt_len=8",
+                                "rollout.max_new_tokens=5", "algorithm.n_minibatches=2"])  # fmt: skip
+    assert halves.pass_tokens("actor") == 16 * 8 * 13
+    budget = load_config(None, ["data.batch_size=32", "models.actor.micro_batch_tokens=512"])
+    assert budget.pass_tokens("actor") == 512
+    dpo = load_config(None, ["algorithm.name=dpo", "models.ref.init=tiny", "data.batch_size=4", "data.max_prompt_len=8",
+                             "data.max_response_len=8"])  # fmt: skip
+    assert dpo.pass_tokens("actor") == 2 * 4 * 16  # chosen and rejected rows
 
 
 def _setups(overrides: list[str], use_gpu: bool, tmp_path: Path) -> dict:
@@ -96,9 +117,11 @@ def test_the_driver_resolves_each_models_dtype_for_its_workers(monkeypatch, tmp_
     assert _setups(auto, use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.bfloat16
     explicit = ["models.ref.init=tiny", "models.actor.dtype=float32"]
     assert _setups(explicit, use_gpu=True, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 128, "intermediate_size": 512}))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 256}))
     monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
-    assert _setups(auto, use_gpu=False, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32  # small layers
+    assert _setups(auto, use_gpu=False, tmp_path=tmp_path)["actor"].compute_dtype == torch.bfloat16  # 6144 tokens
+    small = [*auto, "data.batch_size=2"]  # 2 x 8 rows of 16 + 8 tokens: per-op overhead
+    assert _setups(small, use_gpu=False, tmp_path=tmp_path)["actor"].compute_dtype == torch.float32
 
 
 class FP32Sampler(HFRolloutEngine):
