@@ -39,6 +39,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from rlflow.engine.attention import check_varlen_implementation, varlen_kwargs
 from rlflow.engine.models import cache_kwarg
+from rlflow.engine.shared_prefix import SharedPrefix
 from rlflow.families import family_of
 from rlflow.parallel.layout import pipeline_items, pipeline_stages
 
@@ -180,6 +181,15 @@ class DecoderStage(nn.Module):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
         return masks
 
+    def _tree_mask(self, shared_prefix: SharedPrefix, dtype: torch.dtype) -> torch.Tensor:
+        """The groups' 4-D mask as the attention implementation takes it: boolean for SDPA, additive
+        (0 or the dtype's minimum) for eager attention."""
+        if self.config._attn_implementation != "eager":
+            return shared_prefix.mask
+        return torch.zeros(shared_prefix.mask.shape, dtype=dtype, device=shared_prefix.mask.device).masked_fill(
+            ~shared_prefix.mask, torch.finfo(dtype).min
+        )
+
     def _packed_kwargs(self, attention_mask, cu_seqlens, max_seqlen) -> dict:
         """The varlen keyword arguments of every layer for a packed row."""
         if attention_mask is not None or max_seqlen is None:
@@ -195,15 +205,22 @@ class DecoderStage(nn.Module):
         labels: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ):
         if position_ids is None:
             raise ValueError("DecoderStage.forward needs position_ids (B, T)")
         family = self.family
         hidden = self.get_submodule(family.embed_module)(x) if self.is_first else x
         layers = self.get_submodule(family.layers_module)
+        rows, width = hidden.shape[:2]
+        layer_positions = position_ids
+        if shared_prefix is not None:  # one sequence per prompt (rlflow.engine.shared_prefix)
+            hidden, layer_positions = shared_prefix.pack(hidden), shared_prefix.position_ids
         if len(layers):
-            position_embeddings = self.get_submodule(family.rotary_module)(hidden, position_ids)
-            if cu_seqlens is None:
+            position_embeddings = self.get_submodule(family.rotary_module)(hidden, layer_positions)
+            if shared_prefix is not None:
+                masks, extra = dict.fromkeys(self.layer_types, self._tree_mask(shared_prefix, hidden.dtype)), {}
+            elif cu_seqlens is None:
                 masks, extra = self._masks(hidden, attention_mask, position_ids), {}
             else:  # the varlen kernel keeps each sequence to itself: no mask
                 masks, extra = {}, self._packed_kwargs(attention_mask, cu_seqlens, max_seqlen)
@@ -212,9 +229,11 @@ class DecoderStage(nn.Module):
                     hidden,
                     attention_mask=masks.get(self.layer_types[int(key)]),
                     position_embeddings=position_embeddings,
-                    position_ids=position_ids,
+                    position_ids=layer_positions,
                     **extra,
                 )
+        if shared_prefix is not None:
+            hidden = shared_prefix.unpack(hidden, rows, width)
         if not self.is_last:
             return hidden
         if "norm" in self.items:

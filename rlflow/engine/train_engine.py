@@ -37,15 +37,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.engine import engine_state
-from rlflow.engine.attention import flash_attn_available, varlen_implementation
+from rlflow.engine.attention import VARLEN_SDPA, flash_attn_available, varlen_implementation
 from rlflow.engine.lora import LoraSpec, apply_lora, init_lora_weights, lora_strategy_error
 from rlflow.engine.micro_batch import MicroBatch, select, split_micro_batches
 from rlflow.engine.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm_
 from rlflow.engine.packing import max_seqlen, pack, position_ids_from_mask, unpack
-from rlflow.engine.parallelize import ParallelDims, apply_ac, apply_fsdp, mixed_precision_dtype
+from rlflow.engine.parallelize import ParallelDims, apply_ac, apply_fsdp, layer_matmul_params, mixed_precision_dtype
 from rlflow.engine.pipeline import DecoderStage, build_stage, tied_embedding_group
 from rlflow.engine.pipeline_runner import PipelineRunner
 from rlflow.engine.router_loss import RouterLogitsRecorder, resolve_router_aux_loss_coef, router_aux_loss
+from rlflow.engine.shared_prefix import SharedPrefix, shared_prefix_layout
 from rlflow.parallel.tensor_parallel import apply_tp
 
 __all__ = ["ENGINE_CAPABILITIES", "EngineConfig", "LossFn", "TrainEngine", "strategy_error"]
@@ -96,6 +97,10 @@ class EngineConfig:
         compute_entropy: return per-token entropies from LM forwards.
         lora: train low-rank adapters on these linear modules instead of every weight
             (:mod:`rlflow.engine.lora`; ``tp = pp = 1``); ``None`` trains every parameter.
+        shared_prefix: run the rows that share a prompt as one sequence per prompt (the prompt
+            once; :mod:`rlflow.engine.shared_prefix`) where that is estimated cheaper: micro-batches
+            with a ``response_mask``, unpacked, ``pp = 1``, full attention through SDPA or eager
+            attention, no router loss. ``False``: always the padded rows.
         router_aux_loss_coef: a mixture-of-experts model's training loss adds this times the
             router's load-balancing loss (:mod:`rlflow.engine.router_loss`; ``pp = 1``); ``None``:
             the model config's ``router_aux_loss_coef`` (0 for a dense model); 0: off.
@@ -111,6 +116,7 @@ class EngineConfig:
     pp_schedule: str = "1f1b"
     compute_entropy: bool = True
     lora: LoraSpec | None = None
+    shared_prefix: bool = True
     router_aux_loss_coef: float | None = None
     device: str | None = None
 
@@ -186,6 +192,7 @@ class TrainEngine:
             self.optimizer = build_optimizer(self.stage.parameters(), self.config.optim)
             self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
         self.router_aux_loss_coef, self.router_recorder = self._router_aux_loss(model)
+        self.shares_prefixes = self._shares_prefixes()
         self.runner = PipelineRunner(self) if self.dims.pp > 1 else None
         self.global_step = 0
 
@@ -239,6 +246,33 @@ class TrainEngine:
         stage.compute_entropy = self.config.compute_entropy
         return stage
 
+    def _shares_prefixes(self) -> tuple[int, int] | None:
+        """``(layer_params, pair_cost)`` where rows may run with shared prefixes (see
+        :class:`EngineConfig`), the per-token and per-pair multiply-adds that price the layout."""
+        implementation = self.hf_config._attn_implementation
+        full = set(self.stage.layer_types) <= {"full_attention"}
+        if not self.config.shared_prefix or self.packing or self.dims.pp > 1 or not full:
+            return None
+        if implementation not in ("sdpa", "eager", VARLEN_SDPA):
+            return None
+        config = self.hf_config.to_dict()
+        layer = layer_matmul_params(config)
+        if layer is None:
+            return None
+        heads = config.get("num_attention_heads") or 1
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return layer, 2 * heads * head_dim
+
+    def _shared_prefix(self, data: Mapping[str, torch.Tensor], positions: torch.Tensor) -> SharedPrefix | None:
+        """The shared-prefix layout of a micro-batch where it is taken (see :class:`EngineConfig`)."""
+        if self.shares_prefixes is None or "response_mask" not in data:
+            return None
+        mask = data["attention_mask"].cpu()
+        layout = shared_prefix_layout(
+            data["input_ids"].cpu(), mask, positions.cpu(), data["response_mask"].cpu(), *self.shares_prefixes
+        )
+        return None if layout is None else layout.to(self.device)
+
     def _router_aux_loss(self, model: nn.Module) -> tuple[float, RouterLogitsRecorder | None]:
         """The router auxiliary loss's coefficient and the hooks that collect its logits (a trained MoE model)."""
         if self.optimizer is None:
@@ -286,8 +320,13 @@ class TrainEngine:
         with recording as router_logits:
             if not self.packing:
                 ids, mask = inp["input_ids"], inp["attention_mask"]
+                layout = None if router_aux else self._shared_prefix(data, inp["position_ids"])
                 out = self.stage(
-                    ids, attention_mask=mask, position_ids=inp["position_ids"], labels=ids if is_lm else None
+                    ids,
+                    attention_mask=mask,
+                    position_ids=inp["position_ids"],
+                    labels=ids if is_lm else None,
+                    shared_prefix=layout,
                 )
                 named = self.named_outputs(out)
             else:

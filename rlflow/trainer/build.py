@@ -401,6 +401,7 @@ def model_setups(
             trainable=trainable,
             optim=_optim(cfg, m) if trainable else None,
             gradient_checkpointing=m.gradient_checkpointing,
+            shared_prefix=m.shared_prefix,
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
             compute_dtype=resolve_compute_dtype(

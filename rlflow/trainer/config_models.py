@@ -80,6 +80,12 @@ class ModelConfig(_Section):
     min_lr_ratio: float = _f(0.0, "cosine floor as a fraction of lr", ge=0.0, le=1.0)
     grad_clip: float | None = _f(1.0, "clip the global gradient norm to this; null: off", gt=0.0)
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    shared_prefix: bool = _f(
+        True,
+        "training and inference forwards run the rows that share a prompt (the n samples of a prompt) as one "
+        "sequence per prompt, the prompt once, where that is estimated cheaper (not with packing, pp > 1, sliding "
+        "window attention or a router loss); false: padded rows always",
+    )
     micro_batch_tokens: int | None = _f(None, "tokens per forward/backward micro-batch; null: whole batch", ge=1)
     lora: LoraConfig | None = _f(
         None, "train low-rank adapters instead of every weight (actor only, tp = pp = 1); null: full-parameter"

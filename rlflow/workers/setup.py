@@ -92,6 +92,7 @@ class ModelSetup:
         trainable: the model has a ``train_step`` MFC and an optimizer.
         optim: optimizer settings of a trainable model.
         gradient_checkpointing: recompute layer activations in backward.
+        shared_prefix: rows that share a prompt may run it once (``EngineConfig.shared_prefix``).
         max_tokens_per_micro_batch: token budget of one micro-batch; ``None`` uses the MFC's
             ``n_mbs`` micro-batches (one when unset).
         reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry) or Python reward
@@ -116,6 +117,7 @@ class ModelSetup:
     trainable: bool = False
     optim: OptimConfig | None = None
     gradient_checkpointing: bool = False
+    shared_prefix: bool = True
     max_tokens_per_micro_batch: int | None = None
     reward_fn: str | RewardFuncs | None = None
     reward_errors: str = "raise"

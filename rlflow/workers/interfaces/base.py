@@ -92,6 +92,8 @@ def log_probs(engine: TrainEngine, data: DataProto, temperature: float) -> DataP
     ``None`` on ranks that are not on the last pipeline stage.
     """
     batch = tensors_of(data, ("input_ids", "attention_mask"))
+    if "response_mask" in data.batch_keys:  # rows of a rollout: those of a prompt may share it
+        batch["response_mask"] = data.batch["response_mask"]
     with temperature_scaled(engine, temperature):
         out = engine.forward(batch)
     return None if out is None else DataProto.from_dict({"logp": out["log_probs"]})
