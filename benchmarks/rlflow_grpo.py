@@ -33,7 +33,8 @@ def _compute_dtype(trainer, role: str) -> str:
 
     cfg = trainer.cfg
     layer = layer_matmul_params(json.loads((Path(cfg.models[role].path) / "config.json").read_text()))
-    return str(resolve_compute_dtype(cfg.models[role].dtype, "cpu", layer, cfg.pass_tokens(role))).removeprefix("torch.")
+    dtype = resolve_compute_dtype(cfg.models[role].dtype, "cpu", layer, cfg.pass_tokens(role))
+    return str(dtype).removeprefix("torch.")
 
 
 def main(spec_path: str, events_path: str) -> int:
