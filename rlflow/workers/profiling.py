@@ -710,7 +710,33 @@ def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool | None
     profile = None if refresh else _read_cached(path)
     if profile is not None:
         return CachedProfile(profile, path, cached=True)
-    return CachedProfile(run_profile(path=path, device="cpu", progress=progress, **shapes), path, cached=False)
+    profile = run_profile(path=path, device="cpu", progress=progress, **shapes)
+    if (why := busy_host(profile)) is not None:
+        path.unlink(missing_ok=True)
+        warnings.warn(
+            f"the profile of this machine was measured while other work held its cores ({why}); "
+            "the run plans with it, but it is not cached: the next run measures again",
+            stacklevel=2,
+        )
+    return CachedProfile(profile, path, cached=False)
+
+
+# A call on every core of the host that runs slower than this share of its one-thread speed was
+# measured while other processes held the cores: a second thread waits for a busy core.
+BUSY_HOST_SPEEDUP = 0.6
+
+
+def busy_host(profile: MachineProfile) -> str | None:
+    """Why ``profile``'s whole calls look measured on a busy host: a call kind whose every-core run
+    (``<kind>_host``) took longer than its one-thread run by more than 1 / ``BUSY_HOST_SPEEDUP``;
+    ``None`` when none did (or the profile has no such timings)."""
+    if profile.calls is None:
+        return None
+    for kind in _CALLS:
+        speedup = profile.calls.host_speedup(kind)
+        if speedup is not None and speedup < BUSY_HOST_SPEEDUP:
+            return f"{kind} on every core ran {1 / speedup:.1f}x slower than on one thread"
+    return None
 
 
 def cached_hardware(*, refresh: bool = False) -> HardwareProfile:

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,13 @@ from recipe_helpers import TINY
 
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import (
+    BatchTiming,
+    CallTimings,
     HardwareProfile,
     LayerTiming,
     MachineProfile,
     ProfiledLayer,
+    RolloutTiming,
     load_profile,
     save_profile,
 )
@@ -71,6 +75,42 @@ def test_a_profile_is_measured_once_per_host_and_shape(tmp_path, measurements):
     assert not other.cached and other.path != first.path and len(measurements) == 2
     refreshed = profiling.cached_profile(SHAPES, refresh=True, progress=False)
     assert not refreshed.cached and len(measurements) == 3
+
+
+def _with_calls(host_seconds: float) -> MachineProfile:
+    """:data:`PROFILE` with whole calls: each kind 1 s on one thread, ``host_seconds`` on every core."""
+
+    def timings(seconds: float, processes: int) -> dict:
+        rollout = RolloutTiming(prompts=2, prompt_len=8, n=4, gen_len=8, seconds=seconds, processes=processes, dp=1)
+        batch = BatchTiming(rows=8, seq=16, seconds=seconds, processes=processes, dp=1)
+        return {"generate": rollout, "forward": batch, "train": batch}
+
+    model = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+    busy, alone, host = timings(1.0, 2), timings(1.0, 1), timings(host_seconds, 1)
+    calls = CallTimings(
+        model=model, **busy, **{f"{k}_alone": v for k, v in alone.items()}, **{f"{k}_host": v for k, v in host.items()}
+    )
+    return replace(PROFILE, calls=calls)
+
+
+def test_a_profile_measured_while_other_work_held_the_cores_is_used_but_not_cached(tmp_path, monkeypatch):
+    """A second thread that waits for a busy core makes every-core calls slower than one thread: such a
+    profile prices this run but is not kept, so the next run measures again (on a quiet host, once)."""
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    measured = iter([_with_calls(host_seconds=5.0), _with_calls(host_seconds=0.6)])
+
+    def run_profile(path, device, progress, **shapes):
+        profile = next(measured)
+        save_profile(profile, path)
+        return profile
+
+    monkeypatch.setattr(profiling, "run_profile", run_profile)
+    with pytest.warns(UserWarning, match=r"other work held its cores \(generate on every core ran 5.0x slower"):
+        busy = profiling.cached_profile(SHAPES, progress=False)
+    assert not busy.cached and not busy.path.exists() and busy.profile.calls.host_speedup("train") == 0.2
+    quiet = profiling.cached_profile(SHAPES, progress=False)  # measured again, and kept
+    assert not quiet.cached and quiet.path.exists() and profiling.busy_host(quiet.profile) is None
+    assert profiling.cached_profile(SHAPES, progress=False).cached
 
 
 @pytest.mark.parametrize(
