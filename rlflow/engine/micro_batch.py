@@ -145,6 +145,7 @@ def split_micro_batches(
     max_tokens: int | None = None,
     equal_rows: bool = False,
     trim: bool = True,
+    groups: torch.Tensor | None = None,
 ) -> list[MicroBatch]:
     """Cut a mini-batch into token-balanced micro-batches.
 
@@ -155,6 +156,9 @@ def split_micro_batches(
             Exactly one of the two must be given.
         equal_rows: give every micro-batch ``ceil(B / n)`` or ``floor(B / n)`` rows (pipelining).
         trim: drop the columns where no row of the micro-batch has a valid token.
+        groups: ``(B,)`` group ids (from 0) of rows that stay in one micro-batch (the rows of a
+            prompt, :func:`rlflow.engine.shared_prefix.prompt_groups`): the groups are balanced,
+            at most one micro-batch per group; not with ``equal_rows``.
 
     Returns:
         Micro-batches covering every row exactly once, in order of their first row.
@@ -166,13 +170,22 @@ def split_micro_batches(
         if value.shape[0] != mask.shape[0]:
             raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, attention_mask has {mask.shape[0]}")
     lengths = sequence_lengths(mask)
+    members = [[i] for i in range(len(lengths))]
+    if groups is not None:
+        if equal_rows:
+            raise ValueError("groups and equal_rows do not go together")
+        members = [[] for _ in range(int(groups.max()) + 1)]
+        for row, group in enumerate(groups.tolist()):
+            members[group].append(row)
+        lengths = [sum(lengths[row] for row in rows) for rows in members]
     if num_micro_batches is None:
         num = num_micro_batches_for(lengths, max_tokens)
     else:
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
         num = min(num_micro_batches, len(lengths))
-    parts = sorted(balanced_partition(lengths, num, equal_rows=equal_rows))
+    parts = balanced_partition(lengths, num, equal_rows=equal_rows)
+    parts = sorted(sorted(row for item in part for row in members[item]) for part in parts)
     out = []
     for part in parts:
         rows = torch.tensor(part, dtype=torch.long)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MASK_ELEMENT_LIMIT", "SharedPrefix", "layout_cost", "shared_prefix_layout"]
+__all__ = ["MASK_ELEMENT_LIMIT", "SharedPrefix", "layout_cost", "prompt_groups", "shared_prefix_layout"]
 
 # At most this many entries in the groups' masks together (bool): beyond it the dense masks' memory
 # and the attention over them outgrow what sharing saves.
@@ -88,6 +88,21 @@ def layout_cost(rows: int, width: int, layer_params: int, pair_cost: int, causal
     return rows * width * layer_params + pairs * pair_cost
 
 
+def prompt_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, int] | None:
+    """``(group, prompt)``: each row's group (rows whose prompt columns hold the same tokens and
+    padding; ``(B,)`` ids from 0) and the prompt's width (the columns before the first generated
+    token of any row); ``None`` when no row generated a token or none starts with a prompt."""
+    generated = response_mask.bool().any(dim=0).nonzero()
+    if generated.numel() == 0 or int(generated[0]) == 0:
+        return None
+    prompt = int(generated[0])
+    real = attention_mask[:, :prompt].bool()
+    key = torch.cat([input_ids[:, :prompt] * real, real.long()], dim=1)
+    return torch.unique(key, dim=0, return_inverse=True)[1], prompt
+
+
 def shared_prefix_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -113,14 +128,10 @@ def shared_prefix_layout(
     """
     rows, width = attention_mask.shape
     real = attention_mask.bool()
-    generated = response_mask.bool().any(dim=0).nonzero()
-    if rows < 2 or generated.numel() == 0:
+    found = prompt_groups(input_ids, attention_mask, response_mask) if rows > 1 else None
+    if found is None:
         return None
-    prompt = int(generated[0])
-    if prompt == 0:
-        return None
-    key = torch.cat([input_ids[:, :prompt] * real[:, :prompt], real[:, :prompt].long()], dim=1)
-    _, group = torch.unique(key, dim=0, return_inverse=True)
+    group, prompt = found
     groups = int(group.max()) + 1
     if groups == rows:
         return None

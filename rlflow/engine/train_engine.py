@@ -46,7 +46,7 @@ from rlflow.engine.parallelize import ParallelDims, apply_ac, apply_fsdp, layer_
 from rlflow.engine.pipeline import DecoderStage, build_stage, tied_embedding_group
 from rlflow.engine.pipeline_runner import PipelineRunner
 from rlflow.engine.router_loss import RouterLogitsRecorder, resolve_router_aux_loss_coef, router_aux_loss
-from rlflow.engine.shared_prefix import SharedPrefix, shared_prefix_layout
+from rlflow.engine.shared_prefix import SharedPrefix, prompt_groups, shared_prefix_layout
 from rlflow.parallel.tensor_parallel import apply_tp
 
 __all__ = ["ENGINE_CAPABILITIES", "EngineConfig", "LossFn", "TrainEngine", "strategy_error"]
@@ -263,6 +263,21 @@ class TrainEngine:
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         return layer, 2 * heads * head_dim
 
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[MicroBatch]:
+        """``batch`` cut into micro-batches; where rows may share prompts, the rows of a prompt in
+        one micro-batch (unless a prompt's rows hold more tokens than the micro-batch budget)."""
+        split = self.config.split_kwargs()
+        found = None
+        if self.shares_prefixes is not None and "response_mask" in batch:
+            found = prompt_groups(batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        if found is not None:
+            group = found[0].to(batch["attention_mask"].device)
+            tokens = torch.zeros(int(group.max()) + 1, dtype=torch.long, device=group.device)
+            tokens.index_add_(0, group, batch["attention_mask"].sum(dim=1).long())
+            if "max_tokens" not in split or int(tokens.max()) <= split["max_tokens"]:
+                return split_micro_batches(batch, groups=group.cpu(), **split)
+        return split_micro_batches(batch, **split)
+
     def _shared_prefix(self, data: Mapping[str, torch.Tensor], positions: torch.Tensor) -> SharedPrefix | None:
         """The shared-prefix layout of a micro-batch where it is taken (see :class:`EngineConfig`)."""
         if self.shares_prefixes is None or "response_mask" not in data:
@@ -449,7 +464,7 @@ class TrainEngine:
             # The router loss of each micro-batch is weighted by its share of the global mini-batch's
             # real tokens: over dp ranks and micro-batches, the token-weighted mean of HF's loss.
             tokens = self._global_units(mini, "attention_mask") if router_aux else 0.0
-            for mb in split_micro_batches(mini, **self.config.split_kwargs()):
+            for mb in self._micro_batches(mini):
                 data = self.to_device(mb.data)
                 outputs = self.run_micro_batch(data, router_aux=router_aux)
                 aux = outputs.pop("router_aux_loss", None)
@@ -531,7 +546,7 @@ class TrainEngine:
     def _forward_local(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         shape = batch["attention_mask"].shape
         out: dict[str, torch.Tensor] = {}
-        for mb in split_micro_batches(batch, **self.config.split_kwargs()):
+        for mb in self._micro_batches(batch):
             named = self.run_micro_batch(mb.data)
             if not self.stage.return_logits:
                 named.pop("logits", None)

@@ -4,11 +4,13 @@ taken, and an engine whose outputs and gradients equal the padded rows' (fp32, o
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from train_engine_helpers import ADAM_EPS, VOCAB, actor_loss, build_model, critic_loss
 
+from rlflow.engine.micro_batch import split_micro_batches
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.shared_prefix import layout_cost, shared_prefix_layout
@@ -153,3 +155,17 @@ def test_bf16_sharing_prompts_stays_within_bf16s_rounding_of_the_padded_rows(sin
     real = batch["response_mask"].bool()
     diff = (outputs[True]["log_probs"] - outputs[False]["log_probs"])[real].abs()
     assert float(diff.max()) < 0.05  # bf16 states: a few parts in 1e3 of log-probs of about -4.6
+
+
+def test_micro_batches_keep_the_rows_of_a_prompt_together(single_mesh):
+    batch = grouped_batch(prompts=4, samples=3, shuffle=True)
+    engine = _engines(single_mesh)[True]
+    engine.config = replace(engine.config, num_micro_batches=2)
+    parts = engine._micro_batches(batch)
+    prompts = [{tuple(batch["input_ids"][r, :PROMPT].tolist()) for r in mb.indices.tolist()} for mb in parts]
+    assert len(parts) == 2 and not prompts[0] & prompts[1] and len(prompts[0] | prompts[1]) == 4
+    assert sorted(r for mb in parts for r in mb.indices.tolist()) == list(range(12))
+    engine.config = replace(
+        engine.config, num_micro_batches=None, max_tokens_per_micro_batch=8
+    )  # a prompt's rows exceed it
+    assert len(engine._micro_batches(batch)) == len(split_micro_batches(batch, max_tokens=8))
