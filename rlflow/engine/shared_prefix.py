@@ -18,10 +18,10 @@ response), and ``response_mask`` marks generated tokens: the prompt is every col
 first one any row generated in. Rows whose prompt columns hold the same tokens (and padding) form
 one group, wherever they are in the micro-batch.
 
-The layout is taken only where it is estimated cheaper (:func:`layout_cost`): the projections and
-MLPs cost per token, attention per (query, key) pair; a group's sequence attends over all of its
-rows' tokens (a dense ``L × L`` mask), so long responses to a short prompt cost more this way than
-padded rows do.
+The layout is taken only where it is estimated cheaper (:func:`rlflow.planner.cost.shares_prompts`,
+which prices it for the planner too): the projections and MLPs cost per token, attention per
+(query, key) pair; a group's sequence attends over all of its rows' tokens (a dense ``L × L``
+mask), so long responses to a short prompt cost more this way than padded rows do.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MASK_ELEMENT_LIMIT", "SharedPrefix", "layout_cost", "prompt_groups", "shared_prefix_layout"]
+from rlflow.planner.cost import shares_prompts
+
+__all__ = ["MASK_ELEMENT_LIMIT", "SharedPrefix", "prompt_groups", "shared_prefix_layout"]
 
 # At most this many entries in the groups' masks together (bool): beyond it the dense masks' memory
 # and the attention over them outgrow what sharing saves.
 MASK_ELEMENT_LIMIT = 1 << 26
-# The layout is taken when its estimated cost is at most this share of the padded rows' cost.
-MIN_SAVING = 0.8
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,6 @@ class SharedPrefix:
         return flat.index_select(0, self.unpack_index).view(rows, width, *hidden.shape[2:])
 
 
-def layout_cost(rows: int, width: int, layer_params: int, pair_cost: int, causal: bool) -> float:
-    """Multiply-adds of one decoder layer over ``rows`` sequences of ``width`` tokens: the
-    projections and MLP (``layer_params`` a token) and attention (``pair_cost`` a query-key pair,
-    half of the pairs when ``causal``, all of them under a dense mask)."""
-    pairs = rows * width * width * (0.5 if causal else 1.0)
-    return rows * width * layer_params + pairs * pair_cost
-
-
 def prompt_groups(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, int] | None:
@@ -123,8 +115,8 @@ def shared_prefix_layout(
 
     Returns:
         ``None`` when no two rows share a prompt, when no row generated a token, when the masks
-        would hold more than :data:`MASK_ELEMENT_LIMIT` entries, or when the layout's estimated
-        cost exceeds ``MIN_SAVING`` of the padded rows'.
+        would hold more than :data:`MASK_ELEMENT_LIMIT` entries, or when the layout is not
+        estimated cheaper (:func:`rlflow.planner.cost.shares_prompts`).
     """
     rows, width = attention_mask.shape
     real = attention_mask.bool()
@@ -144,8 +136,7 @@ def shared_prefix_layout(
     length = int(lengths.max())
     if groups * length * length > MASK_ELEMENT_LIMIT:
         return None
-    padded_cost = layout_cost(rows, width, layer_params, pair_cost, causal=True)
-    if layout_cost(groups, length, layer_params, pair_cost, causal=False) > MIN_SAVING * padded_cost:
+    if not shares_prompts(rows, width, groups, length, layer_params, pair_cost):
         return None
     return _build(group, heads, own, real, position_ids, prompt, groups, length)
 

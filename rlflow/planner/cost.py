@@ -38,6 +38,11 @@ Training (``TrainEngine.train_step``): per mini-batch and epoch, forward, backwa
 forward FLOPs), recomputation under gradient checkpointing, the gradient-norm clip and one
 AdamW step over the fp32 master weights, gradients and moments.
 
+Training and inference passes over the samples of prompts (``Workload.shared_prompts``,
+``pp = 1``) are priced as the engine runs them (:mod:`rlflow.engine.shared_prefix`): one
+sequence per prompt — the prompt once, then its samples' responses, attending over a dense mask —
+where :func:`shares_prompts` finds that cheaper than the padded rows, the head still over every row.
+
 A profile taken with the planned model's calls (``rlflow.workers.profiling.run_profile(calls=...)``)
 calibrates every call type by whole calls of it timed at two batch sizes: the compute (not the
 collectives) is scaled (:meth:`Rates.call_scale`) and a fixed time added per call, or per
@@ -117,6 +122,8 @@ class Workload:
             generation rounds, :mod:`rlflow.trainer.dynamic_sampling`); a call's option is priced
             that many calls an iteration.
         rollout_calls: the calls a generation round runs (:func:`rlflow.dataflow.rollout_calls`).
+        shared_prompts: training and inference passes run the samples of a prompt as one sequence
+            where :func:`shares_prompts` finds it cheaper (the engines' ``shared_prefix``).
     """
 
     batch_size: int
@@ -133,6 +140,7 @@ class Workload:
     tool_threads: int = 1
     rollout_rounds: float = 1.0
     rollout_calls: frozenset[str] = frozenset()
+    shared_prompts: bool = False
 
     def __post_init__(self) -> None:
         for attr in ("batch_size", "prompt_len", "n_samples_per_prompt", "n_ppo_minibatches", "ppo_epochs"):
@@ -332,6 +340,40 @@ def _rollout_s(model, strategy, mesh, cluster, rates, prompts, rows, n_mbs, p_le
     return prefill, repeat, float(np.sum(decode_steps)) + per_token
 
 
+# A layout of one sequence per prompt is taken when it costs at most this share of the padded rows.
+SHARED_PROMPT_MAX_SHARE = 0.8
+
+
+def layout_cost(rows: int, width: int, layer_params: int, pair_cost: int, causal: bool) -> float:
+    """Multiply-adds of one decoder layer over ``rows`` sequences of ``width`` tokens: the
+    projections and MLP (``layer_params`` a token) and attention (``pair_cost`` a query-key pair,
+    half of the pairs when ``causal``, all of them under a dense mask)."""
+    pairs = rows * width * width * (0.5 if causal else 1.0)
+    return rows * width * layer_params + pairs * pair_cost
+
+
+def shares_prompts(rows: int, width: int, groups: int, length: int, layer_params: int, pair_cost: int) -> bool:
+    """Whether ``groups`` sequences of ``length`` tokens under dense masks (a prompt once, then its
+    rows' own tokens) cost at most :data:`SHARED_PROMPT_MAX_SHARE` of ``rows`` padded causal rows
+    of ``width``."""
+    shared = layout_cost(groups, length, layer_params, pair_cost, causal=False)
+    return shared <= SHARED_PROMPT_MAX_SHARE * layout_cost(rows, width, layer_params, pair_cost, causal=True)
+
+
+def _pass(model: ModelSpec, strategy: ParallelStrategy, workload: Workload, rows: int, nbytes: int) -> StagePass:
+    """One training or inference pass over ``rows`` rows: padded, or one sequence per prompt
+    where the engine takes that layout (``Workload.shared_prompts``)."""
+    s, n = workload.seq_len, workload.n_samples_per_prompt
+    padded = StagePass(rows, s, s * (s + 1) / 2, nbytes, 0, rows * s)
+    if not workload.shared_prompts or strategy.pp > 1 or n < 2 or rows < 2:
+        return padded
+    groups, length = math.ceil(rows / n), workload.prompt_len + min(n, rows) * workload.gen_len
+    pair = 2 * model.num_heads * model.dim_head
+    if not shares_prompts(rows, s, groups, length, model.layer_matmul_params, pair):
+        return padded
+    return StagePass(groups, length, length * length, nbytes, 0, rows * s)
+
+
 def _inference(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     prec = cluster.precision
     n, s = workload.n_seqs(mfc), workload.seq_len
@@ -339,7 +381,7 @@ def _inference(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost
     n_mbs = num_microbatches(mfc, strategy, n, s, max_tokens_per_mb=workload.max_tokens_per_mb)
     mb = math.ceil(seqs / n_mbs)
     b = prec.compute_bytes
-    slot = stage_pass_s(model, strategy, cluster, rates, StagePass(mb, s, s * (s + 1) / 2, b, 0, mb * s))
+    slot = stage_pass_s(model, strategy, cluster, rates, _pass(model, strategy, workload, mb, b))
     if strategy.pp > 1:
         slot = slot + p2p_s(cluster, mb * s * model.hidden_size * b, mesh.num_nodes > 1)
     busy = busy_devices(mesh)
@@ -367,7 +409,7 @@ def _train(mfc, model, strategy, mesh, cluster, workload, rates) -> CallCost:
     n_mbs = num_microbatches(mfc, strategy, n, s, n_minib, workload.max_tokens_per_mb)
     mb = math.ceil(seqs / n_mbs)
     b = prec.compute_bytes
-    p = StagePass(mb, s, s * (s + 1) / 2, b, 0, mb * s)
+    p = _pass(model, strategy, workload, mb, b)
     fwd = float(stage_pass_s(model, strategy, cluster, rates, p))
     bwd = float(stage_pass_s(model, strategy, cluster, rates, p, backward=True))
     if workload.gradient_checkpointing:

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoConfig
 
 from rlflow.dataflow import mfcs_of, rollout_calls
+from rlflow.engine.attention import flash_attn_available
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
@@ -183,6 +184,7 @@ def planning_workload(cfg: RLFlowConfig, multi_turn: bool = False, graph: nx.DiG
         max_tokens_per_mb=min(
             (m.micro_batch_tokens for m in cfg.models.values() if m.micro_batch_tokens), default=None
         ),
+        shared_prompts=_samples(cfg) and all(m.shared_prefix for m in cfg.models.values()),
     )
 
 
@@ -240,6 +242,8 @@ def plan_placement(
     baselines: list[BaselinePlan] = []
     threads = 1
     workload = planning_workload(cfg, multi_turn, graph)
+    if use_gpu and flash_attn_available():  # the engines pack rows: no shared prompts
+        workload = replace(workload, shared_prompts=False)
     if device_mfcs:
         cluster = planning_cluster(cfg, use_gpu, profile)
         problem = build_problem(

@@ -13,8 +13,9 @@ from train_engine_helpers import ADAM_EPS, VOCAB, actor_loss, build_model, criti
 from rlflow.engine.micro_batch import split_micro_batches
 from rlflow.engine.optim import OptimConfig
 from rlflow.engine.packing import position_ids_from_mask
-from rlflow.engine.shared_prefix import layout_cost, shared_prefix_layout
+from rlflow.engine.shared_prefix import shared_prefix_layout
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
+from rlflow.planner.cost import layout_cost
 
 torch.set_num_threads(1)
 

@@ -233,3 +233,26 @@ def test_cpu_workers_are_priced_in_fp32():
     assert (c.weight_bytes, c.train_state_bytes) == (4 * m.num_params / 2, 12 * m.num_params / 2)
     bf16 = dataclasses.replace(cpu, precision=GPU_PRECISION)
     assert call_cost(TRAIN, m, S(dp=2), DeviceMesh(1, 2, devices_per_node=2), bf16, w).time_s < c.time_s
+
+
+def test_shared_prompts_price_the_samples_of_a_prompt_as_one_sequence_where_that_is_cheaper():
+    """GRPO's 8 samples of a 7-token prompt with 5-token answers: the layers run 32 x (7 + 8 x 5) tokens
+    instead of 256 x 12; with 128-token answers the dense masks cost more, and the padded rows are priced."""
+    from rlflow.planner.cost import layout_cost, shares_prompts
+
+    grpo = algorithm_mfcs("grpo", rule_based_reward=True)
+    train = next(m for m in grpo if m.interface_type == "train_step")
+    small = ModelSpec(num_layers=4, hidden_size=128, intermediate_size=512, num_heads=4, num_kv_heads=4, vocab_size=100)
+    cpu = cluster_preset("cpu", 1, 1, profile=HardwareProfile(**CPU_HW))
+    short = Workload(batch_size=32, prompt_len=7, gen_len=5, n_samples_per_prompt=8, n_ppo_minibatches=1,
+                     gradient_checkpointing=False, max_tokens_per_mb=None)  # fmt: skip
+    padded = call_cost(train, small, S(), DeviceMesh(1, 1), cpu, short)
+    shared = call_cost(train, small, S(), DeviceMesh(1, 1), cpu, dataclasses.replace(short, shared_prompts=True))
+    tokens_ratio = (32 * (7 + 8 * 5)) / (256 * 12)
+    assert tokens_ratio < shared.time_s / padded.time_s < 0.8
+    long = dataclasses.replace(short, gen_len=128, shared_prompts=True)
+    assert call_cost(train, small, S(), DeviceMesh(1, 1), cpu, long).time_s == pytest.approx(
+        call_cost(train, small, S(), DeviceMesh(1, 1), cpu, dataclasses.replace(long, shared_prompts=False)).time_s
+    )
+    assert not shares_prompts(256, 135, 32, 7 + 8 * 128, small.layer_matmul_params, 2 * 128)
+    assert layout_cost(4, 10, 100, 2, causal=True) == 4 * 10 * 100 + 4 * 100 * 0.5 * 2
