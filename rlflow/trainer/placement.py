@@ -226,9 +226,13 @@ def plan_placement(
     profile: MachineProfile | None = None,
     progress: bool | None = None,
     multi_turn: bool = False,
+    calibrates: bool = False,
 ) -> Placement:
     """Plans every MFC of ``graph`` according to ``cfg.placement.mode``; generate calls of
-    ``multi_turn`` rollouts with tp = pp = 1 (:func:`runtime_capabilities`).
+    ``multi_turn`` rollouts with tp = pp = 1 (:func:`runtime_capabilities`). ``calibrates``: the
+    run will calibrate the plan by its own calls (a shape new to the host), so the one-worker plan,
+    whose every-core speedups at the run's shapes only a run of it measures, is taken when priced
+    within :data:`ONE_WORKER_EXPLORE` of the searched plan (:func:`one_worker_on_every_core`).
 
     Raises:
         ValueError: a manual plan that is not among the valid options (names the MFC), or a
@@ -261,8 +265,9 @@ def plan_placement(
         if p.mode == "auto" and not use_gpu and profile is not None and profile.calls is not None:
             kinds = {m.name: m.interface_type for m in device_mfcs}
             plan, threads = one_worker_on_every_core(
-                problem, plan, profile.calls, kinds, p.devices_per_node, profile.host_speedups
-            )
+                problem, plan, profile.calls, kinds, p.devices_per_node, profile.host_speedups,
+                explore=ONE_WORKER_EXPLORE if calibrates and not profile.host_speedups else 1.0,
+            )  # fmt: skip
     calls = _call_placements(graph, plan, cfg)
     rounds = {m.name: workload.rollout_rounds for m in device_mfcs if m.name in workload.rollout_calls}
     return Placement(calls, plan, baselines, problem, threads, rounds)
@@ -270,6 +275,11 @@ def plan_placement(
 
 # The profiled whole call that prices each interface type.
 PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "train"}
+# A run that calibrates a new shape takes the one-worker plan when priced within this factor of the
+# searched plan: its every-core speedups come from the machine profile's small reference model, whose
+# calls gain less from a second thread than a larger model's, until the run measures its own — which
+# its calibration does on a one-worker plan only.
+ONE_WORKER_EXPLORE = 1.25
 
 
 def one_worker_on_every_core(
@@ -279,6 +289,7 @@ def one_worker_on_every_core(
     kinds: Mapping[str, str],
     cores: int,
     measured: Mapping[str, float] | None = None,
+    explore: float = 1.0,
 ) -> tuple[ExecutionPlan, int]:
     """``plan``, or the plan of one worker with a thread per core of its host where that is
     estimated faster; and the threads its CPU workers take.
@@ -288,7 +299,8 @@ def one_worker_on_every_core(
     core (:meth:`CallTimings.host_speedup`: the whole batch in one process, one thread against
     ``cores``), or the speedup a run ``measured`` at its own shapes (``MachineProfile.host_speedups``,
     by profiled call); its transfers are unchanged. Without those timings (a one-worker host, an
-    older profile) ``plan`` stays, with one thread.
+    older profile) ``plan`` stays, with one thread. ``explore`` > 1: the one-worker plan is taken
+    when estimated at most that many times ``plan``'s time (a run that will measure it).
     """
     measured = measured or {}
     speedups = {kind: measured.get(call) or timings.host_speedup(call) for kind, call in PROFILED_CALL.items()}
@@ -306,12 +318,19 @@ def one_worker_on_every_core(
     calls = tuple(replace(c, time_s=c.time_s / speedups[kinds[c.name]]) for c in base.calls)
     saved = sum(c.time_s for c in base.calls) - sum(c.time_s for c in calls)
     estimate = base.iteration_time_s - saved
-    if estimate >= plan.iteration_time_s:
+    if estimate >= plan.iteration_time_s * explore:
         return plan, 1
-    logger.info(
-        "one worker on all %d cores: est. %.3f s/iteration, faster than the %s plan's %.3f s; taking it",
-        cores, estimate, plan.name, plan.iteration_time_s,
-    )  # fmt: skip
+    if estimate >= plan.iteration_time_s:
+        logger.info(
+            "one worker on all %d cores: est. %.3f s/iteration, within %.2fx of the %s plan's %.3f s; taking it "
+            "for the run to measure its speedups on every core (a shape new to this host)",
+            cores, estimate, explore, plan.name, plan.iteration_time_s,
+        )  # fmt: skip
+    else:
+        logger.info(
+            "one worker on all %d cores: est. %.3f s/iteration, faster than the %s plan's %.3f s; taking it",
+            cores, estimate, plan.name, plan.iteration_time_s,
+        )  # fmt: skip
     return replace(base, calls=calls, iteration_time_s=estimate, name=f"one worker, {cores} threads"), cores
 
 

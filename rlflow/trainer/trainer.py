@@ -354,6 +354,7 @@ class Trainer:
             profile=None if found is None else found.profile,
             progress=self.progress_bars,
             multi_turn=self.multi_turn is not None,
+            calibrates=self._calibration is not None,
         )
         self._record_startup("plan_s", started)
         if placement.plan is not None:

@@ -200,6 +200,13 @@ def test_a_plan_of_one_worker_takes_every_core_where_the_profile_says_it_is_fast
     assert one_worker_on_every_core(problem, plan, timings(100.0), kinds, 1) == (plan, 1)  # a one-core host
     no_host = replace(timings(100.0), generate_host=None)
     assert one_worker_on_every_core(problem, plan, no_host, kinds, 2) == (plan, 1)
+    # A run that will measure the one-worker plan takes it when priced within the exploration factor.
+    base = one_worker_on_every_core(problem, replace(plan, iteration_time_s=1e9), timings(1.0), kinds, 2)[0]
+    ratio = base.iteration_time_s / plan.iteration_time_s  # no faster on every core: priced above the plan
+    assert ratio > 1
+    assert one_worker_on_every_core(problem, plan, timings(1.0), kinds, 2, explore=ratio * 0.99) == (plan, 1)
+    explored, threads = one_worker_on_every_core(problem, plan, timings(1.0), kinds, 2, explore=ratio * 1.01)
+    assert threads == 2 and explored.iteration_time_s == pytest.approx(base.iteration_time_s)
 
 
 # ----------------------------------------------------------------- LoRA and mixture-of-experts actors
