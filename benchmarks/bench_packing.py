@@ -31,7 +31,8 @@ ROWS, PROMPT_COLS, RESPONSE_COLS, REPEATS = 64, 16, 48, 7
 MIN_LEN, MAX_LEN = 8, 64
 
 
-def _model():
+def main_job_model():
+    """The main job's model (``recipes/grpo_arithmetic.yaml``), fresh weights."""
     from rlflow.data.tiny_models import build_tiny_model
 
     return build_tiny_model(
@@ -74,7 +75,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         batch = _batch()
         engines = {
             mode: TrainEngine(
-                _model(),
+                main_job_model(),
                 mesh,
                 EngineConfig(optim=OptimConfig(lr=1e-4), num_micro_batches=2, device="cpu", packing=mode),
             )

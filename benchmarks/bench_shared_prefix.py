@@ -20,16 +20,9 @@ import time
 
 import torch
 
+from benchmarks.bench_packing import main_job_model
+
 PROMPTS, SAMPLES, PROMPT_COLS, RESPONSE_COLS, REPEATS = 32, 8, 8, 5, 9
-
-
-def _model():
-    from rlflow.data.tiny_models import build_tiny_model
-
-    return build_tiny_model(
-        "llama", vocab_size=100, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4,
-        intermediate_size=512, tie_word_embeddings=True,
-    )  # fmt: skip
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -82,7 +75,7 @@ def run() -> list[dict]:
     records = []
     try:
         mesh = DeviceMesh("cpu", torch.zeros(1, 1, 1, dtype=torch.long), mesh_dim_names=("pp", "dp", "tp"))
-        base = _model()
+        base = main_job_model()
         for precision in ("fp32", "bf16"):
             config = dict(optim=OptimConfig(lr=1e-4), device="cpu", mixed_precision=precision)
             engines = {
