@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> FitResult:
         "algorithm.name=sft",
         "algorithm.distill_loss=sampled",  # SFT reads no teacher: its distillation settings go
         "algorithm.distill_divergence=reverse",
+        "algorithm.distill_jsd_beta=0.5",
         f"experiment_name={cfg.experiment_name}_sft",
         "data.task=null",
         f"data.train_file={train}",

@@ -21,7 +21,9 @@ from rlflow.algos.distill import (
     distill_metrics,
     distill_signal,
     reverse_kl_advantages,
+    vocab_divergence,
     vocab_forward_kl,
+    vocab_jsd,
     vocab_log_probs,
     vocab_reverse_kl,
 )
@@ -120,7 +122,9 @@ __all__ = [
     "sft_loss",
     "unclipped_policy_loss",
     "value_loss",
+    "vocab_divergence",
     "vocab_forward_kl",
+    "vocab_jsd",
     "vocab_log_probs",
     "vocab_reverse_kl",
 ]

@@ -6,12 +6,15 @@ At each sampled token ``a_t`` the signal is the negative reverse-KL sample
 is pushed toward tokens the teacher finds likelier than it does. It is the whole advantage of the
 ``reverse_kl`` estimator (algorithm ``distill``), or ``distill_coef`` times it is added to a reward
 estimator's advantages. With ``algorithm.distill_loss: full_vocab`` the teacher's whole next-token
-distribution is read instead: the exact KL at each sampled position is a loss term, reverse
-(:func:`vocab_reverse_kl`, a lower-variance form of the one-token estimate) or forward
-(:func:`vocab_forward_kl`, ``algorithm.distill_divergence``).
+distribution is read instead: the exact divergence at each sampled position is a loss term, the
+reverse KL (:func:`vocab_reverse_kl`, a lower-variance form of the one-token estimate), the forward
+KL (:func:`vocab_forward_kl`) or GKD's generalised Jensen-Shannon divergence between them
+(:func:`vocab_jsd`), chosen by ``algorithm.distill_divergence`` (:func:`vocab_divergence`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -20,12 +23,15 @@ from rlflow.algos.advantages import register_adv_estimator
 from rlflow.algos.utils import masked_mean
 
 __all__ = [
+    "DEFAULT_JSD_BETA",
     "DISTILL_DIVERGENCES",
     "DISTILL_LOSSES",
     "distill_metrics",
     "distill_signal",
     "reverse_kl_advantages",
+    "vocab_divergence",
     "vocab_forward_kl",
+    "vocab_jsd",
     "vocab_log_probs",
     "vocab_reverse_kl",
 ]
@@ -33,8 +39,11 @@ __all__ = [
 # How the teacher's signal enters: ``sampled`` (the advantage of each sampled token) or ``full_vocab``
 # (the exact KL over the vocabulary at each sampled position, a loss term).
 DISTILL_LOSSES = ("sampled", "full_vocab")
-# Which KL over the vocabulary full_vocab takes: KL(student || teacher) or KL(teacher || student).
-DISTILL_DIVERGENCES = ("reverse", "forward")
+# Which divergence over the vocabulary full_vocab takes: KL(student || teacher), KL(teacher || student),
+# or the generalised Jensen-Shannon divergence JSD_beta between them (GKD).
+DISTILL_DIVERGENCES = ("reverse", "forward", "jsd")
+# JSD_beta's default weight of the teacher: the symmetric Jensen-Shannon divergence (TRL GKDConfig's beta).
+DEFAULT_JSD_BETA = 0.5
 
 
 def distill_signal(old_logp: Tensor, teacher_logp: Tensor, response_mask: Tensor) -> Tensor:
@@ -158,3 +167,57 @@ def vocab_forward_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
     """
     teacher = _teacher_like(student_logp, teacher_logp)
     return (teacher.exp() * (teacher - student_logp)).sum(-1)
+
+
+def vocab_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """``(B, T)`` GKD's generalised Jensen-Shannon divergence over the whole vocabulary at each position:
+    ``beta KL(pi_teacher || m) + (1 - beta) KL(pi_student || m)``, ``m = beta pi_teacher + (1 - beta) pi_student``.
+    Shapes and masking as :func:`vocab_reverse_kl` (a sequence start, all zeros in both, gives 0 up to rounding).
+
+    ``beta`` 0 and 1 are the forward and reverse KL (:func:`vocab_forward_kl`, :func:`vocab_reverse_kl`),
+    as TRL's ``GKDTrainer`` takes them: the divergence itself tends to 0 there, as ``beta`` times the
+    forward KL and ``1 - beta`` times the reverse KL. In between it is bounded (by ``log 2`` at 0.5):
+    a token the teacher all but excludes costs the student its own mass times ``log(1 / (1 - beta))``,
+    not the tens of nats of the reverse KL.
+
+    Args:
+        student_logp: ``(B, T, V)`` :func:`vocab_log_probs` of the student (with its gradient).
+        teacher_logp: ``(B, T, V)`` the same of the teacher, on the same tokens.
+        beta: the teacher's weight in the mixture ``m``, in ``[0, 1]``.
+
+    >>> s = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    >>> round(float(vocab_jsd(s, torch.log(torch.tensor([[[0.9, 0.1]]])), 0.5)), 4)
+    0.1017
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta!r}; expected 0 <= beta <= 1")
+    if beta == 0.0:
+        return vocab_forward_kl(student_logp, teacher_logp)
+    if beta == 1.0:
+        return vocab_reverse_kl(student_logp, teacher_logp)
+    teacher = _teacher_like(student_logp, teacher_logp)
+    # log m by log-sum-exp of the weighted log-probs: the mixture of two near-zero probabilities
+    # underflows where its log does not.
+    mixture = torch.logsumexp(torch.stack([teacher + math.log(beta), student_logp + math.log1p(-beta)]), dim=0)
+    to_teacher = (teacher.exp() * (teacher - mixture)).sum(-1)
+    to_student = (student_logp.exp() * (student_logp - mixture)).sum(-1)
+    return beta * to_teacher + (1.0 - beta) * to_student
+
+
+def vocab_divergence(
+    student_logp: Tensor, teacher_logp: Tensor, divergence: str, jsd_beta: float = DEFAULT_JSD_BETA
+) -> Tensor:
+    """``(B, T)`` the divergence named by ``algorithm.distill_divergence`` (:data:`DISTILL_DIVERGENCES`)
+    of the student from the teacher at each position; ``jsd_beta`` is :func:`vocab_jsd`'s ``beta``.
+
+    >>> s = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    >>> round(float(vocab_divergence(s, torch.log(torch.tensor([[[0.9, 0.1]]])), "forward")), 4)
+    0.3681
+    """
+    if divergence == "reverse":  # KL(student || teacher)
+        return vocab_reverse_kl(student_logp, teacher_logp)
+    if divergence == "forward":  # KL(teacher || student)
+        return vocab_forward_kl(student_logp, teacher_logp)
+    if divergence == "jsd":  # beta KL(teacher || m) + (1 - beta) KL(student || m)
+        return vocab_jsd(student_logp, teacher_logp, jsd_beta)
+    raise ValueError(f"divergence={divergence!r}; expected one of {list(DISTILL_DIVERGENCES)}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rlflow.algos.advantages import get_adv_estimator, list_adv_estimators
-from rlflow.algos.distill import DISTILL_DIVERGENCES, DISTILL_LOSSES
+from rlflow.algos.distill import DEFAULT_JSD_BETA, DISTILL_DIVERGENCES, DISTILL_LOSSES
 from rlflow.algos.kl import KL_ESTIMATORS
 from rlflow.algos.losses import LOSS_AGG_MODES, get_policy_loss, list_policy_losses
 from rlflow.algos.mismatch import SEQ_RATIO_FORMS
@@ -97,9 +97,18 @@ class AlgorithmParams:
     )
     distill_divergence: str = declared_field(
         "reverse",
-        "the KL distill_loss full_vocab takes at each sampled position: reverse KL(student || teacher) or forward "
-        "KL(teacher || student) (the teacher's soft labels on the student's own prefixes, GKD's beta=0)",
+        "the divergence distill_loss full_vocab takes at each sampled position: reverse KL(student || teacher), "
+        "forward KL(teacher || student) (the teacher's soft labels on the student's own prefixes, GKD's beta=0) "
+        "or jsd, GKD's generalised Jensen-Shannon divergence between them (distill_jsd_beta)",
         choices=DISTILL_DIVERGENCES,
+    )
+    distill_jsd_beta: float = declared_field(
+        DEFAULT_JSD_BETA,
+        "distill_divergence jsd: beta KL(teacher || m) + (1 - beta) KL(student || m) with m = beta teacher + "
+        "(1 - beta) student (TRL GKDTrainer's beta: toward 0 it behaves as the forward KL, toward 1 as the reverse; "
+        "those ends are distill_divergence forward and reverse)",
+        gt=0.0,
+        lt=1.0,
     )
     loss_agg_mode: str = declared_field("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
     norm_adv_by_std: bool = declared_field(
@@ -240,8 +249,15 @@ class AlgorithmParams:
         if self.distill_divergence != "reverse" and self.distill_loss != "full_vocab":
             return (
                 "distill_divergence",
-                f"distill_loss {self.distill_loss!r} estimates the reverse KL from the sampled tokens; the forward KL "
-                "needs the teacher's whole distributions (distill_loss: full_vocab)",
+                f"distill_loss {self.distill_loss!r} estimates the reverse KL from the sampled tokens; the "
+                f"{self.distill_divergence} divergence needs the teacher's whole distributions "
+                "(distill_loss: full_vocab)",
+            )
+        if self.distill_jsd_beta != DEFAULT_JSD_BETA and self.distill_divergence != "jsd":
+            return (
+                "distill_jsd_beta",
+                f"only distill_divergence jsd reads it (distill_divergence is {self.distill_divergence!r}); "
+                f"set distill_divergence jsd, or leave distill_jsd_beta at {DEFAULT_JSD_BETA}",
             )
         if self.distill_loss != "sampled" and not self.uses_teacher:
             return (

@@ -32,9 +32,8 @@ from rlflow.algos import (
     mismatch_weights,
     sft_loss,
     value_loss,
-    vocab_forward_kl,
+    vocab_divergence,
     vocab_log_probs,
-    vocab_reverse_kl,
 )
 from rlflow.algos.params import AlgorithmParams, estimator_reads
 from rlflow.engine.models import sequence_scores
@@ -74,7 +73,8 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
     multiply into it.
 
     Under ``distill_loss: full_vocab`` the exact ``KL(pi_theta || pi_teacher)`` over the vocabulary
-    at each response position (:func:`~rlflow.algos.vocab_reverse_kl`) is added with weight
+    at each response position (:func:`~rlflow.algos.vocab_reverse_kl`; another divergence with
+    ``distill_divergence``, :func:`~rlflow.algos.vocab_divergence`) is added with weight
     ``distill_coef``; under the ``reverse_kl`` estimator (algorithm distill) it replaces the policy
     loss, weight 1.
 
@@ -143,8 +143,10 @@ def policy_loss_fn(algo: AlgorithmParams, kl_coef: float) -> LossFn:
         }
         if vocab_coef:
             student = vocab_log_probs(outputs["logits"])
-            divergence = vocab_reverse_kl if algo.distill_divergence == "reverse" else vocab_forward_kl
-            vocab_kl = agg_loss(divergence(student, batch["teacher_vocab_logp"]), mask, algo.loss_agg_mode)
+            divergence = vocab_divergence(
+                student, batch["teacher_vocab_logp"], algo.distill_divergence, algo.distill_jsd_beta
+            )
+            vocab_kl = agg_loss(divergence, mask, algo.loss_agg_mode)
             loss = loss + vocab_coef * vocab_kl
             metrics["distill_vocab_kl"] = float(vocab_kl.detach())
         if use_kl_loss:

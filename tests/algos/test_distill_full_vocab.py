@@ -1,16 +1,25 @@
 """Full-vocabulary on-policy distillation (``algorithm.distill_loss: full_vocab``): the exact
-KL(student || teacher) over the vocabulary at each sampled position, its alignment and gradient
-checked against plain-Python arithmetic; the policy loss it enters; the teacher call's extra key."""
+KL(student || teacher) over the vocabulary at each sampled position, the forward KL and GKD's
+generalised Jensen-Shannon divergence, their alignment and gradients checked against plain-Python
+and numpy arithmetic; the policy loss they enter; the teacher call's extra key."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from test_distill import CTX, rows
 
-from rlflow.algos import agg_loss, vocab_forward_kl, vocab_log_probs, vocab_reverse_kl
+from rlflow.algos import (
+    agg_loss,
+    vocab_divergence,
+    vocab_forward_kl,
+    vocab_jsd,
+    vocab_log_probs,
+    vocab_reverse_kl,
+)
 from rlflow.algos.params import AlgorithmParams
 from rlflow.dataflow.algorithms import algorithm_graph, algorithm_mfcs
 from rlflow.workers.advantage import AdvantageEstimator
@@ -71,6 +80,58 @@ def test_the_forward_kl_weighs_tokens_by_the_teacher_and_its_gradient_is_softmax
     assert z.grad[0, 0].tolist() == pytest.approx([pi - qi for pi, qi in zip(p, q)], rel=1e-5)
 
 
+def reference_jsd(student: list[float], teacher: list[float], beta: float) -> float:
+    """beta KL(q || m) + (1 - beta) KL(p || m), m = beta q + (1 - beta) p, of two logit rows (p the
+    student's, q the teacher's), with numpy's probabilities."""
+    p, q = (np.exp(x) / np.exp(x).sum() for x in (np.array(student), np.array(teacher)))
+    m = beta * q + (1 - beta) * p
+    return float(beta * np.sum(q * np.log(q / m)) + (1 - beta) * np.sum(p * np.log(p / m)))
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_the_jsd_is_gkds_generalised_jensen_shannon_divergence(beta):
+    s, t = (vocab_log_probs(torch.tensor(x)) for x in (STUDENT_LOGITS, TEACHER_LOGITS))
+    expected = [0.0] + [reference_jsd(STUDENT_LOGITS[0][i], TEACHER_LOGITS[0][i], beta) for i in (0, 1)]
+    jsd = vocab_jsd(s, t, beta)
+    assert jsd[0].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)  # start: 0 up to rounding
+    assert torch.equal(vocab_divergence(s, t, "jsd", beta), jsd)
+    # Bounded by the entropy of (beta, 1 - beta), where the KLs are not; 0 against itself.
+    assert float(jsd.max()) < -beta * math.log(beta) - (1 - beta) * math.log(1 - beta)
+    assert vocab_jsd(t, t, beta).abs().max() < 1e-6
+
+
+def test_the_jsd_ends_are_the_forward_and_reverse_kl():
+    s, t = (vocab_log_probs(torch.tensor(x)) for x in (STUDENT_LOGITS, TEACHER_LOGITS))
+    # At beta 0 and 1 exactly, TRL's convention: the KL the divergence tends to (up to its factor).
+    assert torch.equal(vocab_jsd(s, t, 0.0), vocab_forward_kl(s, t))
+    assert torch.equal(vocab_jsd(s, t, 1.0), vocab_reverse_kl(s, t))
+    eps = 1e-3
+    assert (vocab_jsd(s, t, eps) / eps)[0, 1:].tolist() == pytest.approx(
+        vocab_forward_kl(s, t)[0, 1:].tolist(), rel=1e-2
+    )
+    assert (vocab_jsd(s, t, 1 - eps) / eps)[0, 1:].tolist() == pytest.approx(
+        vocab_reverse_kl(s, t)[0, 1:].tolist(), rel=1e-2
+    )
+    with pytest.raises(ValueError, match="beta=1.5; expected 0 <= beta <= 1"):
+        vocab_jsd(s, t, 1.5)
+    with pytest.raises(ValueError, match="divergence='tv'; expected one of"):
+        vocab_divergence(s, t, "tv")
+
+
+def test_the_jsd_gradient_is_the_analytic_one_and_never_reaches_the_teacher():
+    # d JSD / d p_v = (1 - beta) log(p_v / m_v); through the softmax:
+    # d JSD / d z_i = (1 - beta) p_i (log(p_i / m_i) - KL(p || m)).
+    beta = 0.3
+    z = torch.tensor([STUDENT_LOGITS[0][:2]], requires_grad=True)
+    teacher = vocab_log_probs(torch.tensor([TEACHER_LOGITS[0][:2]])).requires_grad_()
+    vocab_jsd(vocab_log_probs(z), teacher, beta)[0, 1].backward()
+    p, q = (np.exp(x) / np.exp(x).sum() for x in (np.array(STUDENT_LOGITS[0][0]), np.array(TEACHER_LOGITS[0][0])))
+    m = beta * q + (1 - beta) * p
+    expected = (1 - beta) * p * (np.log(p / m) - np.sum(p * np.log(p / m)))
+    assert z.grad[0, 0].tolist() == pytest.approx(expected.tolist(), rel=1e-5)
+    assert teacher.grad is None
+
+
 def loss_inputs(mask: list[list[int]], forward: bool = False) -> tuple[dict, dict, torch.Tensor]:
     """Engine outputs and a train batch for one row of three tokens; the expected masked mean KL
     (reverse, or ``forward``)."""
@@ -110,6 +171,17 @@ def test_the_forward_divergence_is_the_loss_when_chosen():
     assert metrics["distill_vocab_kl"] == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_the_jsd_is_the_loss_when_chosen():
+    algo = AlgorithmParams(
+        "distill", distill_loss="full_vocab", distill_divergence="jsd", distill_jsd_beta=0.2
+    ).resolved()
+    outputs, batch, _ = loss_inputs([[0, 1, 1]])
+    loss, metrics = policy_loss_fn(algo, 0.0)(outputs, batch)
+    expected = sum(reference_jsd(STUDENT_LOGITS[0][i], TEACHER_LOGITS[0][i], 0.2) for i in (0, 1)) / 2
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+    assert metrics["distill_vocab_kl"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_mixed_with_a_reward_it_is_added_to_the_policy_loss_with_its_coefficient():
     coef = 0.25
     algo = AlgorithmParams("grpo", n_samples=1, distill_coef=coef, distill_loss="full_vocab").resolved()
@@ -147,3 +219,15 @@ def test_full_vocab_without_a_teacher_is_refused():
         AlgorithmParams("grpo", distill_loss="full_vocab")
     with pytest.raises(ValueError, match="AlgorithmParams.distill_divergence='forward': .* needs the teacher's whole"):
         AlgorithmParams("distill", distill_divergence="forward")
+    with pytest.raises(ValueError, match="AlgorithmParams.distill_divergence='jsd': .* needs the teacher's whole"):
+        AlgorithmParams("distill", distill_divergence="jsd")
+
+
+def test_the_jsd_beta_is_refused_outside_0_1_and_without_the_jsd():
+    full = {"distill_loss": "full_vocab", "distill_divergence": "jsd"}
+    for beta in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match=f"AlgorithmParams.distill_jsd_beta={beta!r}; expected"):
+            AlgorithmParams("distill", **full, distill_jsd_beta=beta)
+    with pytest.raises(ValueError, match="AlgorithmParams.distill_jsd_beta=0.2: only distill_divergence jsd reads"):
+        AlgorithmParams("distill", distill_loss="full_vocab", distill_divergence="forward", distill_jsd_beta=0.2)
+    assert AlgorithmParams("distill", **full).resolved().distill_jsd_beta == 0.5
