@@ -5,6 +5,7 @@ plan, the student's reverse KL to it falls; a teacher of another vocabulary or n
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,31 @@ def test_the_full_vocabulary_loss_moves_the_student_toward_the_teacher(teacher, 
     assert after < 0.5 * before, (before, after)
 
 
+def test_the_jsd_loss_moves_the_student_toward_the_teacher(teacher, tmp_path):
+    run = tmp_path / "run"
+    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "algorithm.distill_divergence=jsd"]
+    overrides += [
+        "algorithm.distill_jsd_beta=0.5",
+        "trainer.total_steps=8",
+        "data.batch_size=8",
+        "algorithm.n_samples=2",
+        "models.actor.lr=2e-2",
+        "models.teacher.init=path",
+        f"models.teacher.path={teacher}",
+        f"logging.dir={run}",
+    ]
+    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
+        trainer.fit()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    jsd = [r["actor_train/distill_vocab_kl"] for r in records if "actor_train/distill_vocab_kl" in r]
+    # JSD_0.5 lies in [0, log 2]; on the student's own samples it falls, and the exact KL on held-out answers too.
+    assert len(jsd) == 8 and all(0 <= j <= math.log(2) for j in jsd), jsd
+    assert sum(jsd[-2:]) / 2 < 0.5 * sum(jsd[:2]) / 2, jsd
+    before = exact_reverse_kl(run / "models" / "actor", teacher, run / "tokenizer")
+    after = exact_reverse_kl(run / "final" / "actor", teacher, run / "tokenizer")
+    assert after < 0.5 * before, (before, after)
+
+
 def test_a_reward_and_the_teacher_mixed(tmp_path):
     run = tmp_path / "run"
     teacher = ["models.teacher.init=tiny", *(f"models.teacher.{o}" for o in TEACHER_SHAPE)]
@@ -151,6 +177,12 @@ def test_other_bad_distillation_settings_name_their_field():
         "algorithm.adv_estimator": ["algorithm.name=distill", "algorithm.adv_estimator=grpo"],
         "models.teacher.trainable": ["algorithm.name=distill", "models.teacher.trainable=true"],
         "algorithm.distill_coef": ["algorithm.name=sft", "algorithm.distill_coef=0.5"],
+        "algorithm.distill_jsd_beta": [
+            "algorithm.name=distill",
+            "algorithm.distill_loss=full_vocab",
+            "algorithm.distill_divergence=jsd",
+            "algorithm.distill_jsd_beta=1.0",
+        ],
     }
     for key, overrides in cases.items():
         with pytest.raises(ConfigError) as err:

@@ -168,13 +168,15 @@ def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
     student += ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
-    result = main(student)
+    # The distillation's own settings, which SFT does not read, are accepted and dropped.
+    result = main([*student, "algorithm.distill_divergence=jsd", "algorithm.distill_jsd_beta=0.1"])
     # 3 steps of 4 sequences: every training prompt once (a pass), each with one sample of the teacher.
     rows = [json.loads(line) for line in Path("runs/distill_arithmetic_sft_data/train.jsonl").open()]
     assert len(rows) == 4096 and all(set(r) == {"prompt", "completion"} for r in rows)
     assert result.steps == 3 and "actor_train" in result.mfc_seconds and result.score_after is not None
     cfg = load_config(Path(result.run_dir) / "config.yaml")
     assert cfg.algorithm.name == "sft" and cfg.models["actor"].num_layers == 2 and cfg.data.batch_size == 4
+    assert cfg.algorithm.distill_divergence == "reverse" and cfg.algorithm.distill_jsd_beta == 0.5
 
 
 @pytest.mark.distributed
