@@ -15,6 +15,7 @@ Rule-based reward calls need no device; they run data-parallel over every worker
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,6 @@ import torch
 from transformers import AutoConfig
 
 from rlflow.dataflow import mfcs_of, rollout_calls
-from rlflow.engine.attention import flash_attn_available
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.planner.baselines import BaselinePlan, baseline_plans, colocated_plan, heuristic_plan, manual_plan
@@ -246,7 +246,7 @@ def plan_placement(
     baselines: list[BaselinePlan] = []
     threads = 1
     workload = planning_workload(cfg, multi_turn, graph)
-    if use_gpu and flash_attn_available():  # the engines pack rows: no shared prompts
+    if use_gpu and importlib.util.find_spec("flash_attn") is not None:  # the engines pack rows: no shared prompts
         workload = replace(workload, shared_prompts=False)
     if device_mfcs:
         cluster = planning_cluster(cfg, use_gpu, profile)
