@@ -90,9 +90,9 @@ def test_the_student_moves_toward_the_teacher(teacher, tmp_path):
     assert after < 0.5 * before, (before, after)
 
 
-def test_the_full_vocabulary_loss_moves_the_student_toward_the_teacher(teacher, tmp_path):
-    run = tmp_path / "run"
-    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "trainer.total_steps=8", "data.batch_size=8"]
+def _full_vocab_fit(teacher, run, extra: list[str], check_graph: bool = False) -> list[float]:
+    """An 8-step full-vocabulary distillation fit (``extra`` on top); its per-step ``distill_vocab_kl``."""
+    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", *extra, "trainer.total_steps=8", "data.batch_size=8"]
     overrides += [
         "algorithm.n_samples=2",
         "models.actor.lr=2e-2",
@@ -101,10 +101,16 @@ def test_the_full_vocabulary_loss_moves_the_student_toward_the_teacher(teacher, 
         f"logging.dir={run}",
     ]
     with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
-        assert "teacher_vocab_logp" in trainer.graph.nodes["actor_train"]["mfc"].input_keys
+        if check_graph:
+            assert "teacher_vocab_logp" in trainer.graph.nodes["actor_train"]["mfc"].input_keys
         trainer.fit()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    kl = [r["actor_train/distill_vocab_kl"] for r in records if "actor_train/distill_vocab_kl" in r]
+    return [r["actor_train/distill_vocab_kl"] for r in records if "actor_train/distill_vocab_kl" in r]
+
+
+def test_the_full_vocabulary_loss_moves_the_student_toward_the_teacher(teacher, tmp_path):
+    run = tmp_path / "run"
+    kl = _full_vocab_fit(teacher, run, [], check_graph=True)
     assert len(kl) == 8 and all(k >= 0 for k in kl), kl
     # The loss is the exact KL on the student's own samples: it falls, and so does the KL on held-out answers.
     assert sum(kl[-2:]) / 2 < 0.5 * sum(kl[:2]) / 2, kl
@@ -115,21 +121,7 @@ def test_the_full_vocabulary_loss_moves_the_student_toward_the_teacher(teacher, 
 
 def test_the_jsd_loss_moves_the_student_toward_the_teacher(teacher, tmp_path):
     run = tmp_path / "run"
-    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "algorithm.distill_divergence=jsd"]
-    overrides += [
-        "algorithm.distill_jsd_beta=0.5",
-        "trainer.total_steps=8",
-        "data.batch_size=8",
-        "algorithm.n_samples=2",
-        "models.actor.lr=2e-2",
-        "models.teacher.init=path",
-        f"models.teacher.path={teacher}",
-        f"logging.dir={run}",
-    ]
-    with Trainer(GRPO, overrides=overrides, progress_bars=False) as trainer:
-        trainer.fit()
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    jsd = [r["actor_train/distill_vocab_kl"] for r in records if "actor_train/distill_vocab_kl" in r]
+    jsd = _full_vocab_fit(teacher, run, ["algorithm.distill_divergence=jsd", "algorithm.distill_jsd_beta=0.5"])
     # JSD_0.5 lies in [0, log 2]; on the student's own samples it falls, and the exact KL on held-out answers too.
     assert len(jsd) == 8 and all(0 <= j <= math.log(2) for j in jsd), jsd
     assert sum(jsd[-2:]) / 2 < 0.5 * sum(jsd[:2]) / 2, jsd
