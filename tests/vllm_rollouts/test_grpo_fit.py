@@ -14,8 +14,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
+# The trainer in float32, as vLLM runs on CPU: the recompute then measures vLLM's log-probs to 1e-3.
 OVERRIDES = [
-    "rollout.engine=vllm", "placement.devices_per_node=1", "placement.profile=false",
+    "rollout.engine=vllm", "models.actor.dtype=float32", "placement.devices_per_node=1", "placement.profile=false",
     f"trainer.total_steps={STEPS}", f"trainer.eval_every={STEPS // 2}", "trainer.max_wall_seconds=null",
     "checkpoint.every_n_steps=0", "checkpoint.save_final=false", "data.eval_size=200",
     "warmup.target_score=0.3", "warmup.eval_every=25",
@@ -69,7 +70,7 @@ def test_grpo_with_vllm_rollouts_learns_the_main_task(ray_session, tmp_path, cap
 
 
 TP2 = [
-    "rollout.engine=vllm", "placement.devices_per_node=2", "placement.mode=manual",
+    "rollout.engine=vllm", "models.actor.dtype=float32", "placement.devices_per_node=2", "placement.mode=manual",
     "placement.manual.actor_gen.mesh.num_devices=2", "placement.manual.actor_gen.strategy.tp=2",
     "placement.manual.actor_train.mesh.num_devices=2", "placement.manual.actor_train.strategy.dp=2",
     "placement.manual.actor_inf.mesh.num_devices=2", "placement.manual.actor_inf.strategy.dp=2",

@@ -433,9 +433,11 @@ class VLLMRolloutEngine:
     def build(cls, spec: RolloutBuild) -> VLLMRolloutEngine:
         """vLLM from ``spec.config`` with dummy weights; the worker pushes its weights through
         :meth:`param_tensors`. On GPUs: bf16 (:attr:`weight_dtype`) with sleep mode, taking
-        ``spec.memory_fraction`` of the GPU; on CPU: the copy's dtype (``spec.dtype``), no sleep."""
+        ``spec.memory_fraction`` of the GPU; on CPU: float32 whatever the trainer computes in (vLLM-CPU's
+        bf16 GEMM backend repacks its weights into handles a push cannot reach, :meth:`_check_parameters`;
+        the trainer recomputes the old log-probs of vLLM's rollouts anyway), no sleep."""
         device_type = spec.device.type
-        dtype = cls.weight_dtype if device_type == "cuda" else spec.dtype
+        dtype = cls.weight_dtype if device_type == "cuda" else torch.float32
         return cls(
             spec.config,
             spec.device_mesh,
