@@ -282,10 +282,8 @@ class TrainEngine:
         """The shared-prefix layout of a micro-batch where it is taken (see :class:`EngineConfig`)."""
         if self.shares_prefixes is None or "response_mask" not in data:
             return None
-        mask = data["attention_mask"].cpu()
-        layout = shared_prefix_layout(
-            data["input_ids"].cpu(), mask, positions.cpu(), data["response_mask"].cpu(), *self.shares_prefixes
-        )
+        tensors = (data["input_ids"], data["attention_mask"], positions, data["response_mask"])
+        layout = shared_prefix_layout(*(t.cpu() for t in tensors), *self.shares_prefixes)
         return None if layout is None else layout.to(self.device)
 
     def _router_aux_loss(self, model: nn.Module) -> tuple[float, RouterLogitsRecorder | None]:
