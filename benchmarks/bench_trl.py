@@ -37,6 +37,13 @@ trainers' sampling; other seeds give independent replicates of a learning compar
 the runs of several ``RLFLOW_BENCH_TRL_SEED`` s start from one warm start and differ only in
 prompts and sampling — most warm starts of the tiny task answer too rarely for a signal),
 ``RLFLOW_BENCH_TRL_OUT`` (``outputs/bench_trl``), ``RLFLOW_BENCH_TRL_VENV`` (``.venv-trl``).
+
+An AVX2 machine's speeds on an AVX-512 host: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2`` cap the instruction sets of torch's kernels in this process and
+every run it starts (rlflow then computes in fp32: :func:`rlflow.engine.parallelize.cpu_computes_bf16`),
+with ``RLFLOW_BENCH_TRL_PRECISIONS=fp32``: capped, bf16 matmuls fall to oneDNN's reference kernels,
+far slower than an AVX2 CPU's own bf16 (which is itself slower than fp32 there). The records'
+``machine`` names the caps in effect. The host's caches, memory and clock stay its own.
 """
 
 from __future__ import annotations
@@ -359,16 +366,18 @@ def task_record(task: str, spec: dict, runs: dict[str, list[dict]], notes: list[
 
 def machine_peaks() -> dict[str, float]:
     """This machine's limits (benchmarks/bench_precision.py's measurements): the 2048² matmul's
-    FLOP/s on both cores in fp32 and bf16, and one thread's copy bandwidth (bytes/s)."""
+    FLOP/s on both cores in fp32 and, where the CPU multiplies bf16 natively, in bf16 (elsewhere
+    nothing computes in bf16: capped at AVX2, oneDNN's bf16 matmul falls to reference kernels that
+    take seconds per 2048² product), and one thread's copy bandwidth (bytes/s)."""
     import torch
 
     from benchmarks.bench_precision import _copy_bytes_per_s, _matmul_flops
+    from rlflow.engine.parallelize import cpu_computes_bf16
 
+    precisions = (("fp32", torch.float32), ("bf16", torch.bfloat16))[: 2 if cpu_computes_bf16() else 1]
     threads = torch.get_num_threads()
     try:
-        peaks = {
-            f"matmul_flops_{p}": _matmul_flops(d, 2) for p, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-        }
+        peaks = {f"matmul_flops_{p}": _matmul_flops(d, 2) for p, d in precisions}
         peaks["copy_bytes_per_s_1thread"] = _copy_bytes_per_s()
     finally:
         torch.set_num_threads(threads)
@@ -425,7 +434,9 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
             )
         record["calls"][call] = entry
     record["peaks"] = {
-        "matmul_gflop_per_s_2threads": {p: round(peaks[f"matmul_flops_{p}"] / 1e9, 1) for p in ("fp32", "bf16")},
+        "matmul_gflop_per_s_2threads": {
+            p: round(peaks[f"matmul_flops_{p}"] / 1e9, 1) for p in ("fp32", "bf16") if f"matmul_flops_{p}" in peaks
+        },
         "copy_gb_per_s_1thread": round(peaks["copy_bytes_per_s_1thread"] / 1e9, 1),
     }
     record["units"] = {"share": "achieved / measured limit; FLOPs of the matmuls only (limits_record)"}

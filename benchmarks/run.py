@@ -6,7 +6,9 @@ Usage::
     python -m benchmarks.run controller      # only modules whose name contains "controller"
     python -m benchmarks.run --list
 
-Each record carries the benchmark module, the machine (cores, CPU model, torch version)
+Each record carries the benchmark module, the machine (cores, CPU model, its vector extensions and
+the instruction sets torch uses — capped by `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA` and
+`MKL_ENABLE_INSTRUCTIONS` where set —, torch version)
 and the figures with their units, so a line pasted into docs/benchmarks.md stands alone.
 """
 
@@ -25,6 +27,12 @@ import traceback
 import benchmarks
 
 
+# the /proc/cpuinfo flags a record names: the x86 vector extensions torch's kernels choose between
+VECTOR_EXTENSIONS = frozenset(
+    {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
+)
+
+
 def _machine() -> dict:
     import torch
 
@@ -35,9 +43,16 @@ def _machine() -> dict:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    from rlflow.engine.parallelize import cpu_computes_bf16, cpu_flags, cpu_isa_caps
+
     return {
         "cores": os.cpu_count(),
         "cpu": cpu,
+        "vector_extensions": sorted(cpu_flags() & VECTOR_EXTENSIONS),
+        # what torch's kernels use here: lower than the CPU's extensions where the environment caps them
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": cpu_isa_caps(),
+        "native_bf16": cpu_computes_bf16(),
         "gpu": gpu,
         "torch": torch.__version__,
         "python": platform.python_version(),

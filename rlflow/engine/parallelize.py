@@ -41,6 +41,7 @@ __all__ = [
     "apply_ac",
     "apply_fsdp",
     "cpu_computes_bf16",
+    "cpu_isa_caps",
     "layer_matmul_params",
     "mixed_precision_dtype",
     "resolve_compute_dtype",
@@ -53,6 +54,14 @@ MESH_AXES = ("pp", "dp", "tp")
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # /proc/cpuinfo flags of a CPU that multiplies bf16 natively (AVX512-BF16 dot products, AMX tiles).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Environment variables that cap the instruction sets torch's kernels use: its own vectorised
+# kernels (ATen), oneDNN's (bf16 matmuls) and MKL's (fp32 matmuls). A capped process runs as a CPU
+# with only those extensions would, which is how one host measures an AVX2 machine's behaviour.
+ISA_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# oneDNN's ISA names below the first that multiplies bf16 natively (AVX512_CORE_BF16)
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
 # ``auto`` computes in bf16 on such a CPU only where one decoder layer's forward pass multiplies at
 # least this much (multiplying parameters x tokens of a pass): below it a pass is per-op overhead
 # and the casts around it (see resolve_compute_dtype).
@@ -110,13 +119,28 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_isa_caps() -> dict[str, str]:
+    """The instruction-set caps this process's environment sets (:data:`ISA_CAP_VARIABLES`), by name;
+    empty where none is set."""
+    import os
+
+    return {name: os.environ[name] for name in ISA_CAP_VARIABLES if os.environ.get(name)}
+
+
 def cpu_computes_bf16() -> bool:
-    """Whether this host's CPU computes bf16 natively (``avx512_bf16`` or ``amx_bf16``).
+    """Whether this process computes bf16 natively on the CPU: the CPU has ``avx512_bf16`` or
+    ``amx_bf16``, and neither torch's kernels nor oneDNN's are capped below them
+    (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``: :func:`cpu_isa_caps`).
 
     Without them torch still runs bf16 on the CPU, but by converting to fp32 around each
     product: slower than fp32 itself, so ``auto`` keeps fp32 there.
     """
-    return bool(cpu_flags() & BF16_CPU_FLAGS)
+    if not cpu_flags() & BF16_CPU_FLAGS:
+        return False
+    caps = cpu_isa_caps()
+    if caps.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2"):
+        return False
+    return caps.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_WITHOUT_BF16
 
 
 def layer_matmul_params(config: Mapping[str, Any]) -> int | None:

@@ -655,12 +655,15 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # rlflow/, where setup.py pu
 def host_identity(device: str = "cpu") -> dict[str, Any]:
     """What a profile measured on this host depends on besides the shapes it measured: the host,
     its CPU model and cores (all of them, and those this process may run on), the torch version,
-    the device (``"cpu"`` or the GPU's name), and which of rlflow's C++ kernels are built (the
+    the device (``"cpu"`` or the GPU's name), the instruction-set caps its environment sets
+    (:func:`~rlflow.engine.parallelize.cpu_isa_caps`), and which of rlflow's C++ kernels are built (the
     sampler's decode step runs in ``rlflow._C_decode`` where it is, several times faster on small
     models, so a profile timed without it misprices generation). Profiles run on one thread per
     worker process whatever the environment sets, so threads are not part of it; the workers that
     time whole calls at once are (``call_processes`` among the shapes)."""
     import torch
+
+    from rlflow.engine.parallelize import cpu_isa_caps
 
     cuda = device.startswith("cuda")
     return {
@@ -672,6 +675,8 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         # setup.py builds kernels/<name>.cpp as rlflow._C_<name>: the ones present in the package
         "kernels": sorted(m.name for m in pkgutil.iter_modules([str(_PACKAGE_DIR)]) if m.name.startswith("_C_")),
+        # capped instruction sets measure another machine's speeds (absent when uncapped: the key stays)
+        **({"isa_caps": caps} if (caps := cpu_isa_caps()) else {}),
     }
 
 

@@ -74,6 +74,32 @@ def test_auto_is_bf16_on_gpus_and_for_large_passes_on_cpus_that_compute_it_nativ
     assert resolve_compute_dtype("bfloat16", device, layer_params, tokens) == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    ("caps", "native"),
+    [
+        ({}, True),
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, False),
+        ({"ATEN_CPU_CAPABILITY": "default"}, False),
+        ({"ATEN_CPU_CAPABILITY": "avx512"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, False),  # AVX-512 without its bf16 dot products
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+        ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, True),  # MKL multiplies fp32 only
+    ],
+)
+def test_an_environment_that_caps_the_instruction_sets_below_bf16_computes_in_fp32(monkeypatch, caps, native):
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
+    for name in parallelize.ISA_CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    assert parallelize.cpu_isa_caps() == caps
+    assert parallelize.cpu_computes_bf16() is native
+    expected = torch.bfloat16 if native else torch.float32
+    assert resolve_compute_dtype("auto", "cpu", LARGE, MAIN_PASS) == expected
+
+
 def test_layer_params_count_the_projections_and_the_mlp():
     assert TINY_LAYER * TINY_PASS < parallelize.CPU_BF16_MIN_PASS_WORK <= SMALL * MAIN_PASS
     assert LARGE == 4 * 512 * 512 + 3 * 512 * 1024

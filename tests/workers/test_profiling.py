@@ -257,6 +257,23 @@ def test_a_profile_timed_without_the_cpp_decode_step_is_not_reused(monkeypatch):
     assert profile_cache_key(with_kernel, {}) != profile_cache_key(without, {})
 
 
+def test_a_profile_measured_under_capped_instruction_sets_is_not_reused_without_them(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 and friends make this host an AVX2 machine's speeds: a key of their own."""
+    import rlflow.workers.profiling as profiling
+    from rlflow.engine.parallelize import ISA_CAP_VARIABLES
+    from rlflow.planner.profile import profile_cache_key
+
+    for name in ISA_CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    uncapped = profiling.host_identity()
+    assert "isa_caps" not in uncapped  # the key every uncapped host had before the caps counted
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = profiling.host_identity()
+    assert capped["isa_caps"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert profile_cache_key(capped, {}) != profile_cache_key(uncapped, {})
+
+
 def test_spawned_profile_processes_work_from_a_script_without_a_main_guard(tmp_path):
     # TRL's quickstart style: top-level code, no `if __name__ == "__main__":`. Spawned children
     # used to run the script again and fail in multiprocessing's bootstrapping check.
