@@ -26,7 +26,6 @@ import traceback
 
 import benchmarks
 
-
 # the /proc/cpuinfo flags a record names: the x86 vector extensions torch's kernels choose between
 VECTOR_EXTENSIONS = frozenset(
     {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
