@@ -36,17 +36,18 @@ _GEN = RolloutTiming(prompts=2, prompt_len=16, n=4, gen_len=16, seconds=0.05, pr
 _BATCH = BatchTiming(rows=8, seq=32, seconds=0.05, processes=1, dp=1)
 
 
-def _machine_profile(host_seconds: float) -> MachineProfile:
-    """A synthetic machine profile whose reference calls run ``host_seconds`` on every core (0.05 s
-    on one thread): above 0.05 a plan of one worker is priced on one thread."""
-    host = {"seconds": host_seconds}
+def _machine_profile(host_seconds: float, seconds: float = 0.05, collective_s: float = 2e-3) -> MachineProfile:
+    """A synthetic machine profile whose reference calls run ``host_seconds`` on every core (``seconds``
+    on one thread): above ``seconds`` a plan of one worker is priced on one thread. Its all-reduce
+    takes ``collective_s``."""
+    gen, batch, host = replace(_GEN, seconds=seconds), replace(_BATCH, seconds=seconds), {"seconds": host_seconds}
     calls = CallTimings(
         model=ModelSpec(**REFERENCE_MODEL),
-        generate=_GEN, forward=_BATCH, train=_BATCH, generate_alone=_GEN, forward_alone=_BATCH, train_alone=_BATCH,
-        generate_host=replace(_GEN, **host), forward_host=replace(_BATCH, **host), train_host=replace(_BATCH, **host),
+        generate=gen, forward=batch, train=batch, generate_alone=gen, forward_alone=batch, train_alone=batch,
+        generate_host=replace(gen, **host), forward_host=replace(batch, **host), train_host=replace(batch, **host),
     )  # fmt: skip
     return MachineProfile(
-        "h", "cpu", "float32", HardwareProfile(2e10, 1e10, 5e8, 4e-5, 16e9, collective_latency_s=2e-3),
+        "h", "cpu", "float32", HardwareProfile(2e10, 1e10, 5e8, 4e-5, 16e9, collective_latency_s=collective_s),
         ProfiledLayer(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32),
         forward=_T, backward=_T, decode=_T, calls=calls,
     )  # fmt: skip
