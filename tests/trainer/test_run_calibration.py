@@ -1,11 +1,15 @@
 """A run calibrated by its own calls (``placement.calibrate: run``): a new model shape starts from
 the host's machine profile without timing its calls first, measures its calls on one thread and on
 every core, caches the corrected profile for its shape, and keeps its plan on the faster thread
-count or restarts on another plan, resuming where it was."""
+count or restarts on another plan, resuming where it was (a run in the driver, on Ray workers)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,11 +27,13 @@ from rlflow.planner.profile import (
     MachineProfile,
     ProfiledLayer,
     RolloutTiming,
+    cached_profile_path,
     load_profile,
+    profile_cache_key,
     save_profile,
 )
 from rlflow.trainer import Trainer, calibration, load_config
-from rlflow.trainer.placement import PROFILED_CALL, REFERENCE_MODEL, one_worker_on_every_core
+from rlflow.trainer.placement import PROFILED_CALL, REFERENCE_MODEL, machine_profile_shapes, one_worker_on_every_core
 from rlflow.workers import profiling
 
 GRPO = Path(__file__).parents[2] / "recipes" / "grpo_arithmetic.yaml"
@@ -159,6 +165,121 @@ def test_a_run_restarts_on_the_plan_its_calibration_takes_and_ends_as_one_that_k
     weights = [load_file(tmp_path / run / "final" / "actor" / "model.safetensors") for run in ("moved", "kept")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+# ------------------------------------------------------------ a run in the driver, re-planned onto Ray workers
+# A plan of one worker runs in the driver only while Ray is not running in its process (placement.worker_host:
+# auto), so these runs get a process of their own: the session's shared Ray (ray_session) would host them.
+# The driver-hosted worker's calls each take 1 s more on one thread and on two alike, or ("halve") 2 s more on one
+# thread and 1 s on two: a host on which a second thread helps the run's model not at all, or twice (a margin over
+# what a second thread costs a tiny model's own compute). A Ray worker imports its class afresh, unslowed.
+SWITCH_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import ray, torch
+    from rlflow.trainer import Trainer
+    from rlflow.workers.model_worker import ModelWorker
+
+    recipe, overrides, halve = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "halve"
+    threads = [torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")]
+    run_call = ModelWorker._run_call
+
+    def slow_call(self, mfc, inputs, run, step, rows):
+        def slowed(*args):
+            time.sleep(2.0 / torch.get_num_threads() if halve else 1.0)
+            return run(*args)
+        return run_call(self, mfc, inputs, slowed, step, rows)
+
+    ModelWorker._run_call = slow_call
+    hosts, trainer = {}, None
+
+    def where(step, metrics):  # where each logged step ran
+        hosts[step] = [trainer.workers.driver_hosted, ray.is_initialized(), list(trainer.placement.used_ranks)]
+
+    with Trainer(recipe, overrides=overrides, progress_bars=False, callbacks=[where]) as trainer:
+        result = trainer.fit()
+        gen = trainer.placement.calls["actor_gen"]
+    threads += [torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")]
+    print(json.dumps({"hosts": sorted(hosts.items()), "steps": result.steps, "ray_after": ray.is_initialized(),
+                      "gen": [list(gen.ranks), str(gen.strategy)], "threads": threads}))
+    """
+)  # fmt: skip
+# Three heads and one layer: the planner's two-worker plans are data-parallel (no tp or pp divides them).
+SWITCH_RUN = [
+    *(f"models.actor.{o}" for o in ("hidden_size=48", "intermediate_size=96", "num_layers=1", "num_heads=3",
+                                     "num_kv_heads=3", "lr=1e-2")),
+    "algorithm.n_samples=2", "algorithm.entropy_coef=0.1",  # rewards are 0 this early: the bonus moves weights
+    "data.batch_size=2", "data.eval_size=2", "warmup.steps=0", "trainer.eval_before_train=false",
+    "trainer.eval_every=0", "placement.devices_per_node=2", "placement.search_seconds=0.5",
+    "placement.calibrate_steps=1", "checkpoint.every_n_steps=0", "checkpoint.keep_last=0", "logging.console=false",
+    "logging.tensorboard=false",
+]  # fmt: skip
+
+
+def _driver_hosted_run(tmp_path: Path, monkeypatch, steps: int, slowed: str) -> tuple[dict, list[dict]]:
+    """A run of ``SWITCH_RUN`` in a process of its own (``SWITCH_SCRIPT``), planned from this host's
+    cached machine profile: two workers priced a little faster than one on one thread, and one worker
+    on both cores (a 1.25× speedup on every core) within ``ONE_WORKER_EXPLORE`` of them. Returns what
+    the script printed and the run's metrics records."""
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    overrides = [*SWITCH_RUN, f"trainer.total_steps={steps}", f"logging.dir={run_dir}"]
+    shapes = machine_profile_shapes(load_config(GRPO, overrides))
+    path = cached_profile_path(profile_cache_key(profiling.host_identity("cpu"), shapes))
+    save_profile(_machine_profile(0.4, seconds=0.5, collective_s=1e-4), path)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAY_ADDRESS")}
+    out = subprocess.run(
+        [sys.executable, "-c", SWITCH_SCRIPT, str(GRPO), json.dumps(overrides), slowed],
+        cwd=GRPO.parents[1], env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads(out.stdout.strip().splitlines()[-1]), records
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_driver_hosted_run_whose_calibration_prices_two_workers_faster_resumes_on_them_under_ray(
+    tmp_path, monkeypatch
+) -> None:
+    """Its calls no faster on two threads than on one, the calibration at step 3 prices the dp=2 plan
+    cheaper: the run checkpoints there, starts Ray and resumes on two workers, and trains every
+    remaining step once, its optimizer steps and weights going on from the checkpoint."""
+    steps = 20  # the 17 after the switch save more than a restart costs
+    found, records = _driver_hosted_run(tmp_path, monkeypatch, steps, "alike")
+    in_driver, on_ray = [True, False, [0]], [False, True, [0, 1]]
+    assert found["hosts"] == [[s, in_driver if s <= 3 else on_ray] for s in range(1, steps + 1)]
+    assert found["gen"] == [[0, 1], "(dp=2,tp=1,pp=1)"] and found["steps"] == steps
+    assert found["ray_after"] is False and found["threads"][:2] == found["threads"][2:]
+    assert [(r["step"], r["planner/replanned"]) for r in records if "planner/replanned" in r] == [(3, 1.0)]
+    assert [r["step"] for r in records if "time/actor_train" in r] == list(range(1, steps + 1))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert {p.name for p in checkpoints.iterdir()} == {"step_3", f"step_{steps}"}
+    optimizer_steps = [
+        json.loads((checkpoints / name / "actor" / "engine" / "engine.json").read_text())["global_step"]
+        for name in ("step_3", f"step_{steps}")
+    ]
+    assert optimizer_steps == [3, steps]  # counted on from the switch, not from 0
+    at_switch = load_file(checkpoints / "step_3" / "actor" / "hf" / "model.safetensors")
+    final = load_file(tmp_path / "run" / "final" / "actor" / "model.safetensors")
+    assert at_switch.keys() == final.keys() and any(not torch.equal(at_switch[k], final[k]) for k in final)
+
+
+def test_a_driver_hosted_run_whose_calibration_confirms_its_one_worker_keeps_it_without_ray(
+    tmp_path, monkeypatch
+) -> None:
+    """Its calls twice as fast on two threads, the calibration at step 3 plans one worker on both
+    cores again: the run goes on in the driver, with no checkpoint taken there and no Ray started."""
+    found, records = _driver_hosted_run(tmp_path, monkeypatch, 4, "halve")
+    assert found["hosts"] == [[s, [True, False, [0]]] for s in range(1, 5)]
+    assert found["steps"] == 4 and found["ray_after"] is False and found["threads"][:2] == found["threads"][2:]
+    planner = _logged(records, "planner/")
+    assert planner["planner/host_speedup_generate"] > 1.5 and planner["planner/replanned"] == 0.0
+    # The planner's own plan (only a plan of one worker takes more threads than one), not the
+    # running one kept for what a restart would cost.
+    assert planner["planner/threads"] == 2.0
+    assert not (tmp_path / "run" / "checkpoints" / "step_3").exists()
 
 
 def test_a_multi_turn_runs_tool_seconds_are_planned_with_and_left_out_of_its_corrections(tmp_path) -> None:
