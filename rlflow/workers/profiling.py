@@ -140,6 +140,10 @@ def _in_gloo_processes(job, world: int, *args) -> list:
     return [results[rank] for rank in range(world)]
 
 
+LATENCY_ITERS = 300  # small all-reduces timed for the gloo latency (after ten untimed)
+_LATENCY = "collective_latency_s"  # its key among the call-timing processes' seconds
+
+
 def _all_reduce_seconds(rank: int, iters: int) -> float:
     import torch
     import torch.distributed as dist
@@ -154,7 +158,7 @@ def _all_reduce_seconds(rank: int, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def gloo_collective_latency(iters: int = 300) -> float:
+def gloo_collective_latency(iters: int = LATENCY_ITERS) -> float:
     """Seconds of one small gloo all-reduce between two single-threaded worker processes.
 
     What a tensor-parallel CPU layer pays per collective, on top of moving its bytes: the
@@ -346,7 +350,8 @@ def _call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
     engine = engine_on(range(world))
     torch.manual_seed(rank)  # each rank its own rows
     dist.barrier()
-    seconds = _median_call_seconds(rollout, engine, calls, _suffixes(calls, alone=False), rounds)
+    seconds = {_LATENCY: _all_reduce_seconds(rank, LATENCY_ITERS)} if world > 1 else {}
+    seconds |= _median_call_seconds(rollout, engine, calls, _suffixes(calls, alone=False), rounds)
     alone = _suffixes(calls, alone=True)
     if alone:
         del engine
@@ -373,7 +378,9 @@ def concurrent_call_seconds(calls: dict, processes: int, rounds: int = CALL_ROUN
     FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them; and the
     ``*_alone`` shapes, when ``calls`` has them, in one process while the others idle (keys
     ``generate_alone``, ``train_alone_alt``, ...), and the whole batch again in that process with
-    ``calls["host_threads"]`` threads, when given (``generate_host``, ``forward_host``, ``train_host``).
+    ``calls["host_threads"]`` threads, when given (``generate_host``, ``forward_host``, ``train_host``);
+    with two or more processes, also the seconds of one small all-reduce among them
+    (``collective_latency_s``, as :func:`gloo_collective_latency` measures it).
 
     A CPU device is one worker process: when a plan keeps every worker of a host busy, they
     share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
@@ -545,14 +552,15 @@ def run_profile(
         disable = None if progress is None else not progress  # tqdm's None: hidden when stderr is no terminal
         bar = tqdm(total=len(jobs) + 1, desc=f"rlflow profile ({device})", disable=disable)
         hardware = measure_hardware(device)
+        measured_calls, latency = _timed_calls(calls, call_processes, call_rounds) if calls else (None, None)
         if not cuda:  # CPU workers talk through gloo; NCCL's latencies come from the GPU presets
-            hardware = replace(hardware, collective_latency_s=gloo_collective_latency())
+            # the call-timing processes measure it where there are two of them (no second spawn)
+            hardware = replace(hardware, collective_latency_s=latency or gloo_collective_latency())
         bar.update()
         parts = _build_layer(spec, device, dtype)
         samples: dict[str, list[LayerTiming]] = {
             k: [] for k in ("forward", "backward", "decode", "model_decode", "sample")
         }
-        measured_calls = _timed_calls(calls, call_processes, call_rounds) if calls else None
         # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
         # machine disturbs one round of every size rather than every round of one size.
         timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
@@ -583,11 +591,14 @@ def run_profile(
     return profile
 
 
-def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
+def _timed_calls(calls: dict, processes: int, rounds: int) -> tuple[CallTimings, float | None]:
     """The whole calls ``calls`` describes (see :func:`run_profile`), timed in ``processes``
     worker processes at once; each record says the layout it ran on (``dp``: the rollouts run
-    one per process, the forward and training step on FSDP over all of them)."""
+    one per process, the forward and training step on FSDP over all of them). Also the seconds of
+    a small all-reduce between those processes (:func:`gloo_collective_latency`'s figure), None
+    for one process."""
     seconds = concurrent_call_seconds(calls, processes, rounds)
+    latency = seconds.pop(_LATENCY, None)
     timings = {}
     for alone in (False, True):
         busy = 1 if alone else processes  # the processes at work while these calls were timed
@@ -598,7 +609,7 @@ def _timed_calls(calls: dict, processes: int, rounds: int) -> CallTimings:
                 record, dp = (RolloutTiming, 1) if kind == "generate" else (BatchTiming, busy)
                 seconds_k = seconds[kind + suffix]
                 timings[kind + suffix] = record(**shapes[kind], seconds=seconds_k, processes=busy, dp=dp)
-    return CallTimings(model=ModelSpec(**calls["model"]), **timings)
+    return CallTimings(model=ModelSpec(**calls["model"]), **timings), latency
 
 
 def profile_or_measure(

@@ -17,6 +17,7 @@ from rlflow.planner.mesh import DeviceMesh
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import HardwareProfile, MachineProfile, ProfiledRates, load_profile
 from rlflow.strategy import ParallelStrategy
+from rlflow.workers import profiling
 from rlflow.workers.profiling import profile_or_measure, run_profile
 
 
@@ -116,7 +117,7 @@ CALLS = {
 
 
 @pytest.mark.parametrize("processes, precision", [(1, "bf16"), (2, "fp32")])
-def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, processes, precision):
+def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, monkeypatch, processes, precision):
     """The layer timings miss what a whole call adds (the sampler's bookkeeping, the HF model
     around its layers, the loss, the optimizer) and, on a CPU host, what workers running at once
     cost each other. Profiled whole calls at two batch sizes calibrate the estimates of their call
@@ -126,9 +127,16 @@ def test_whole_calls_of_the_planned_model_calibrate_its_estimates(tmp_path, proc
     the workers compute in (bf16: fp32 master weights, a bf16 sampler copy)."""
     layer = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=40)
     calls = {**CALLS, "precision": precision}
+    if processes > 1:  # the call-timing processes time gloo's latency themselves: no second pair spawned
+
+        def spawned(*args, **kwargs):
+            raise AssertionError("a second pair of processes spawned for the gloo latency")
+
+        monkeypatch.setattr(profiling, "gloo_collective_latency", spawned)
     prof = run_profile(tmp_path / "p.json", device="cpu", progress=False, passes=((1, 16), (8, 9)),
                        decodes=((1, 16), (8, 8)), layer=layer, rounds=1, calls=calls, call_processes=processes)  # fmt: skip
     assert load_profile(tmp_path / "p.json") == prof
+    assert 0 < prof.hardware.collective_latency_s < 0.1
     assert prof.calls.model == ModelSpec(**CALLS["model"])
     for name in ("generate", "forward", "train", "generate_alt", "forward_alt", "train_alt"):
         timing = getattr(prof.calls, name)
