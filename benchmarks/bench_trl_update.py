@@ -23,7 +23,8 @@ weights after step k-1, so differences may grow over the steps.
     python -m benchmarks.run trl_update
 
 Environment: ``RLFLOW_BENCH_TRL_UPDATE_STEPS`` (3: K), ``RLFLOW_BENCH_TRL_UPDATE_WARM_START_STEPS``
-(300: supervised steps before GRPO, so that the rewards of a group differ),
+(1200: supervised steps before GRPO, so that the samples of a prompt score differently; after 300
+the main task's samples are nearly all wrong and most groups give no gradient),
 ``RLFLOW_BENCH_TRL_UPDATE_OUT`` (unset: the model, the recorded tensors and the logs go to a
 temporary directory removed at the end; set: they are kept there, per variant ``rlflow.pt``,
 ``replay.pt``, ``trl.pt`` and TRL's log), ``RLFLOW_BENCH_TRL_VENV``
@@ -33,6 +34,7 @@ temporary directory removed at the end; set: they are kept there, per variant ``
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -48,10 +50,14 @@ import torch
 
 from benchmarks.bench_trl import ROOT, RUN_TIMEOUT_S, _commit, _env_int, prepare, trl_python
 from benchmarks.grpo_tasks import rlflow_config
+from rlflow.algos.advantages import grpo_advantages
 from rlflow.trainer import Trainer
 from rlflow.workers.interfaces.actor import ActorInterface
 
 TASK = "main"
+# the epsilon of each side's group std: rlflow's GRPO estimator's default, TRL's GRPOTrainer's constant
+RLFLOW_ADVANTAGE_EPS = inspect.signature(grpo_advantages).parameters["eps"].default
+TRL_ADVANTAGE_EPS = 1e-4  # trl/trainer/grpo_trainer.py: advantages / (std_rewards + 1e-4)
 VARIANTS = {"fp32_shared_prefix": True, "fp32_padded_rows": False}  # name → models.actor.shared_prefix
 Tensors = Mapping[str, torch.Tensor]
 
@@ -106,18 +112,48 @@ def max_abs_difference(a: Tensors, b: Tensors, keys: list[str]) -> float:
 
 
 def update_difference(
-    rl_before: Tensors, rl_after: Tensors, trl_before: Tensors, trl_after: Tensors, keys: list[str]
-) -> tuple[float, float]:
-    """``(max |Δw_rlflow - Δw_TRL|, max |Δw_TRL|)`` over the tensors ``keys``: how far the two
-    updates of a weight differ at most, and the largest update (the step size) to read it against.
+    rl_before: Tensors, rl_after: Tensors, trl_before: Tensors, trl_after: Tensors, trl_grads: Tensors
+) -> dict[str, float]:
+    """How far the two updates of the tensors of ``trl_grads`` differ.
+
+    Returns:
+        ``max_abs_diff``: ``max |Δw_rlflow - Δw_TRL|`` over the weights; ``max_abs``: ``max |Δw_TRL|``
+        (the step size to read it against); ``rel_diff``: ``||Δw_rlflow - Δw_TRL|| / ||Δw_TRL||``;
+        ``grad_at_max_abs_diff``: TRL's ``|g|`` at the weight of ``max_abs_diff`` (AdamW's first
+        steps move a weight by about ``lr · g / (|g| + eps)``: where ``|g|`` is near its ``eps``,
+        a tiny difference of the gradients moves the update by a fair part of ``lr``).
 
     >>> w0, w1 = {"w": torch.tensor([0.0, 0.0])}, {"w": torch.tensor([1.0, -1.0])}
-    >>> update_difference(w0, {"w": torch.tensor([1.0, -0.5])}, w0, w1, ["w"])
-    (0.5, 1.0)
+    >>> figures = update_difference(w0, {"w": torch.tensor([1.0, -0.5])}, w0, w1, {"w": torch.tensor([0.5, 0.25])})
+    >>> {name: round(value, 4) for name, value in figures.items()}
+    {'max_abs_diff': 0.5, 'max_abs': 1.0, 'rel_diff': 0.3536, 'grad_at_max_abs_diff': 0.25}
     """
+    keys = sorted(trl_grads)
     rl = {k: rl_after[k].double() - rl_before[k].double() for k in keys}
     trl = {k: trl_after[k].double() - trl_before[k].double() for k in keys}
-    return max_abs_difference(rl, trl, keys), max(float(t.abs().max()) for t in trl.values())
+    diffs = {k: (rl[k] - trl[k]).abs() for k in keys}
+    worst = max(keys, key=lambda k: float(diffs[k].max()))
+    at = int(diffs[worst].argmax())
+    return {
+        "max_abs_diff": float(diffs[worst].max()),
+        "max_abs": max(float(t.abs().max()) for t in trl.values()),
+        "rel_diff": relative_difference(rl, trl),
+        "grad_at_max_abs_diff": float(trl_grads[worst].double().flatten()[at].abs()),
+    }
+
+
+def advantages_at_eps(advantages: torch.Tensor, rewards: torch.Tensor, n_samples: int, eps: float) -> torch.Tensor:
+    """``(N,)``: TRL's group advantages ``(r - mean) / (std + TRL_ADVANTAGE_EPS)`` as they are with
+    ``eps`` in the denominator instead (``std``: the unbiased std of each group of ``n_samples``
+    consecutive rows' rewards).
+
+    >>> rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])  # group std 2 ** -0.5, then 0
+    >>> advantages_at_eps(torch.tensor([0.5, -0.5, 0.0, 0.0]), rewards, 2, TRL_ADVANTAGE_EPS).tolist()
+    [0.5, -0.5, 0.0, 0.0]
+    """
+    std = rewards.double().view(-1, n_samples).std(dim=1)
+    scale = (std + TRL_ADVANTAGE_EPS) / (std + eps)
+    return advantages.double() * scale.repeat_interleave(n_samples)
 
 
 def masked_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -144,7 +180,7 @@ def _sig(value: float, digits: int = 6) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def compare_step(rl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
+def compare_step(rl: dict[str, Any], trl: dict[str, Any], n_samples: int) -> dict[str, Any]:
     """One step's figures from both sides' records.
 
     Args:
@@ -152,20 +188,23 @@ def compare_step(rl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
             ``rewards`` ``(N,)``), ``advantages`` ``(N, T)``, ``grads`` (after clipping), ``before`` and
             ``after`` (weights), ``metrics`` (``pg_loss``, ``grad_norm`` before clipping).
         trl: TRL's step as ``benchmarks/trl_update.py`` writes it (rows in rlflow's order).
+        n_samples: rows per group (consecutive).
 
     Returns:
         Whether the prompt ids, the loss tokens (response ids under the loss mask, EOS included)
-        and the rewards are identical row by row; the largest advantage difference; both
-        losses, gradient norms (before clipping, as each trainer reports it) and clipped gradient
-        norms; the clipped gradients' relative difference (``||g_rlflow - g_TRL|| / ||g_TRL||``)
-        and cosine; the largest difference of the two updates of a weight, the largest update,
-        and the largest weight difference before and after the step.
+        and the rewards are identical row by row; the largest advantage difference, as computed
+        and with TRL's at rlflow's epsilon (:func:`advantages_at_eps`); both losses, gradient
+        norms (before clipping, as each trainer reports it) and clipped gradient norms; the
+        clipped gradients' relative difference (``||g_rlflow - g_TRL|| / ||g_TRL||``) and cosine;
+        the updates' figures (:func:`update_difference`); the largest weight difference before
+        and after the step.
     """
     batch = rl["batch"]
     prompt_mask = batch["attention_mask"].bool() & ~batch["response_mask"].bool()
     keys = _check_keys(rl["grads"], trl["grads"], "gradients")
-    update_diff, step_size = update_difference(rl["before"], rl["after"], trl["before"], trl["after"], keys)
-    advantages = row_advantages(rl["advantages"], batch["response_mask"])
+    update = update_difference(rl["before"], rl["after"], trl["before"], trl["after"], trl["grads"])
+    advantages = row_advantages(rl["advantages"], batch["response_mask"]).double()
+    trl_at_rlflow_eps = advantages_at_eps(trl["advantages"], trl["rewards"], n_samples, RLFLOW_ADVANTAGE_EPS)
     return {
         "rows": len(batch["input_ids"]),
         "reward_mean": round(float(batch["rewards"].float().mean()), 4),
@@ -173,14 +212,17 @@ def compare_step(rl: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
         "loss_tokens_identical": masked_rows(batch["input_ids"], batch["response_mask"])
         == masked_rows(trl["completion_ids"], trl["completion_mask"]),
         "rewards_identical": torch.equal(batch["rewards"].float(), trl["rewards"].float()),
-        "advantage_max_abs_diff": _sig(float((advantages.double() - trl["advantages"].double()).abs().max()), 3),
+        "advantage_max_abs_diff": _sig(float((advantages - trl["advantages"].double()).abs().max()), 3),
+        "advantage_max_abs_diff_same_eps": _sig(float((advantages - trl_at_rlflow_eps).abs().max()), 3),
         "loss": {"rlflow": _sig(rl["metrics"]["pg_loss"]), "trl": _sig(trl["loss"])},
         "grad_norm": {"rlflow": _sig(rl["metrics"]["grad_norm"]), "trl": _sig(trl["grad_norm"])},
         "clipped_grad_norm": {"rlflow": _sig(global_norm(rl["grads"])), "trl": _sig(global_norm(trl["grads"]))},
         "grad_rel_diff": _sig(relative_difference(rl["grads"], trl["grads"]), 3),
         "grad_cosine": _sig(cosine(rl["grads"], trl["grads"]), 9),
-        "update_max_abs_diff": _sig(update_diff, 3),
-        "update_max_abs": _sig(step_size, 3),
+        "update_max_abs_diff": _sig(update["max_abs_diff"], 3),
+        "update_max_abs": _sig(update["max_abs"], 3),
+        "update_rel_diff": _sig(update["rel_diff"], 3),
+        "grad_at_update_max_abs_diff": _sig(update["grad_at_max_abs_diff"], 3),
         "weights_max_abs_diff_before": _sig(max_abs_difference(rl["before"], trl["before"], keys), 3),
         "weights_max_abs_diff_after": _sig(max_abs_difference(rl["after"], trl["after"], keys), 3),
     }
@@ -311,7 +353,8 @@ def variant_record(variant: str, spec: dict[str, Any], workdir: Path) -> dict[st
     rl = rlflow_steps(spec, VARIANTS[variant], workdir / "rlflow_run")
     torch.save(rl, workdir / "rlflow.pt")
     trl = trl_steps(spec, [replay_of(step, spec["n_samples"]) for step in rl], workdir)
-    per_step = [{"step": k + 1, **compare_step(r, t)} for k, (r, t) in enumerate(zip(rl, trl["steps"]))]
+    n = spec["n_samples"]
+    per_step = [{"step": k + 1, **compare_step(r, t, n)} for k, (r, t) in enumerate(zip(rl, trl["steps"]))]
     return {
         "name": f"trl_update_{variant}",
         "task": TASK,
@@ -326,6 +369,9 @@ def variant_record(variant: str, spec: dict[str, Any], workdir: Path) -> dict[st
             "grad_rel_diff": "||g_rlflow - g_TRL|| / ||g_TRL|| of the gradients after clipping",
             "update_max_abs_diff": "max over weights of |Δw_rlflow - Δw_TRL| in the step",
             "update_max_abs": "max over weights of |Δw_TRL| in the step (the step size)",
+            "update_rel_diff": "||Δw_rlflow - Δw_TRL|| / ||Δw_TRL|| over all weights",
+            "grad_at_update_max_abs_diff": "TRL's |g| after clipping at the weight of update_max_abs_diff",
+            "advantage_max_abs_diff_same_eps": "TRL's advantages rescaled to rlflow's epsilon of the group std",
             "grad_norm": "before clipping, as each trainer reports it",
         },
     }
@@ -335,7 +381,7 @@ def run(steps: int | None = None, warm_start_steps: int | None = None) -> list[d
     """One record per rlflow variant (shared prompts, padded rows); arguments override the environment."""
     steps = steps or _env_int("RLFLOW_BENCH_TRL_UPDATE_STEPS", 3)
     if warm_start_steps is None:
-        warm_start_steps = _env_int("RLFLOW_BENCH_TRL_UPDATE_WARM_START_STEPS", 300, minimum=0)
+        warm_start_steps = _env_int("RLFLOW_BENCH_TRL_UPDATE_WARM_START_STEPS", 1200, minimum=0)
     kept = os.environ.get("RLFLOW_BENCH_TRL_UPDATE_OUT")
     out = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="rlflow_bench_trl_update_"))
     out.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,7 @@ def main(spec_path: str, replay_path: str, out_path: str) -> int:
         missing = [key for key in STEP_KEYS if key not in step]
         if missing:
             raise RuntimeError(f"step {k + 1} of {len(steps)}: nothing recorded for {missing}")
-    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": str(torch.__version__)}
     torch.save({"versions": versions, "steps": steps}, out_path)
     return 0
 

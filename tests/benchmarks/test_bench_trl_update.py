@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from benchmarks import bench_trl_update, trl_update
-from benchmarks.bench_trl_update import compare_step, cosine, relative_difference, replay_of, update_difference
+from benchmarks.bench_trl_update import (
+    RLFLOW_ADVANTAGE_EPS,
+    TRL_ADVANTAGE_EPS,
+    compare_step,
+    cosine,
+    relative_difference,
+    replay_of,
+    update_difference,
+)
 
 PAD, EOS = 0, 2
 
@@ -69,10 +77,14 @@ def _flat(tensors: dict[str, torch.Tensor]) -> np.ndarray:
 
 def test_agreeing_steps_compare_as_identical_and_the_figures_are_numpys():
     rl, trl = _records()
-    figures = compare_step(rl, trl)
+    figures = compare_step(rl, trl, n_samples=2)
     assert figures["prompt_ids_identical"] and figures["loss_tokens_identical"] and figures["rewards_identical"]
     assert figures["rows"] == 2 and figures["reward_mean"] == 0.5
     assert figures["advantage_max_abs_diff"] == pytest.approx(0.1, rel=1e-3)  # row 2: -0.7 against -0.6
+    # TRL's -0.6 at rlflow's epsilon: the group's rewards 1, 0 have the unbiased std 2 ** -0.5
+    std = 2**-0.5
+    same_eps = abs(-0.7 + 0.6 * (std + TRL_ADVANTAGE_EPS) / (std + RLFLOW_ADVANTAGE_EPS))
+    assert figures["advantage_max_abs_diff_same_eps"] == pytest.approx(same_eps, rel=1e-3)
     g_rl, g_trl = _flat(rl["grads"]), _flat(trl["grads"])
     assert figures["grad_rel_diff"] == pytest.approx(np.linalg.norm(g_rl - g_trl) / np.linalg.norm(g_trl), rel=1e-3)
     assert figures["grad_rel_diff"] == pytest.approx(0.01 / 1.01, rel=1e-3)
@@ -83,6 +95,7 @@ def test_agreeing_steps_compare_as_identical_and_the_figures_are_numpys():
     # updates of 1e-4 and 2e-4 per weight: they differ by 1e-4 at most, against a step of 2e-4
     assert figures["update_max_abs_diff"] == pytest.approx(1e-4, rel=1e-3)
     assert figures["update_max_abs"] == pytest.approx(2e-4, rel=1e-3)
+    assert figures["update_rel_diff"] == pytest.approx(0.5, rel=1e-3)  # every weight moved half as far
     assert figures["weights_max_abs_diff_before"] == 0.0
     assert figures["weights_max_abs_diff_after"] == pytest.approx(1e-4, rel=1e-3)
 
@@ -99,7 +112,7 @@ def test_agreeing_steps_compare_as_identical_and_the_figures_are_numpys():
 def test_a_difference_in_the_batch_is_reported(change, flag):
     rl, trl = _records()
     change(trl)
-    figures = compare_step(rl, trl)
+    figures = compare_step(rl, trl, n_samples=2)
     assert not figures[flag]
     others = {"prompt_ids_identical", "loss_tokens_identical", "rewards_identical"} - {flag}
     assert all(figures[other] for other in others)
@@ -118,7 +131,7 @@ def test_gradients_of_different_parameters_are_refused():
     rl, trl = _records()
     trl["grads"]["lm_head.weight"] = torch.zeros(2)
     with pytest.raises(ValueError, match=r"only TRL has \['lm_head.weight'\]"):
-        compare_step(rl, trl)
+        compare_step(rl, trl, n_samples=2)
     with pytest.raises(ValueError, match=r"only rlflow has \['x'\]"):
         cosine({"x": torch.ones(1)}, {"y": torch.ones(1)})
 
@@ -128,10 +141,20 @@ def test_weights_are_compared_over_the_trained_parameters_only():
     rl, trl = _records()
     for key in ("before", "after"):
         trl[key]["lm_head.weight"] = torch.full((2,), 100.0)
-    assert compare_step(rl, trl)["weights_max_abs_diff_after"] == pytest.approx(1e-4, rel=1e-3)
-    keys = sorted(rl["grads"])
-    diff, step = update_difference(rl["before"], rl["after"], trl["before"], trl["after"], keys)
-    assert (diff, step) == (pytest.approx(1e-4, rel=1e-3), pytest.approx(2e-4, rel=1e-3))
+    assert compare_step(rl, trl, n_samples=2)["weights_max_abs_diff_after"] == pytest.approx(1e-4, rel=1e-3)
+    update = update_difference(rl["before"], rl["after"], trl["before"], trl["after"], trl["grads"])
+    assert (update["max_abs_diff"], update["max_abs"]) == (pytest.approx(1e-4, rel=1e-3), pytest.approx(2e-4, rel=1e-3))
+
+
+def test_the_largest_update_difference_names_the_gradient_there():
+    before = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    trl_after = {"a": torch.tensor([1.0, -1.0, 1.0]), "b": torch.tensor([1.0, 1.0])}
+    rl_after = {"a": torch.tensor([1.0, -1.0, 0.9]), "b": torch.tensor([1.0, 0.2])}  # worst: b[1]
+    grads = {"a": torch.tensor([3.0, -2.0, 1.0]), "b": torch.tensor([5.0, 2e-8])}
+    update = update_difference(before, rl_after, before, trl_after, grads)
+    assert update["max_abs_diff"] == pytest.approx(0.8) and update["max_abs"] == 1.0
+    assert update["grad_at_max_abs_diff"] == pytest.approx(2e-8)
+    assert update["rel_diff"] == pytest.approx((0.1**2 + 0.8**2) ** 0.5 / 5**0.5)
 
 
 def test_replay_takes_each_groups_prompt_and_each_rows_completion():
