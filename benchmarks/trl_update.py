@@ -2,7 +2,7 @@
 
     <trl venv>/bin/python benchmarks/trl_update.py SPEC.json REPLAY.pt OUT.pt
 
-The TRL side of ``benchmarks/bench_trl_update.py``. ``REPLAY.pt`` holds, per step, the prompts
+The TRL side of ``benchmarks/bench_update_parity.py``. ``REPLAY.pt`` holds, per step, the prompts
 rlflow drew (text and ground truth, one per group, in order) and the completion ids it sampled
 (one list per row, a group's rows consecutive, the EOS kept where one was sampled). The real
 ``GRPOTrainer``, with the bench's ``GRPOConfig`` (:func:`benchmarks.trl_grpo.grpo_config_kwargs`)

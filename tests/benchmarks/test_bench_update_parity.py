@@ -1,4 +1,4 @@
-"""The comparison arithmetic of benchmarks/bench_trl_update.py, on hand-made step records.
+"""The comparison arithmetic of benchmarks/bench_update_parity.py, on hand-made step records.
 
 TRL is not installed here: the records stand for what rlflow's recorder and
 ``benchmarks/trl_update.py`` write, and the figures are checked against numpy.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import bench_trl_update, trl_update
-from benchmarks.bench_trl_update import (
+from benchmarks import bench_update_parity, trl_update
+from benchmarks.bench_update_parity import (
     RLFLOW_ADVANTAGE_EPS,
     TRL_ADVANTAGE_EPS,
     compare_step,
@@ -177,7 +177,7 @@ def test_replay_takes_each_groups_prompt_and_each_rows_completion():
         replay_of(step, n_samples=3)
 
 
-@pytest.mark.parametrize("module", [bench_trl_update, trl_update])
+@pytest.mark.parametrize("module", [bench_update_parity, trl_update])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0

@@ -20,7 +20,7 @@ difference and cosine of the clipped gradients, and the largest difference of th
 of a weight against the largest update (the step size). Each side starts step k from its own
 weights after step k-1, so differences may grow over the steps.
 
-    python -m benchmarks.run trl_update
+    python -m benchmarks.run update_parity
 
 Environment: ``RLFLOW_BENCH_TRL_UPDATE_STEPS`` (3: K), ``RLFLOW_BENCH_TRL_UPDATE_WARM_START_STEPS``
 (1200: supervised steps before GRPO, so that the samples of a prompt score differently; after 300
@@ -383,7 +383,7 @@ def run(steps: int | None = None, warm_start_steps: int | None = None) -> list[d
     if warm_start_steps is None:
         warm_start_steps = _env_int("RLFLOW_BENCH_TRL_UPDATE_WARM_START_STEPS", 1200, minimum=0)
     kept = os.environ.get("RLFLOW_BENCH_TRL_UPDATE_OUT")
-    out = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="rlflow_bench_trl_update_"))
+    out = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="rlflow_bench_update_parity_"))
     out.mkdir(parents=True, exist_ok=True)
     try:
         spec = prepare(TASK, steps, out, warm_start_steps)
