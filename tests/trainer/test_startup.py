@@ -159,6 +159,9 @@ def test_two_cpu_workers_plan_by_evaluating_their_few_plans_and_find_the_full_se
 @pytest.mark.timeout(600)
 def test_start_up_is_logged_once_and_a_second_run_reuses_the_cached_profile(ray_session, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    # other jobs on the host would make the profile look measured on a busy host, which is not cached
+    # (test_a_profile_measured_while_other_work_held_the_cores_*): here the cache itself is under test
+    monkeypatch.setattr(profiling, "busy_host", lambda profile: None)
     overrides = [*TINY, "warmup.steps=0", "placement.profile=true"]
     first = Trainer(load_config(GRPO, [*overrides, f"logging.dir={tmp_path / 'a'}"]), progress_bars=False)
     try:
