@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> FitResult:
         "algorithm.distill_jsd_beta=0.5",
         f"experiment_name={cfg.experiment_name}_sft",
         "data.task=null",
+        "data.split_seed=null",  # the files hold the split's problems
         f"data.train_file={train}",
         f"data.eval_file={held_out}",
         f"data.batch_size={rows_per_step}",

@@ -45,6 +45,7 @@ class TaskExample:
 class SyntheticTask(Protocol):
     name: str
     reward_name: str
+    seed: int  # fixes the train/test split
 
     def sample(self, split: str, n: int, seed: int = 0) -> list[TaskExample]: ...
 

@@ -306,7 +306,9 @@ class RLFlowConfig(_Section):
     """A whole run: what to train, on which data, where, and what to record."""
 
     experiment_name: str = _f("rlflow", "names the run directory runs/{experiment_name}")
-    seed: int = _f(0, "seed of model init, data order, sampling and the task's train/test split", ge=0)
+    seed: int = _f(
+        0, "seed of model init, data order, sampling and the task's train/test split (unless data.split_seed)", ge=0
+    )
     algorithm: AlgorithmConfig = _f(AlgorithmConfig(), "the algorithm")
     models: dict[str, ModelConfig] = _f(
         {"actor": ModelConfig()}, "models by role (actor, ref, critic, reward, teacher)"

@@ -29,6 +29,12 @@ class DataConfig(_Section):
     num_numbers: int = _f(3, "countdown: numbers given per puzzle", ge=2, le=5)
     max_number: int = _f(10, "countdown: numbers are drawn from [1, max_number]", ge=1)
     max_target: int = _f(100, "countdown: targets are drawn from [1, max_target]", ge=1)
+    split_seed: int | None = _f(
+        None,
+        "synthetic task: seed of its train/test split and of the held-out problems drawn from it, so runs of "
+        "several seeds share one split (the one a warm-started model was trained on); null: the run's seed",
+        ge=0,
+    )
     train_file: str | None = _f(
         None,
         "training data: .parquet, .jsonl, .json, .csv, .arrow or a save_to_disk directory "
@@ -57,13 +63,19 @@ class DataConfig(_Section):
             raise ConfigError("task", "give exactly one of task and train_file")
         if not self.ops:
             raise ConfigError("ops", "needs at least one operator from ['+', '-', '*']")
+        if self.split_seed is not None and self.train_file is not None:
+            raise ConfigError(
+                "split_seed", f"{self.split_seed} splits a synthetic task; data comes from {self.train_file!r}"
+            )
 
     def build_task(self, seed: int) -> SyntheticTask:
-        """The synthetic task of ``task`` (its train/test split is fixed by ``seed``)."""
+        """The synthetic task of ``task`` for a run of ``seed``: its train/test split is fixed by
+        ``split_seed``, or by ``seed`` when that is null."""
+        split_seed = seed if self.split_seed is None else self.split_seed
         if self.task == "arithmetic":
-            return ArithmeticTask(self.num_digits, tuple(self.ops), self.reverse_answer, seed=seed)
+            return ArithmeticTask(self.num_digits, tuple(self.ops), self.reverse_answer, seed=split_seed)
         if self.task == "countdown":
-            return CountdownTask(self.num_numbers, self.max_number, self.max_target, seed=seed)
+            return CountdownTask(self.num_numbers, self.max_number, self.max_target, seed=split_seed)
         raise ConfigError("task", f"no synthetic task (task={self.task!r}); data comes from {self.train_file!r}")
 
 

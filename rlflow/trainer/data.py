@@ -68,13 +68,6 @@ class TrainerData:
     columns: tuple[str, ...] = ()
 
 
-def build_task(cfg: RLFlowConfig) -> ArithmeticTask | CountdownTask:
-    d = cfg.data
-    if d.task == "arithmetic":
-        return ArithmeticTask(num_digits=d.num_digits, ops=tuple(d.ops), reverse_answer=d.reverse_answer, seed=cfg.seed)
-    return CountdownTask(num_numbers=d.num_numbers, max_number=d.max_number, max_target=d.max_target, seed=cfg.seed)
-
-
 def split_examples(task: ArithmeticTask | CountdownTask, split: str) -> list[TaskExample] | None:
     """Every problem of ``split`` when the task's problem space is small enough to list, else None.
 
@@ -101,22 +94,25 @@ def task_records(cfg: RLFlowConfig, split: str, size: int) -> list[dict[str, Any
     """``size`` distinct problems of the task's ``split`` as records, sized by what the task holds.
 
     Training asks for ``TASK_TRAIN_SIZE`` and takes every problem when the split holds fewer.
-    Held-out evaluation asks for exactly ``data.eval_size``.
+    Held-out evaluation asks for exactly ``data.eval_size``. The run's seed draws the training
+    problems; the split's seed (``data.split_seed``, else the run's) draws the held-out ones, so
+    runs that share a split are scored on the same problems.
 
     Raises:
         ConfigError: the test split holds fewer than ``size`` problems (names ``data.eval_size``).
     """
-    task = build_task(cfg)
+    task = cfg.data.build_task(cfg.seed)
+    seed = cfg.seed if split == "train" else task.seed
     listed = split_examples(task, split)
     if listed is None or size < len(listed):
-        return [e.to_dict() for e in task.sample(split, size, seed=cfg.seed)]
+        return [e.to_dict() for e in task.sample(split, size, seed=seed)]
     if split == "test" and size > len(listed):
         raise ConfigError(
             "data.eval_size",
             f"{size}, but the {task.name} task holds only {len(listed)} held-out problems with these data settings "
             f"({task.test_fraction:.0%} of all); set data.eval_size <= {len(listed)} or enlarge the task",
         )
-    random.Random(f"{task.name}|{split}|{cfg.seed}").shuffle(listed)
+    random.Random(f"{task.name}|{split}|{seed}").shuffle(listed)
     return [e.to_dict() for e in listed]
 
 
@@ -163,7 +159,7 @@ def build_trainer_data(
     loader = _loader_factory(cfg)
     reward_fn = reward_funcs or cfg.algorithm.reward_fn
     if reward_fn is None and d.task is not None:
-        reward_fn = build_task(cfg).reward_name
+        reward_fn = cfg.data.build_task(cfg.seed).reward_name
     if dataset_kind == "pairs":
         records = _records(cfg, "train", TASK_TRAIN_SIZE)
         pairs = records if isinstance(records, str) else preference_pairs(records, cfg.seed)

@@ -135,6 +135,7 @@ def test_wrong_type_names_the_key_and_the_declared_type():
         (["models.critc.init=tiny"], "models.critc"),
         (["data.task=null"], "data.task"),
         (["data.ops=[+,/]"], "data.ops"),
+        (["data.task=null", "data.train_file=t.jsonl", "data.split_seed=0"], "data.split_seed"),
         (["placement.mode=manual"], "placement.manual"),
         (["warmup.steps=10", "algorithm.name=sft"], "warmup.steps"),
         (["experiment_name=a b"], "experiment_name"),

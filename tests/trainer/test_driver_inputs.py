@@ -9,7 +9,7 @@ import pytest
 from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.trainer import ConfigError, load_config
 from rlflow.trainer.build import resolve_paths
-from rlflow.trainer.data import build_trainer_data, split_examples
+from rlflow.trainer.data import build_trainer_data, split_examples, task_records
 from rlflow.trainer.recipe import recipe_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,6 +136,20 @@ def test_countdown_with_fewer_instances_than_the_training_request_uses_them_all(
     data = build_trainer_data(cfg, build_char_tokenizer())
     assert len(data.train.dataset) == len(split_examples(cfg.data.build_task(0), "train")) < 4096
     assert len(data.eval_prompts) == cfg.data.eval_size
+
+
+def test_a_split_seed_keeps_the_held_out_problems_across_run_seeds():
+    def records(*overrides: str) -> tuple[list, list]:
+        cfg = load_config(None, list(overrides))
+        return task_records(cfg, "train", 64), task_records(cfg, "test", cfg.data.eval_size)
+
+    train, held_out = records("seed=0")
+    other_train, other_held_out = records("seed=1", "data.split_seed=0")
+    assert other_held_out == held_out and other_train != train  # the run's seed still draws the training prompts
+    split_0_test = {e.prompt for e in split_examples(load_config(None).data.build_task(0), "test")}
+    assert not split_0_test & {r["prompt"] for r in other_train}
+    split_1 = records("seed=1", "data.split_seed=1")
+    assert split_1 == records("seed=1") and split_1[1] != held_out  # null: the run's seed splits
 
 
 # ---------------------------------------------------------------------------- warm-up settings

@@ -19,6 +19,7 @@ from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer
 from rlflow.dataflow import Algorithm, list_algorithms
 from rlflow.trainer import load_config
+from rlflow.trainer.data import task_records
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
@@ -168,8 +169,10 @@ def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
     student += ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
-    # The distillation's own settings, which SFT does not read, are accepted and dropped.
-    result = main([*student, "algorithm.distill_divergence=jsd", "algorithm.distill_jsd_beta=0.1"])
+    # The distillation's own settings, which SFT does not read, are accepted and dropped; the split's
+    # seed draws the held-out file, which then holds the problems a distillation run of it scores.
+    split = ["seed=1", "data.split_seed=0"]
+    result = main([*student, *split, "algorithm.distill_divergence=jsd", "algorithm.distill_jsd_beta=0.1"])
     # 3 steps of 4 sequences: every training prompt once (a pass), each with one sample of the teacher.
     rows = [json.loads(line) for line in Path("runs/distill_arithmetic_sft_data/train.jsonl").open()]
     assert len(rows) == 4096 and all(set(r) == {"prompt", "completion"} for r in rows)
@@ -177,6 +180,9 @@ def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples
     cfg = load_config(Path(result.run_dir) / "config.yaml")
     assert cfg.algorithm.name == "sft" and cfg.models["actor"].num_layers == 2 and cfg.data.batch_size == 4
     assert cfg.algorithm.distill_divergence == "reverse" and cfg.algorithm.distill_jsd_beta == 0.5
+    held_out = [json.loads(line) for line in Path("runs/distill_arithmetic_sft_data/eval.jsonl").open()]
+    seed_0 = load_config(RECIPES / "distill_arithmetic.yaml", ["seed=0", "data.eval_size=2"])
+    assert cfg.data.split_seed is None and held_out == task_records(seed_0, "test", 2)
 
 
 @pytest.mark.distributed
