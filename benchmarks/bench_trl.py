@@ -249,24 +249,9 @@ def run_side(side: str, spec: dict[str, Any], threads: int, workdir: Path, label
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     python = trl_python() if side == "trl" else Path(sys.executable)
     script = ROOT / "benchmarks" / ("trl_grpo.py" if side == "trl" else "rlflow_grpo.py")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env.pop("PYTHONPATH", None)  # TRL's venv must not see this venv's packages
     events_path = run_dir / "events.jsonl"
     load = os.getloadavg()
-    with (run_dir / "log.txt").open("w") as log:
-        spawned_at = time.time()
-        proc = subprocess.run(
-            [str(python), str(script), str(run_dir / "spec.json"), str(events_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=RUN_TIMEOUT_S,
-        )
-    if proc.returncode != 0:
-        tail = (run_dir / "log.txt").read_text()[-3000:]
-        raise RuntimeError(f"{label}: {script.name} exited {proc.returncode}; log {run_dir / 'log.txt'}:\n{tail}")
+    spawned_at = run_script(python, script, [run_dir / "spec.json", events_path], run_dir / "log.txt", threads, label)
     events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
     figures = summarize(events, spawned_at)
     versions = next((e for e in events if e["event"] == "versions"), {})
@@ -285,6 +270,30 @@ def run_side(side: str, spec: dict[str, Any], threads: int, workdir: Path, label
     figures["load_average_1m_before"] = round(load[0], 2)
     figures["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     return figures
+
+
+def run_script(python: Path, script: Path, args: list, log_path: Path, threads: int, label: str) -> float:
+    """``script`` with ``args`` under ``python`` in a fresh process of ``threads`` torch threads, its
+    output in ``log_path``; the wall time it was spawned at. Raises RuntimeError with the log's tail
+    when it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.pop("PYTHONPATH", None)  # TRL's venv must not see this venv's packages
+    with log_path.open("w") as log:
+        spawned_at = time.time()
+        proc = subprocess.run(
+            [str(python), str(script), *map(str, args)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=RUN_TIMEOUT_S,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{label}: {script.name} exited {proc.returncode}; log {log_path}:\n{log_path.read_text()[-3000:]}"
+        )
+    return spawned_at
 
 
 # ----------------------------------------------------------------------------- records

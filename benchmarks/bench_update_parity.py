@@ -39,7 +39,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -48,7 +47,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.bench_trl import ROOT, RUN_TIMEOUT_S, _commit, _env_int, prepare, trl_python
+from benchmarks.bench_trl import ROOT, _commit, _env_int, prepare, run_script, trl_python
 from benchmarks.grpo_tasks import rlflow_config
 from rlflow.algos.advantages import grpo_advantages
 from rlflow.trainer import Trainer
@@ -326,21 +325,8 @@ def trl_steps(spec: dict[str, Any], replay: list[dict[str, Any]], workdir: Path)
     spec_path, replay_path, out_path = workdir / "trl_spec.json", workdir / "replay.pt", workdir / "trl.pt"
     spec_path.write_text(json.dumps({**spec, "threads": 1, "output_dir": str(workdir / "trl_out")}, indent=1))
     torch.save({"steps": replay}, replay_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)  # TRL's venv must not see this venv's packages
     script = ROOT / "benchmarks" / "trl_update.py"
-    log_path = workdir / "trl_log.txt"
-    with log_path.open("w") as log:
-        proc = subprocess.run(
-            [str(trl_python()), str(script), str(spec_path), str(replay_path), str(out_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=RUN_TIMEOUT_S,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{script.name} exited {proc.returncode}; log {log_path}:\n{log_path.read_text()[-3000:]}")
+    run_script(trl_python(), script, [spec_path, replay_path, out_path], workdir / "trl_log.txt", 1, "trl")
     return torch.load(out_path, weights_only=True)
 
 
