@@ -35,6 +35,8 @@ VECTOR_EXTENSIONS = frozenset(
 def _machine() -> dict:
     import torch
 
+    from rlflow.engine.parallelize import cpu_computes_bf16, cpu_flags, cpu_isa_caps
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,8 +44,6 @@ def _machine() -> dict:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    from rlflow.engine.parallelize import cpu_computes_bf16, cpu_flags, cpu_isa_caps
-
     return {
         "cores": os.cpu_count(),
         "cpu": cpu,

@@ -21,6 +21,7 @@ by applying, in this order:
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -122,8 +123,6 @@ def cpu_flags() -> frozenset[str]:
 def cpu_isa_caps() -> dict[str, str]:
     """The instruction-set caps this process's environment sets (:data:`ISA_CAP_VARIABLES`), by name;
     empty where none is set."""
-    import os
-
     return {name: os.environ[name] for name in ISA_CAP_VARIABLES if os.environ.get(name)}
 
 
