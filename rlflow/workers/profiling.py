@@ -15,11 +15,13 @@ spawned gloo processes import only the engine, not the driver.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pkgutil
 import platform
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -118,21 +120,53 @@ def _gloo_process(rank: int, world: int, port: int, job, args: tuple, out) -> No
         out.put((rank, job(rank, *args)))
     finally:
         dist.destroy_process_group()
+    # Done: skip the interpreter's teardown of torch and transformers (a second and more).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def _in_gloo_processes(job, world: int, *args) -> list:
-    """``job(rank, *args)`` in ``world`` spawned single-threaded processes that form one gloo
-    group (the default process group); their results in rank order. ``job`` must be importable
-    (a module-level function) and its results small."""
+def _start_method(threads: int) -> str:
+    """How :func:`_in_gloo_processes` starts processes that compute on ``threads`` threads:
+    ``fork`` where a forked child is sound, else ``spawn``.
+
+    A forked child starts at once with this process's imports; a spawned one imports torch and
+    transformers again, seconds of a profile. Forking is sound here when no other thread of this
+    process runs but tqdm's monitor (a lock another thread held would stay held in the child; the
+    monitor only refreshes open bars, which the child does not touch), this process has no process
+    group, no Ray and no CUDA, and the child computes on one thread: GNU OpenMP's thread pool,
+    which this process may have used, does not survive a fork (a parallel region of more threads
+    in the child never returns).
+    """
+    import multiprocessing
+
+    torch = sys.modules.get("torch")
+    ray = sys.modules.get("ray")
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    sound = (
+        threads == 1
+        and "fork" in multiprocessing.get_all_start_methods()
+        and all(type(t).__name__ == "TMonitor" for t in others)
+        and not (ray is not None and ray.is_initialized())
+        and not (torch is not None and (torch.distributed.is_initialized() or torch.cuda.is_initialized()))
+    )
+    return "fork" if sound else "spawn"
+
+
+def _in_gloo_processes(job, world: int, *args, threads: int = 1) -> list:
+    """``job(rank, *args)`` in ``world`` new processes that form one gloo group (the default process
+    group) and compute on one thread each, ``threads`` where the job sets more; their results in
+    rank order. ``job`` must be importable (a module-level function) and its results small."""
     import torch.multiprocessing as mp
 
     from rlflow.rendezvous import free_port, main_module_hidden
 
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    with main_module_hidden():  # a script without a main guard must not run again in the children
+    method = _start_method(threads)
+    out = mp.get_context(method).SimpleQueue()
+    # A spawned child must not run the script of a __main__ without a main guard again.
+    with main_module_hidden() if method == "spawn" else contextlib.nullcontext():
         context = mp.start_processes(
-            _gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method="spawn", join=False
+            _gloo_process, args=(world, free_port(), job, args, out), nprocs=world, start_method=method, join=False
         )
     while not context.join():
         pass
@@ -317,57 +351,80 @@ def _median_call_seconds(rollout, engine, calls: dict, suffixes: list[str], roun
     return dict(zip(keys, np.median(timings, axis=0).tolist()))
 
 
-def _call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
-    """One worker-like process of :func:`concurrent_call_seconds`: its medians, per call and shape.
-
-    First every process times the busy shapes at once (training on FSDP over all of them);
-    then, when ``calls`` has ``*_alone`` shapes, rank 0 times those by itself, on an engine of its
-    own rank only (no FSDP, as a one-worker plan trains), while the others wait at a barrier.
-    """
+def _call_parts(calls: dict):
+    """The planned model's weights (``torch.manual_seed(0)``: the same in every process), its
+    rollout copy in the workers' compute dtype, and the training engine's config."""
     import copy
 
     import torch
-    import torch.distributed as dist
 
     from rlflow.engine.optim import OptimConfig
-    from rlflow.engine.train_engine import EngineConfig, TrainEngine
-    from rlflow.parallel.groups import build_call_groups
-    from rlflow.strategy import ParallelStrategy
+    from rlflow.engine.train_engine import EngineConfig
 
-    world = dist.get_world_size()
-    torch.manual_seed(0)  # the same weights on every rank
+    torch.manual_seed(0)
     master = _call_model(calls["model"], torch.float32)
     # The workers' precision: fp32 master weights in training, the sampler's copy in the compute dtype.
     precision = calls.get("precision", "fp32")
     rollout = copy.deepcopy(master).to(torch.bfloat16 if precision == "bf16" else torch.float32).eval()
     optim = OptimConfig(lr=1e-6, max_grad_norm=1.0)  # the weights barely move between repetitions
-    config = EngineConfig(device="cpu", optim=optim, mixed_precision=precision)
+    return master, rollout, EngineConfig(device="cpu", optim=optim, mixed_precision=precision)
 
-    def engine_on(ranks: range) -> TrainEngine | None:
-        groups = build_call_groups(ranks, ParallelStrategy(dp=len(ranks)), "cpu")  # collective
-        return None if groups is None else TrainEngine(copy.deepcopy(master), groups.mesh, config)
 
-    engine = engine_on(range(world))
+def _engine_on(ranks: range, master, config):
+    """A ``TrainEngine`` on FSDP over ``ranks`` of the default group (collective); None off them."""
+    import copy
+
+    from rlflow.engine.train_engine import TrainEngine
+    from rlflow.parallel.groups import build_call_groups
+    from rlflow.strategy import ParallelStrategy
+
+    groups = build_call_groups(ranks, ParallelStrategy(dp=len(ranks)), "cpu")
+    return None if groups is None else TrainEngine(copy.deepcopy(master), groups.mesh, config)
+
+
+def _busy_call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
+    """One worker-like process of :func:`concurrent_call_seconds` with every process busy: its
+    medians of the busy shapes (training on FSDP over all the processes) and, with two or more,
+    the seconds of one small all-reduce among them."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    master, rollout, config = _call_parts(calls)
+    engine = _engine_on(range(world), master, config)
     torch.manual_seed(rank)  # each rank its own rows
     dist.barrier()
     seconds = {_LATENCY: _all_reduce_seconds(rank, LATENCY_ITERS)} if world > 1 else {}
-    seconds |= _median_call_seconds(rollout, engine, calls, _suffixes(calls, alone=False), rounds)
-    alone = _suffixes(calls, alone=True)
-    if alone:
-        del engine
-        single = engine_on(range(1))
-        dist.barrier()
-        if rank == 0:
-            seconds.update(_median_call_seconds(rollout, single, calls, alone, rounds))
-        if rank == 0 and calls.get("host_threads"):
-            # The whole batch again with every core of the host: a plan of one worker may take them all.
-            torch.set_num_threads(calls["host_threads"])
-            try:
+    return seconds | _median_call_seconds(rollout, engine, calls, _suffixes(calls, alone=False), rounds)
+
+
+def _alone_call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]:
+    """The ``*_alone`` shapes timed in this process, the only one at work, on an engine of its
+    rank only (no FSDP, as a one-worker plan trains) — and the whole batch again on
+    ``calls["host_threads"]`` threads when given (a plan of one worker may take every core).
+    Runs in a group of one process: the default one (a spawned process of
+    :func:`_in_gloo_processes`), or one of this process's own for the call."""
+    import torch
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+            master, rollout, config = _call_parts(calls)
+            single = _engine_on(range(1), master, config)
+            torch.set_num_threads(1)
+            seconds = _median_call_seconds(rollout, single, calls, _suffixes(calls, alone=True), rounds)
+            if calls.get("host_threads"):
+                torch.set_num_threads(calls["host_threads"])
                 host = {**calls, "generate_host": calls["generate_alone"], "train_host": calls["train_alone"]}
                 seconds.update(_median_call_seconds(rollout, single, host, ["_host"], rounds))
-            finally:
-                torch.set_num_threads(1)
-        dist.barrier()  # the others idle until rank 0 is done
+    finally:
+        torch.set_num_threads(threads)
+        if own_group:
+            dist.destroy_process_group()
     return seconds
 
 
@@ -375,12 +432,14 @@ def concurrent_call_seconds(calls: dict, processes: int, rounds: int = CALL_ROUN
     """Seconds of the planned model's whole calls (:func:`_time_call`) on CPU in ``processes``
     single-threaded worker processes at once, the slowest process's median: each its own
     rollout of the per-worker shape, and a forward and a training step of a ``TrainEngine`` on
-    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them; and the
-    ``*_alone`` shapes, when ``calls`` has them, in one process while the others idle (keys
+    FSDP over all of them (dp = ``processes``, gloo), as a data-parallel plan runs them; with two
+    or more processes, also the seconds of one small all-reduce among them
+    (``collective_latency_s``, as :func:`gloo_collective_latency` measures it). Then, when
+    ``calls`` has them, the ``*_alone`` shapes in one process while no other works (keys
     ``generate_alone``, ``train_alone_alt``, ...), and the whole batch again in that process with
-    ``calls["host_threads"]`` threads, when given (``generate_host``, ``forward_host``, ``train_host``);
-    with two or more processes, also the seconds of one small all-reduce among them
-    (``collective_latency_s``, as :func:`gloo_collective_latency` measures it).
+    ``calls["host_threads"]`` threads, when given (``generate_host``, ``forward_host``,
+    ``train_host``): in this process, or in one spawned for them where this one is a rank of a
+    larger process group.
 
     A CPU device is one worker process: when a plan keeps every worker of a host busy, they
     share its caches and memory bandwidth, and Ray's daemons and the driver take their slices
@@ -388,8 +447,17 @@ def concurrent_call_seconds(calls: dict, processes: int, rounds: int = CALL_ROUN
     data-parallel call lasts as long as its slowest rank. A call on one worker of a host whose
     other workers idle has the host to itself: the ``*_alone`` timings price it.
     """
-    per_process = _in_gloo_processes(_call_seconds, processes, calls, rounds)
-    return {k: max(p[k] for p in per_process if k in p) for k in per_process[0]}
+    import torch.distributed as dist
+
+    per_process = _in_gloo_processes(_busy_call_seconds, processes, calls, rounds)
+    seconds = {k: max(p[k] for p in per_process) for k in per_process[0]}
+    if _suffixes(calls, alone=True):
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            threads = calls.get("host_threads") or 1
+            seconds |= _in_gloo_processes(_alone_call_seconds, 1, calls, rounds, threads=threads)[0]
+        else:
+            seconds |= _alone_call_seconds(0, calls, rounds)
+    return seconds
 
 
 def _decode_step(config, model, batch: int, context: int, device: str):

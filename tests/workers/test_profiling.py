@@ -4,6 +4,7 @@ priced from it (the pricing alone is tested in tests/planner/test_profile.py).""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -282,12 +283,67 @@ def test_a_profile_measured_under_capped_instruction_sets_is_not_reused_without_
     assert profile_cache_key(capped, {}) != profile_cache_key(uncapped, {})
 
 
+_FORKED_TIMINGS = """
+import threading, time
+import torch
+import torch.distributed as dist
+from rlflow.workers import profiling
+
+calls = json.loads(sys.argv[1])
+torch.set_num_threads(2)
+a = torch.randn(256, 256)
+for _ in range(20):
+    a @ a  # this process's OpenMP pool has run a parallel region of two threads
+torch.set_num_threads(1)
+print("methods", profiling._start_method(1), profiling._start_method(2))
+state = torch.random.get_rng_state()
+seconds = profiling.concurrent_call_seconds(calls, 2)
+print("keys", " ".join(sorted(k for k, v in seconds.items() if v > 0)))
+print("rng_kept", torch.equal(state, torch.random.get_rng_state()))
+print("group_left", dist.is_initialized())
+sleeper = threading.Thread(target=time.sleep, args=(2,))
+sleeper.start()
+print("with_thread", profiling._start_method(1))
+sleeper.join()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+print("with_group", profiling._start_method(1))
+"""
+
+
+def test_the_call_timing_processes_are_forked_where_that_is_sound_and_the_alone_calls_run_here(tmp_path):
+    """A forked worker process starts with the profiling process's imports (a spawned one imports
+    torch and transformers again: most of a machine profile's seconds). Forked after this process
+    used GNU OpenMP's pool of two threads, a child computing on more than one thread would hang:
+    the children compute on one, and the whole batch on every core (``*_host``) is timed in this
+    process, with the alone calls, after the children exit — leaving its random state and no
+    process group behind. Another thread or a process group in this process means a spawn."""
+    calls = {
+        **CALLS,
+        "generate_alone": dict(prompts=8, prompt_len=6, n=2, gen_len=3),
+        "train_alone": dict(rows=16, seq=9),
+        "host_threads": 2,
+    }
+    script = tmp_path / "forked.py"
+    script.write_text("import json, sys\n" + _FORKED_TIMINGS)
+    done = subprocess.run([sys.executable, str(script), json.dumps(calls)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert lines["methods"] == "fork spawn"
+    kinds = ("generate", "forward", "train")
+    timed = {k + s for k in kinds for s in ("", "_alt", "_alone", "_host")} | {"collective_latency_s"}
+    assert set(lines["keys"].split()) == timed
+    assert (lines["rng_kept"], lines["group_left"]) == ("True", "False")
+    assert (lines["with_thread"], lines["with_group"]) == ("spawn", "spawn")
+
+
 def test_spawned_profile_processes_work_from_a_script_without_a_main_guard(tmp_path):
     # TRL's quickstart style: top-level code, no `if __name__ == "__main__":`. Spawned children
     # used to run the script again and fail in multiprocessing's bootstrapping check.
     script = tmp_path / "unguarded.py"
     script.write_text(
+        "from rlflow.workers import profiling\n"
         "from rlflow.workers.profiling import gloo_collective_latency\n"
+        "profiling._start_method = lambda threads: 'spawn'  # as where a fork is not sound\n"
         "print('script body ran')\n"
         "print('latency', gloo_collective_latency(iters=3))\n"
     )
