@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,7 @@ def _in_gloo_processes(job, world: int, *args, threads: int = 1) -> list:
     return [results[rank] for rank in range(world)]
 
 
-LATENCY_ITERS = 300  # small all-reduces timed for the gloo latency (after ten untimed)
+LATENCY_ITERS = 100  # small all-reduces timed for the gloo latency (after ten untimed)
 _LATENCY = "collective_latency_s"  # its key among the call-timing processes' seconds
 
 
@@ -508,7 +509,10 @@ def _sample_step(config, batch: int, device: str):
     return step
 
 
-def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> float:
+def _layer_timer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> Callable[[], float]:
+    """The seconds of one ``kind`` timing at ``(batch, seq)`` as a function to call once per round:
+    what the timing needs — its inputs, a KV cache filled with ``seq`` tokens — is made here, once
+    (filling the cache took longer than timing its decode steps)."""
     import torch
     from transformers.cache_utils import DynamicCache
 
@@ -516,24 +520,28 @@ def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync
 
     config, layer, rope, model = parts
     if kind == "model_decode":
-        return _timed(_decode_step(config, model, batch, seq, device), 5, sync)
+        step = _decode_step(config, model, batch, seq, device)
+        return lambda: _timed(step, 5, sync)
     if kind == "sample":
-        return _timed(_sample_step(config, batch, device), 10, sync)
+        step = _sample_step(config, batch, device)
+        return lambda: _timed(step, 10, sync)
     h = config.hidden_size
     x = torch.randn(batch, seq, h, device=device, dtype=dtype, requires_grad=kind == "backward")
     pe = rope(x, torch.arange(seq, device=device)[None].expand(batch, -1))
+
+    @torch.no_grad()
+    def forward():
+        layer(x, position_embeddings=pe)
+
     if kind == "forward":
-        with torch.no_grad():
-            return _timed(lambda: layer(x, position_embeddings=pe), 3, sync)
+        return lambda: _timed(forward, 3, sync)
     if kind == "backward":
 
         def step():
             layer(x, position_embeddings=pe).sum().backward()
 
         # Forward + backward, minus a forward: the backward alone.
-        with torch.no_grad():
-            fwd = _timed(lambda: layer(x, position_embeddings=pe), 2, sync)
-        return max(_timed(step, 2, sync) - fwd, 1e-9)
+        return lambda: max(_timed(step, 2, sync) - _timed(forward, 2, sync), 1e-9)
     cache = DynamicCache(config=config)
     cached = {cache_kwarg(layer.forward): cache}
     with torch.no_grad():
@@ -541,11 +549,12 @@ def _time_layer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync
         new = torch.randn(batch, 1, h, device=device, dtype=dtype)
         pe1 = rope(new, torch.full((batch, 1), seq, device=device))
 
-        def decode():
-            layer(new, position_embeddings=pe1, **cached, use_cache=True)
-            cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
+    @torch.no_grad()
+    def decode():
+        layer(new, position_embeddings=pe1, **cached, use_cache=True)
+        cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
 
-        return _timed(decode, 5, sync)
+    return lambda: _timed(decode, 5, sync)
 
 
 def run_profile(
@@ -631,7 +640,9 @@ def run_profile(
         }
         # Round-robin rounds, the median per size: a burst of load from other jobs on a shared
         # machine disturbs one round of every size rather than every round of one size.
-        timings = [[_time_layer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs] for _ in range(rounds)]
+        timers = [_layer_timer(kind, b, s, parts, device, dtype, sync) for kind, b, s in jobs]
+        timings = [[timer() for timer in timers] for _ in range(rounds)]
+        del timers  # their inputs and KV caches
         for (kind, batch, seq), seconds in zip(jobs, np.median(timings, axis=0)):
             samples[kind].append(LayerTiming(batch, seq, float(seconds)))
         bar.update(len(jobs))
