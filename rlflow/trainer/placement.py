@@ -278,8 +278,9 @@ PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "
 # A run that calibrates a new shape takes the one-worker plan when priced within this factor of the
 # searched plan: its every-core speedups come from the machine profile's small reference model, whose
 # calls gain less from a second thread than a larger model's, until the run measures its own — which
-# its calibration does on a one-worker plan only.
-ONE_WORKER_EXPLORE = 1.25
+# its calibration does on a one-worker plan only (a multi-worker plan's never measures the one-worker
+# alternative; a one-worker plan's calibration re-plans onto the searched one when that is faster).
+ONE_WORKER_EXPLORE = 2.0
 
 
 def one_worker_on_every_core(
