@@ -286,12 +286,16 @@ class MachineProfile:
         elapsed_s: seconds the measurement took.
         corrections: per interface type (``generate``, ``inference``, ``train_step``), the factor
             a run's own calls measured its estimates off by (measured / estimated seconds of the
-            calls of that type on the plan that ran); every call of the type is priced times it.
-            ``None``: no run has calibrated this profile.
+            calls of that type on the plan that ran), where those calls kept several devices of a
+            host busy: the busy fit of the type is priced times it. ``None``: not measured.
         host_speedups: per profiled call (``generate``, ``forward``, ``train``), how much faster a
             run's one worker ran its calls with a thread per core than with one, measured by the
             run at its own shapes; they replace :meth:`CallTimings.host_speedup` (a reference
             model's) in pricing a plan of one worker. ``None``: not measured.
+        alone_corrections: the same factors where the calls ran on one device of a host (a plan
+            of one worker): the alone fit of the type is priced times it. A factor measured in
+            one regime says little of the other: one worker on every core and the same call
+            spread over the host's workers can run at very different shares of their estimates.
 
     >>> hw = HardwareProfile(1e10, 5e9, 1e9, 1e-5, 8e9)
     >>> layer = ProfiledLayer(64, 128, 4, 4, vocab_size=32)
@@ -314,6 +318,7 @@ class MachineProfile:
     elapsed_s: float = 0.0
     corrections: dict[str, float] | None = None
     host_speedups: dict[str, float] | None = None
+    alone_corrections: dict[str, float] | None = None
 
     def to_json(self) -> str:
         """The profile file's text: one JSON object with a ``version`` key."""
@@ -333,6 +338,8 @@ class MachineProfile:
             data["corrections"] = dict(self.corrections)
         if self.host_speedups is not None:
             data["host_speedups"] = dict(self.host_speedups)
+        if self.alone_corrections is not None:
+            data["alone_corrections"] = dict(self.alone_corrections)
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -375,6 +382,7 @@ class MachineProfile:
             elapsed_s=float(data.get("elapsed_s", 0.0)),
             corrections=_factors(data.get("corrections"), "corrections", _INTERFACES),
             host_speedups=_factors(data.get("host_speedups"), "host_speedups", tuple(_KIND.values())),
+            alone_corrections=_factors(data.get("alone_corrections"), "alone_corrections", _INTERFACES),
             **timings,
         )
 
@@ -453,7 +461,9 @@ class ProfiledRates(Rates):
         self.busy_fits: dict[str, tuple[float, float]] = {}
         self.alone_fits: dict[str, tuple[float, float]] = {}
         self.busy_processes = 1
-        self.corrections = dict(profile.corrections or {}) if calibrate else {}
+        # The fits price the profiled calls as measured; a run's corrections apply on top of them.
+        self.corrections: dict[str, float] = {}
+        self.alone_corrections: dict[str, float] = {}
         if calibrate and profile.calls is not None:
             calls = profile.calls
             # Both fits price the profiled calls uncalibrated: neither is set until both are made.
@@ -465,6 +475,9 @@ class ProfiledRates(Rates):
                 alone = {kind: self._calibrate(calls.timings(_KIND[kind], alone=True), calls.model, cluster, kind)
                          for kind in _INTERFACES}  # fmt: skip
             self.busy_fits, self.alone_fits, self.busy_processes = busy, alone, calls.processes
+        if calibrate:
+            self.corrections = dict(profile.corrections or {})
+            self.alone_corrections = dict(profile.alone_corrections or {})
 
     def _calibrate(
         self, timings: list[RolloutTiming | BatchTiming], model: ModelSpec, cluster: ClusterSpec, interface: str
@@ -535,15 +548,17 @@ class ProfiledRates(Rates):
     def _fit(self, interface_type: str, busy_devices: int | None) -> tuple[float, float]:
         """``(fixed_s, scale)`` of a call keeping ``busy_devices`` devices of a host busy: the alone
         fit for one, the busy fit for the profiled processes or more (or None), linear in
-        between; the busy fit alone when the profile has no alone timings; both times the
-        profile's correction of the interface type (:attr:`MachineProfile.corrections`)."""
+        between; the busy fit alone when the profile has no alone timings; each times the
+        profile's correction of the interface type in its regime (:attr:`MachineProfile.corrections`,
+        :attr:`MachineProfile.alone_corrections`)."""
         busy = self.busy_fits.get(interface_type, (0.0, 1.0))
         alone = self.alone_fits.get(interface_type)
         c = self.corrections.get(interface_type, 1.0)  # a run's own calls against these estimates
         if alone is None or busy_devices is None or busy_devices >= self.busy_processes:
             return c * busy[0], c * busy[1]
+        a = self.alone_corrections.get(interface_type, 1.0)
         w = (max(busy_devices, 1) - 1) / (self.busy_processes - 1)
-        return c * ((1 - w) * alone[0] + w * busy[0]), c * ((1 - w) * alone[1] + w * busy[1])
+        return (1 - w) * a * alone[0] + w * c * busy[0], (1 - w) * a * alone[1] + w * c * busy[1]
 
     def call_scale(self, interface_type: str, busy_devices: int | None = None) -> float:
         return self._fit(interface_type, busy_devices)[1]

@@ -6,7 +6,9 @@ once per host). The run then measures itself, ``placement.calibrate_steps`` step
 after its first step (a warm-up: its calls pay first-call costs):
 
 1. the calls on the plan as it was priced: each call type's measured seconds against the plan's
-   estimates give the type's correction (``MachineProfile.corrections``);
+   estimates give the type's correction in the regime the calls ran in
+   (``MachineProfile.alone_corrections`` where they ran on one device of a host,
+   ``MachineProfile.corrections`` where they kept more busy);
 2. on a plan of one worker of a host with several cores, the same calls on the other thread count
    (every core, or one): how much faster every core runs each call type at the run's own shapes
    (``MachineProfile.host_speedups``, which replace the reference model's).
@@ -37,6 +39,7 @@ from statistics import median
 import networkx as nx
 
 from rlflow.dataflow import mfcs_of, rollout_calls
+from rlflow.planner.cost import busy_devices
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.profile import MachineProfile, save_profile
 from rlflow.trainer.config import RLFlowConfig
@@ -51,6 +54,20 @@ _CLIP = (1 / 16, 16.0)
 def _layout(placement: Placement) -> tuple:
     """The calls' ranks and strategies: two placements of one layout differ at most in threads."""
     return tuple(sorted((n, c.ranks, str(c.strategy)) for n, c in placement.calls.items()))
+
+
+def _alone_kinds(placement: Placement, kinds: Mapping[str, str], profile: MachineProfile) -> set[str]:
+    """The call types whose every call in ``placement`` ran on one device of a host whose
+    ``profile`` timed calls alone: those the planner priced by the alone fit
+    (:func:`rlflow.planner.cost.busy_devices` of their mesh: 1)."""
+    calls = profile.calls
+    if placement.plan is None or calls is None or calls.generate_alone is None or calls.processes < 2:
+        return set()
+    busy: dict[str, set[int]] = {}
+    for call in placement.plan.calls:
+        if call.name in kinds:
+            busy.setdefault(kinds[call.name], set()).add(busy_devices(call.mesh))
+    return {kind for kind, devices in busy.items() if devices == {1}}
 
 
 def _per_kind(kinds: Mapping[str, str], seconds: Mapping[str, float]) -> dict[str, float]:
@@ -168,15 +185,22 @@ class RunCalibration:
         by_threads = dict(zip(self.threads, work))
         base = by_threads.get(1, work[0])
         est = _per_kind(kinds, one_thread if 1 in by_threads else {n: estimated[n] for n in names})
-        factors = dict(self.profile.corrections or {})
+        alone = _alone_kinds(placement, kinds, self.profile)
+        factors = {False: dict(self.profile.corrections or {}), True: dict(self.profile.alone_corrections or {})}
         for kind, real in base.items():
             if est.get(kind, 0.0) > 0:
-                factors[kind] = float(min(max(factors.get(kind, 1.0) * real / est[kind], _CLIP[0]), _CLIP[1]))
+                regime = factors[kind in alone]
+                regime[kind] = float(min(max(regime.get(kind, 1.0) * real / est[kind], _CLIP[0]), _CLIP[1]))
         speedups = dict(self.profile.host_speedups or {})
         if len(by_threads) > 1:
             every = by_threads[self.cores]
             speedups |= {PROFILED_CALL[k]: by_threads[1][k] / every[k] for k in every if every[k] > 0}
-        profile = replace(self.profile, corrections=factors, host_speedups=speedups or None)
+        profile = replace(
+            self.profile,
+            corrections=factors[False] or None,
+            alone_corrections=factors[True] or None,
+            host_speedups=speedups or None,
+        )
         for path in self.paths:
             save_profile(profile, path)
         decision = self._decide(cfg, graph, placement, profile, phases, restart_s, step)
@@ -228,10 +252,12 @@ class RunCalibration:
         return measured, waits, priced
 
     def _decide(self, cfg, graph, placement, profile, phases, restart_s: float, step: int) -> Decision:
-        shown = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted((profile.corrections or {}).items()))
+        corrections = {**(profile.corrections or {}), **(profile.alone_corrections or {})}
+        shown = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted(corrections.items()))
         if profile.host_speedups:
             shown += "; every core " + ", ".join(f"{k} ×{v:.2f}" for k, v in sorted(profile.host_speedups.items()))
         metrics = {f"planner/correction_{k}": v for k, v in (profile.corrections or {}).items()}
+        metrics |= {f"planner/alone_correction_{k}": v for k, v in (profile.alone_corrections or {}).items()}
         metrics |= {f"planner/host_speedup_{k}": v for k, v in (profile.host_speedups or {}).items()}
         # The running layout at its better measured thread count: its calls one after another
         # (one worker), else its estimate scaled as its calls measured against theirs.

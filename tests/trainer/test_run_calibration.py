@@ -113,6 +113,68 @@ def test_measured_speedups_replace_the_reference_models_in_pricing_a_plan_of_one
     assert threads == 2 and fast.iteration_time_s < placement.plan.iteration_time_s
 
 
+def _two_worker_profile(**changes) -> MachineProfile:
+    """``_machine_profile`` with its busy calls timed in two processes: calls on one device of the
+    host are priced by its alone fits, calls on both by its busy fits."""
+    prof = _machine_profile(0.2)
+    two = {k: replace(getattr(prof.calls, k), processes=2) for k in ("generate", "forward", "train")}
+    return replace(prof, calls=replace(prof.calls, **two), **changes)
+
+
+def test_a_runs_correction_prices_the_calls_of_its_regime_times_it_and_no_others() -> None:
+    """A correction measured on a plan of one worker scales the alone fits and one measured over
+    the host's workers the busy fits; the fits themselves price the profiled calls as measured, so
+    the factor is not divided out again (it was: a corrected profile priced every call as before)."""
+    from rlflow.planner.cluster import cluster_preset
+    from rlflow.planner.profile import ProfiledRates
+
+    plain = _two_worker_profile()
+    cluster = cluster_preset("cpu", 1, 2, profile=plain)
+    rates = ProfiledRates.from_profile(plain, cluster)
+    assert rates.alone_fits and rates.busy_fits
+    alone = ProfiledRates.from_profile(_two_worker_profile(alone_corrections={"generate": 0.25}), cluster)
+    busy = ProfiledRates.from_profile(_two_worker_profile(corrections={"generate": 4.0}), cluster)
+    for kind in ("generate", "train_step"):
+        factor = 0.25 if kind == "generate" else 1.0
+        assert alone.call_scale(kind, 1) == pytest.approx(factor * rates.call_scale(kind, 1))
+        assert alone.call_scale(kind, 2) == pytest.approx(rates.call_scale(kind, 2))
+        assert busy.call_scale(kind, 1) == pytest.approx(rates.call_scale(kind, 1))
+        assert busy.call_scale(kind, 2) == pytest.approx(4 ** (kind == "generate") * rates.call_scale(kind, 2))
+    round_trip = MachineProfile.from_json(_two_worker_profile(alone_corrections={"generate": 0.25}).to_json())
+    assert round_trip.alone_corrections == {"generate": 0.25} and round_trip.corrections is None
+
+
+def test_a_one_worker_runs_calibration_corrects_the_alone_regime_and_prices_its_plan_at_what_it_measured(
+    monkeypatch,
+) -> None:
+    """Calls measured on one worker of a two-core host correct the alone fits only: the plan made
+    next prices the one-worker plan at its measured seconds, and a plan over both workers as before."""
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement
+
+    cfg = load_config(GRPO, ["placement.devices_per_node=2", "placement.use_gpu=false"])
+    graph = build_dataflow(cfg, rule_reward=True)
+    spec = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+    profile = _two_worker_profile()
+    placement = plan_placement(cfg, graph, {"actor": spec}, use_gpu=False, profile=profile, progress=False)
+    assert placement.used_ranks == (0,) and all(c.mesh.num_devices == 1 for c in placement.plan.calls)
+    estimated = placement.estimated_call_seconds()
+    measured = {n: [9.0] + [s / 2] * 2 for n, s in estimated.items()}  # every call twice as fast as priced
+
+    def decide(self, cfg, graph, placement, profile, phases, restart_s, step):
+        return calibration.Decision(profile, None, False, "kept", {})
+
+    monkeypatch.setattr(calibration.RunCalibration, "_decide", decide)
+    run = calibration.RunCalibration(profile, (), {"actor": spec})
+    run.begin(0, placement, steps=2, cores=1)
+    decision = run.at(3, cfg, graph, placement, measured, restart_s=1.0)
+    assert decision.profile.corrections is None
+    assert decision.profile.alone_corrections == pytest.approx({"generate": 0.5, "train_step": 0.5})
+    again = plan_placement(cfg, graph, {"actor": spec}, use_gpu=False, profile=decision.profile, progress=False)
+    assert again.used_ranks == (0,)
+    assert again.estimated_call_seconds() == pytest.approx({n: s / 2 for n, s in estimated.items()}, rel=0.05)
+
+
 def test_a_new_shape_starts_from_the_machine_profile_and_caches_what_its_calls_measured(tmp_path, machine) -> None:
     trainer, records = _fit(_overrides(tmp_path / "a"))
     assert len(machine) == 1 and machine[0]["calls"]["model"] == REFERENCE_MODEL  # no call of the run's model timed
