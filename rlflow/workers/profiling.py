@@ -3,14 +3,15 @@
 Measures what :class:`rlflow.planner.profile.MachineProfile` records: hardware rates, timings of
 one real HF Llama decoder layer for a few (batch, sequence) sizes — forward, backward, and one
 decode step against a KV cache — and, for a run, whole calls of the planned model as workers run
-them (the rollout sampler, and a ``TrainEngine`` on FSDP over spawned gloo processes). On CPU
+them (the rollout sampler, and a ``TrainEngine`` on FSDP over gloo worker processes, forked from
+the profiling process where that is sound, else spawned). On CPU
 the layer is small and runs in fp32 on one thread (as each CPU worker does); with CUDA it is a
 LLaMA-2-7B layer in bf16.
 
 It lives here, above the engines it runs, and not in the planner: the planner only reads a
 profile and prices with it (:class:`rlflow.planner.profile.ProfiledRates`). The workers layer is
-where a call runs the way a worker runs it, and its package imports nothing on its own, so the
-spawned gloo processes import only the engine, not the driver.
+where a call runs the way a worker runs it, and its package imports nothing on its own, so a
+spawned gloo process imports only the engine, not the driver.
 """
 
 from __future__ import annotations
