@@ -336,6 +336,26 @@ def test_the_call_timing_processes_are_forked_where_that_is_sound_and_the_alone_
     assert (lines["with_thread"], lines["with_group"]) == ("spawn", "spawn")
 
 
+def test_a_profiling_process_that_is_a_rank_of_a_larger_group_times_the_alone_calls_in_a_spawned_one(monkeypatch):
+    """Its own default group is taken: the alone and every-core calls go to one new process that
+    computes on the host's threads (so it is spawned: a forked child of more threads would hang)."""
+    import torch.distributed as dist
+
+    calls = {**CALLS, "generate_alone": CALLS["generate"], "train_alone": CALLS["train"], "host_threads": 2}
+    started = []
+
+    def processes(job, world, *args, threads=1):
+        started.append((job.__name__, world, threads, profiling._start_method(threads)))
+        return [{"generate": 1.0}] * world if job is profiling._busy_call_seconds else [{"generate_alone": 2.0}]
+
+    monkeypatch.setattr(profiling, "_in_gloo_processes", processes)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    seconds = profiling.concurrent_call_seconds(calls, 2)
+    assert seconds == {"generate": 1.0, "generate_alone": 2.0}
+    assert started == [("_busy_call_seconds", 2, 1, "spawn"), ("_alone_call_seconds", 1, 2, "spawn")]
+
+
 def test_spawned_profile_processes_work_from_a_script_without_a_main_guard(tmp_path):
     # TRL's quickstart style: top-level code, no `if __name__ == "__main__":`. Spawned children
     # used to run the script again and fail in multiprocessing's bootstrapping check.
