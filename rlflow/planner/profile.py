@@ -237,6 +237,11 @@ class CallTimings:
         """The worker processes that were busy while the busy regime was timed."""
         return self.generate.processes
 
+    @property
+    def timed_alone(self) -> bool:
+        """Whether calls were also timed in one process of a host of several (the alone regime)."""
+        return self.generate_alone is not None and self.processes > 1
+
     def to_dict(self) -> dict[str, dict]:
         out = {"model": dataclasses.asdict(self.model)}
         for kind in _CALL_KINDS:
@@ -471,7 +476,7 @@ class ProfiledRates(Rates):
                 kind: self._calibrate(calls.timings(_KIND[kind]), calls.model, cluster, kind) for kind in _INTERFACES
             }
             alone = {}
-            if calls.generate_alone is not None and calls.processes > 1:
+            if calls.timed_alone:
                 alone = {kind: self._calibrate(calls.timings(_KIND[kind], alone=True), calls.model, cluster, kind)
                          for kind in _INTERFACES}  # fmt: skip
             self.busy_fits, self.alone_fits, self.busy_processes = busy, alone, calls.processes

@@ -60,8 +60,7 @@ def _alone_kinds(placement: Placement, kinds: Mapping[str, str], profile: Machin
     """The call types whose every call in ``placement`` ran on one device of a host whose
     ``profile`` timed calls alone: those the planner priced by the alone fit
     (:func:`rlflow.planner.cost.busy_devices` of their mesh: 1)."""
-    calls = profile.calls
-    if placement.plan is None or calls is None or calls.generate_alone is None or calls.processes < 2:
+    if placement.plan is None or profile.calls is None or not profile.calls.timed_alone:
         return set()
     busy: dict[str, set[int]] = {}
     for call in placement.plan.calls:
@@ -252,8 +251,10 @@ class RunCalibration:
         return measured, waits, priced
 
     def _decide(self, cfg, graph, placement, profile, phases, restart_s: float, step: int) -> Decision:
-        corrections = {**(profile.corrections or {}), **(profile.alone_corrections or {})}
-        shown = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted(corrections.items()))
+        shown = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted((profile.corrections or {}).items()))
+        if profile.alone_corrections:
+            alone = ", ".join(f"{k} ×{v:.2f}" for k, v in sorted(profile.alone_corrections.items()))
+            shown = f"{shown}; one worker alone {alone}" if shown else f"one worker alone {alone}"
         if profile.host_speedups:
             shown += "; every core " + ", ".join(f"{k} ×{v:.2f}" for k, v in sorted(profile.host_speedups.items()))
         metrics = {f"planner/correction_{k}": v for k, v in (profile.corrections or {}).items()}
