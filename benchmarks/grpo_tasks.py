@@ -90,7 +90,8 @@ def rlflow_config(spec: dict[str, Any], run_dir: str, policy_lag: int | None = N
 
     The model and tokenizer come from ``spec["model_dir"]`` (the directory TRL loads too).
     Placement is left at its defaults but for the two CPU worker processes of the 2-core
-    machine; ``policy_lag`` is set only when given, so a config without the field still loads.
+    machine; ``policy_lag`` is set only when given, so a config without the field still loads, and
+    ``dtype`` (``models.actor.dtype``, else ``auto``) likewise.
     No evaluation, warm-up, checkpoint or TensorBoard: only the training loop runs.
 
     >>> cfg = rlflow_config({**TASKS["tiny"], "model_dir": "/m", "steps": 5}, "/run")
@@ -123,6 +124,7 @@ def rlflow_config(spec: dict[str, Any], run_dir: str, policy_lag: int | None = N
                 "grad_clip": spec["grad_clip"],
                 "weight_decay": 0.0,
                 "lr_schedule": "constant",
+                **({"dtype": spec["dtype"]} if "dtype" in spec else {}),
             }
         },
         "data": {

@@ -1,8 +1,9 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+"""Atomic file writes: a reader sees the old file or the new one, never half of one; rlflow's cache.
 
 Used wherever a file may be read while it is written or survive a crash mid-write: a saved
-``DataProto`` (:meth:`rlflow.protocol.DataProto.save`), a machine profile shared through the
-cache by concurrent runs (:mod:`rlflow.planner.profile`). It sits at the bottom of the layers.
+``DataProto`` (:meth:`rlflow.protocol.DataProto.save`), a machine profile or a host's measured
+matmul speeds shared through the cache by concurrent runs (:mod:`rlflow.planner.profile`,
+:func:`rlflow.engine.parallelize.cpu_bf16_speedup`). It sits at the bottom of the layers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomic"]
+__all__ = ["cache_dir", "write_atomic"]
+
+
+def cache_dir() -> Path:
+    """rlflow's per-user cache: ``$RLFLOW_CACHE_DIR``, else ``~/.cache/rlflow``."""
+    return Path(os.environ.get("RLFLOW_CACHE_DIR") or Path.home() / ".cache" / "rlflow")
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, *, fsync: bool = False) -> Path:

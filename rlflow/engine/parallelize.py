@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +42,8 @@ __all__ = [
     "ParallelDims",
     "apply_ac",
     "apply_fsdp",
+    "cpu_bf16_pays",
+    "cpu_bf16_speedup",
     "cpu_computes_bf16",
     "cpu_isa_caps",
     "layer_matmul_params",
@@ -67,6 +70,14 @@ ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
 # least this much (multiplying parameters x tokens of a pass): below it a pass is per-op overhead
 # and the casts around it (see resolve_compute_dtype).
 CPU_BF16_MIN_PASS_WORK = 1 << 28
+# ... and only where its bf16 matmul, measured on this host (cpu_bf16_speedup), beats fp32's by at least
+# this factor: the flags do not say it. A CPU with AMX tiles multiplies bf16 several times faster than
+# fp32, as does AMD's Zen 4 by its AVX512-BF16 dot products; an Intel CPU with AVX512-BF16 but no AMX
+# (or AMX the hypervisor does not expose) multiplies bf16 at about half fp32's speed.
+CPU_BF16_MIN_SPEEDUP = 1.25
+# The measured product: a training pass's projection, 256 tokens of width 512 to 1024 (F.linear).
+_SPEED_SHAPE = (256, 512, 1024)
+_SPEED_FILE = "cpu-matmul-speed.json"
 
 
 @dataclass(frozen=True)
@@ -142,6 +153,96 @@ def cpu_computes_bf16() -> bool:
     return caps.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_WITHOUT_BF16
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _matmul_gflops(dtype: torch.dtype, rounds: int, reps: int = 4) -> list[float]:
+    """GFLOP/s of :data:`_SPEED_SHAPE`'s product in ``dtype``, one figure per round (best of ``reps``)."""
+    m, k, n = _SPEED_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    torch.nn.functional.linear(x, w)  # oneDNN's first call builds its kernel
+    out = []
+    for _ in range(rounds):
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        out.append(2 * m * k * n / best / 1e9)
+    return out
+
+
+def measure_cpu_matmul_speed() -> dict[str, float]:
+    """This process's fp32 and bf16 matmul speeds on one torch thread (GFLOP/s of a training pass's
+    projection, :data:`_SPEED_SHAPE`), measured in alternating rounds so that a load on the machine
+    slows both alike; the best round of each. About 50 ms on a CPU that multiplies bf16 natively."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = [], []
+        for _ in range(3):
+            fp32 += _matmul_gflops(torch.float32, rounds=2)
+            bf16 += _matmul_gflops(torch.bfloat16, rounds=2)
+    finally:
+        torch.set_num_threads(threads)
+    return {"fp32_gflop_per_s": round(max(fp32), 1), "bf16_gflop_per_s": round(max(bf16), 1)}
+
+
+def cpu_bf16_speedup() -> float:
+    """How much faster this host multiplies in bf16 than in fp32: :func:`measure_cpu_matmul_speed`'s
+    ratio, measured once per host and kept in rlflow's cache (``<cache dir>/cpu-matmul-speed.json``,
+    keyed by the CPU model, its flags, the torch version and the instruction-set caps), so that every
+    run on the host decides alike. Asked only where :func:`cpu_computes_bf16`; an entry that cannot be
+    read is measured again and replaced."""
+    import hashlib
+    import json
+
+    identity = [cpu_model(), sorted(cpu_flags()), torch.__version__, sorted(cpu_isa_caps().items())]
+    return _host_bf16_speedup(hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16])
+
+
+@functools.cache  # one look per process and host identity
+def _host_bf16_speedup(key: str) -> float:
+    import json
+
+    from rlflow.files import cache_dir, write_atomic
+
+    path = cache_dir() / _SPEED_FILE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    speed = known.get(key)
+    valid = isinstance(speed, dict) and all(
+        isinstance(speed.get(k), (int, float)) and speed[k] > 0 for k in ("fp32_gflop_per_s", "bf16_gflop_per_s")
+    )
+    if not valid:
+        speed = {"cpu": cpu_model(), "torch": torch.__version__, **measure_cpu_matmul_speed()}
+        write_atomic(path, json.dumps({**known, key: speed}, indent=1))
+    return speed["bf16_gflop_per_s"] / speed["fp32_gflop_per_s"]
+
+
+def cpu_bf16_pays() -> bool:
+    """Whether ``auto`` may compute a CPU pass in bf16 here: the CPU multiplies it natively
+    (:func:`cpu_computes_bf16`) and measurably faster than fp32 (:func:`cpu_bf16_speedup` at least
+    :data:`CPU_BF16_MIN_SPEEDUP`)."""
+    return cpu_computes_bf16() and cpu_bf16_speedup() >= CPU_BF16_MIN_SPEEDUP
+
+
 def layer_matmul_params(config: Mapping[str, Any]) -> int | None:
     """Parameters one decoder layer multiplies every token by (attention projections and MLP), from an
     HF config's entries; None when the config does not say (no ``hidden_size``)."""
@@ -160,8 +261,8 @@ def resolve_compute_dtype(
 ) -> torch.dtype:
     """The compute dtype a model's ``dtype`` setting asks for on ``device_type`` workers.
 
-    ``"auto"`` is bf16 on CUDA; on a CPU bf16 where it computes it natively
-    (:func:`cpu_computes_bf16`, this host's flags) and one decoder layer's forward pass multiplies
+    ``"auto"`` is bf16 on CUDA; on a CPU bf16 where it computes it natively and faster than fp32
+    (:func:`cpu_bf16_pays`: this host's flags and its measured matmuls) and one decoder layer's forward pass multiplies
     at least ``CPU_BF16_MIN_PASS_WORK``: ``layer_params`` multiplying parameters times the
     ``tokens`` of a training pass; else fp32. A smaller pass is per-op overhead and the casts
     around its products, which bf16 does not shrink, and its decode steps would lose the fp32-only
@@ -178,7 +279,7 @@ def resolve_compute_dtype(
     if device_type == "cuda":
         return torch.bfloat16
     large = layer_params is not None and tokens is not None and layer_params * tokens >= CPU_BF16_MIN_PASS_WORK
-    if device_type == "cpu" and large and cpu_computes_bf16():
+    if device_type == "cpu" and large and cpu_bf16_pays():
         return torch.bfloat16
     return torch.float32
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,17 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from rlflow.files import write_atomic
+from rlflow.files import cache_dir, write_atomic
 from rlflow.planner.cluster import ClusterSpec
 from rlflow.planner.model_spec import ModelSpec
 from rlflow.planner.passes import BACKWARD_FLOPS_FACTOR, Rates, layer_work
 
 PROFILE_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """rlflow's per-user cache: ``$RLFLOW_CACHE_DIR``, else ``~/.cache/rlflow``."""
-    return Path(os.environ.get("RLFLOW_CACHE_DIR") or Path.home() / ".cache" / "rlflow")
 
 
 def default_profile_path() -> Path:

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import pkgutil
-import platform
 import socket
 import sys
 import threading
@@ -729,17 +728,6 @@ class CachedProfile:
     calibrate_to: Path | None = None
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # rlflow/, where setup.py puts rlflow._C_<name>
 
 
@@ -754,12 +742,12 @@ def host_identity(device: str = "cpu") -> dict[str, Any]:
     time whole calls at once are (``call_processes`` among the shapes)."""
     import torch
 
-    from rlflow.engine.parallelize import cpu_isa_caps
+    from rlflow.engine.parallelize import cpu_isa_caps, cpu_model
 
     cuda = device.startswith("cuda")
     return {
         "hostname": socket.gethostname(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch": torch.__version__,

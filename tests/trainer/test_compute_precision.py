@@ -28,6 +28,14 @@ from rlflow.trainer.runner import CallPlacement
 NATIVE_BF16 = frozenset({"fpu", "avx512f", "avx512_bf16"})
 AMX = frozenset({"fpu", "amx_tile", "amx_bf16"})
 AVX2_ONLY = frozenset({"fpu", "avx", "avx2", "fma"})
+MEASURED_SPEEDUP = parallelize.cpu_bf16_speedup
+
+
+@pytest.fixture(autouse=True)
+def bf16_four_times_faster(monkeypatch):
+    """This host's measured bf16 matmul speed-up, as an AMX or Zen 4 CPU measures it (each test that
+    asks another says so): the tests decide alike on every machine and measure nothing."""
+    monkeypatch.setattr(parallelize, "cpu_bf16_speedup", lambda: 4.0)
 
 
 def test_dtype_takes_auto_float32_or_bfloat16_and_names_the_field_otherwise():
@@ -98,6 +106,59 @@ def test_an_environment_that_caps_the_instruction_sets_below_bf16_computes_in_fp
     assert parallelize.cpu_computes_bf16() is native
     expected = torch.bfloat16 if native else torch.float32
     assert resolve_compute_dtype("auto", "cpu", LARGE, MAIN_PASS) == expected
+
+
+@pytest.mark.parametrize(("speedup", "expected"), [(0.55, torch.float32), (1.1, torch.float32), (1.3, torch.bfloat16)])
+def test_auto_keeps_fp32_on_a_cpu_with_the_flags_whose_bf16_matmul_measured_no_faster(monkeypatch, speedup, expected):
+    # An Intel CPU with AVX512-BF16 and no AMX multiplies bf16 at about half fp32's speed (0.55 measured)
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
+    monkeypatch.setattr(parallelize, "cpu_bf16_speedup", lambda: speedup)
+    assert resolve_compute_dtype("auto", "cpu", LARGE, MAIN_PASS) == expected
+    assert resolve_compute_dtype("bfloat16", "cpu", LARGE, MAIN_PASS) == torch.bfloat16  # what it says
+    assert resolve_compute_dtype("auto", "cuda", LARGE, MAIN_PASS) == torch.bfloat16
+
+
+def test_the_measured_speedup_is_kept_per_host_identity_and_measured_again_when_unreadable(monkeypatch, tmp_path):
+    monkeypatch.setattr(parallelize, "cpu_bf16_speedup", MEASURED_SPEEDUP)  # the real one, not the fixture's
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallelize, "cpu_flags", lambda: NATIVE_BF16)
+    for name in parallelize.ISA_CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return {"fp32_gflop_per_s": 160.0, "bf16_gflop_per_s": 88.0}
+
+    monkeypatch.setattr(parallelize, "measure_cpu_matmul_speed", measure)
+    parallelize._host_bf16_speedup.cache_clear()
+    assert parallelize.cpu_bf16_speedup() == pytest.approx(0.55)
+    assert not parallelize.cpu_bf16_pays() and len(measured) == 1
+    parallelize._host_bf16_speedup.cache_clear()  # another process on the host: reads the file
+    assert parallelize.cpu_bf16_speedup() == pytest.approx(0.55) and len(measured) == 1
+    (entry,) = json.loads((tmp_path / "cpu-matmul-speed.json").read_text()).values()
+    assert entry["bf16_gflop_per_s"] == 88.0 and entry["cpu"] == parallelize.cpu_model()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # another identity: measured on its own
+    parallelize.cpu_bf16_speedup()
+    assert len(measured) == 2 and len(json.loads((tmp_path / "cpu-matmul-speed.json").read_text())) == 2
+    (tmp_path / "cpu-matmul-speed.json").write_text("{cut sho")
+    parallelize._host_bf16_speedup.cache_clear()
+    assert parallelize.cpu_bf16_speedup() == pytest.approx(0.55) and len(measured) == 3
+    assert len(json.loads((tmp_path / "cpu-matmul-speed.json").read_text())) == 1  # replaced, readable
+    parallelize._host_bf16_speedup.cache_clear()
+
+
+def test_the_matmul_speeds_are_measured_on_one_thread_and_the_threads_restored(monkeypatch):
+    monkeypatch.setattr(parallelize, "_SPEED_SHAPE", (8, 16, 32))  # any CPU multiplies this bf16 quickly
+    threads = torch.get_num_threads()
+    seen = []
+    real = parallelize._matmul_gflops
+    monkeypatch.setattr(
+        parallelize, "_matmul_gflops", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k)
+    )
+    speed = parallelize.measure_cpu_matmul_speed()
+    assert speed["fp32_gflop_per_s"] > 0 and speed["bf16_gflop_per_s"] > 0
+    assert set(seen) == {1} and len(seen) == 6 and torch.get_num_threads() == threads
 
 
 def test_layer_params_count_the_projections_and_the_mlp():

@@ -160,12 +160,12 @@ def test_the_profile_times_calls_in_the_precision_the_workers_compute_in(monkeyp
 
     big = ModelSpec(num_layers=2, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=8, vocab_size=64)
     small = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=64)
-    monkeypatch.setattr(parallelize, "cpu_computes_bf16", lambda: True)  # a CPU with AVX512-BF16 / AMX
+    monkeypatch.setattr(parallelize, "cpu_bf16_pays", lambda: True)  # AMX: bf16 matmuls faster than fp32
     cfg = load_config(GRPO)
     assert profile_shapes(cfg, big)["calls"]["precision"] == "bf16"  # dtype: auto, 2.6M weights a layer
     assert profile_shapes(cfg, small)["calls"]["precision"] == "fp32"  # below CPU_BF16_MIN_PASS_WORK
     assert profile_shapes(load_config(GRPO, ["models.actor.dtype=float32"]), big)["calls"]["precision"] == "fp32"
-    monkeypatch.setattr(parallelize, "cpu_computes_bf16", lambda: False)
+    monkeypatch.setattr(parallelize, "cpu_bf16_pays", lambda: False)
     assert profile_shapes(cfg, big)["calls"]["precision"] == "fp32"
 
 
