@@ -217,6 +217,36 @@ def test_packed_projections_equal_plain_ones():
     assert not packs_weights(weight.float())
 
 
+def test_float32_cpu_projections_multiply_contiguous_in_out_copies_as_the_views_would(monkeypatch):
+    # MKL's GEMM of a decode step's few rows is 2-3x faster on an (in, out) contiguous matrix than on
+    # the transposed view of the (out, in) weight: the decoder keeps such copies on CPUs
+    model = build_model("llama_biases_tied_mha", seed=3)
+    layer = FastDecoder(model, max_new_tokens=2)._layers[1]
+    for w, name, width in ((layer.o_weight, "o_proj", 64), (layer.down_weight, "down_proj", 128)):
+        source = dict(model.named_parameters())[
+            f"model.layers.1.{'self_attn' if name == 'o_proj' else 'mlp'}.{name}.weight"
+        ]
+        assert w.is_contiguous() and w.data_ptr() != source.data_ptr() and torch.equal(w, source.t())
+        assert w.shape[0] == width
+    assert layer.qkv_weight.is_contiguous() and layer.gate_up_weight.is_contiguous()
+    decoder = FastDecoder(model, max_new_tokens=2)
+    assert decoder._head_t.is_contiguous() and torch.equal(decoder._head_t, model.lm_head.weight.t())
+    ids, mask = left_padded_prompts(LENGTHS, seed=3)
+    params = SamplingParams(n=2, max_new_tokens=12, seed=4)
+    copies = HFRolloutEngine(model, native_decode=False).generate((ids % VOCAB, mask), params)
+    copies_in_out = fast_decode_module._copies_in_out
+    monkeypatch.setattr(fast_decode_module, "_copies_in_out", lambda weight: False)  # the views
+    fast_decode_module._LAYER_CACHE.clear()
+    views = HFRolloutEngine(model, native_decode=False).generate((ids % VOCAB, mask), params)
+    assert not FastDecoder(model, max_new_tokens=2)._layers[1].o_weight.is_contiguous()
+    assert torch.equal(copies["responses"], views["responses"])
+    torch.testing.assert_close(copies["old_logp"], views["old_logp"], atol=1e-6, rtol=0)
+    # a head beyond _HEAD_COPY_MAX_BYTES stays a view (a Qwen-sized head would be a 545 MB copy)
+    monkeypatch.setattr(fast_decode_module, "_copies_in_out", copies_in_out)
+    monkeypatch.setattr(fast_decode_module, "_HEAD_COPY_MAX_BYTES", model.lm_head.weight.nbytes - 1)
+    assert not FastDecoder(model, max_new_tokens=2)._head_t.is_contiguous()
+
+
 def test_kv_cache_bytes_is_what_the_decoder_allocates():
     model = build_model("qwen2")
     ids, mask = left_padded_prompts(LENGTHS, seed=0)

@@ -9,7 +9,9 @@ o and MLP biases, per-head q/k RMSNorm) and whose attention is full or sliding-w
 
 * **Weights** are read by the family's parameter names; q/k/v and gate/up are concatenated so
   that each is one matmul (cached per model until any source weight changes in place, so a
-  rollout engine kept between calls concatenates once per weight version).
+  rollout engine kept between calls concatenates once per weight version). On a CPU every
+  matrix, and a head up to 64 MB, is held ``(in, out)`` contiguous: MKL multiplies a decode
+  step's few rows by it 2–3× faster than by the transposed view; bf16 ones in oneDNN's layout.
 * **KV cache**: one preallocated ``(N, kv_heads, P + R, head_dim)`` buffer per layer for k and
   v, written in place at each step; attention reads a view of its first ``P + s + 1`` slots.
 * **RoPE** from cos/sin tables built once per call by the model's own rotary module (so every
@@ -165,7 +167,7 @@ def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozen
         return params.get(f"{family.layers_module}.{layer}.{name}")
 
     def weight(layer: int, *modules: str) -> torch.Tensor | _Packed:  # the modules' outputs side by side
-        return _in_out(torch.cat([get(layer, f"{m}.weight") for m in modules], dim=0))
+        return _in_out(*(get(layer, f"{m}.weight") for m in modules))
 
     layers = []
     for i, kind in enumerate(family.layer_types(config)):
@@ -182,12 +184,12 @@ def _build_layers(model: nn.Module, family: ModelFamily, config, indices: frozen
                 qkv_weight=weight(i, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 qkv_bias=_cat([get(i, f"self_attn.{p}_proj.bias") for p in "qkv"]),
                 qk_norm=qk_norm,
-                o_weight=_in_out(get(i, "self_attn.o_proj.weight")),
+                o_weight=weight(i, "self_attn.o_proj"),
                 o_bias=get(i, "self_attn.o_proj.bias"),
                 post_norm=get(i, "post_attention_layernorm.weight"),
                 gate_up_weight=weight(i, "mlp.gate_proj", "mlp.up_proj"),
                 gate_up_bias=_cat([get(i, "mlp.gate_proj.bias"), get(i, "mlp.up_proj.bias")]),
-                down_weight=_in_out(get(i, "mlp.down_proj.weight")),
+                down_weight=weight(i, "mlp.down_proj"),
                 down_bias=get(i, "mlp.down_proj.bias"),
                 window=int(window) if kind == "sliding_attention" and window is not None else None,
             )
@@ -226,9 +228,28 @@ def packs_weights(weight: torch.Tensor) -> bool:
     )
 
 
-def _in_out(weight: torch.Tensor) -> torch.Tensor | _Packed:
-    """An ``(out, in)`` weight in the decoder's form: packed (:func:`packs_weights`) or ``(in, out)``."""
-    return _Packed(weight) if packs_weights(weight) else weight.t()
+def _in_out(*weights: torch.Tensor) -> torch.Tensor | _Packed:
+    """``(out, in)`` weights side by side (their outputs concatenated) in the decoder's form: packed
+    (:func:`packs_weights`); on a CPU an ``(in, out)`` contiguous copy (:func:`_copies_in_out`);
+    else an ``(in, out)`` view."""
+    if packs_weights(weights[0]):
+        return _Packed(weights[0] if len(weights) == 1 else torch.cat(weights, dim=0))
+    if _copies_in_out(weights[0]):
+        return torch.cat([w.t() for w in weights], dim=1).contiguous()
+    return (weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)).t()
+
+
+def _copies_in_out(weight: torch.Tensor) -> bool:
+    """Whether the decoder multiplies by an ``(in, out)`` contiguous copy of ``weight`` rather than
+    its transposed view: on a CPU, where MKL's GEMM of a decode step's few rows runs 2–3× faster
+    on it (16 rows by a 512 × 2048 weight: 2.8 against 6.6 ms for 16 of them, 2 threads; level
+    from 64 rows), the products the same bit for bit."""
+    return weight.device.type == "cpu" and not isinstance(weight, DTensor)
+
+
+# The LM head gets its (in, out) copy up to this size: a small head gains most (a 32000 x 512 one
+# 2.8x at 16 rows), a Qwen-sized one (151936 x 896, 545 MB) 1.2x for a copy of the embedding.
+_HEAD_COPY_MAX_BYTES = 64 << 20
 
 
 def _project(x: torch.Tensor, weight, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
@@ -274,16 +295,24 @@ def _cached_layers(model: nn.Module, family: ModelFamily, config, indices: froze
     if cached is not None and cached[0] == key:
         return cached[1]
     layers = _build_layers(model, family, config, indices)
-    # the fused matrices are copies, and so is every packed one
+    # the fused matrices are copies, and so is every packed one and every (in, out) contiguous one
     copied_bytes = sum(
         w.nbytes
         for layer in layers
         for w in (layer.qkv_weight, layer.gate_up_weight, layer.o_weight, layer.down_weight)
-        if isinstance(w, _Packed) or w is layer.qkv_weight or w is layer.gate_up_weight
+        if isinstance(w, _Packed) or w is layer.qkv_weight or w is layer.gate_up_weight or w.is_contiguous()
     )
     if copied_bytes <= _CACHE_MAX_BYTES:
         _LAYER_CACHE[model] = (key, layers)
     return layers
+
+
+def _head_in_out(weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's ``(hidden, vocab)`` matrix: a contiguous copy where :func:`_copies_in_out` and it
+    is at most :data:`_HEAD_COPY_MAX_BYTES`, else a view."""
+    if _copies_in_out(weight) and weight.nbytes <= _HEAD_COPY_MAX_BYTES:
+        return weight.detach().t().contiguous()
+    return weight.t()
 
 
 class FastDecoder:
@@ -317,7 +346,7 @@ class FastDecoder:
         self._layers = _cached_layers(model, family, config, layers)
         self._embed = model.get_parameter(family.embed_name) if holds("embed") else None
         self._norm = model.get_parameter(f"{family.norm_module}.weight") if holds("norm") else None
-        self._head_t = model.get_submodule(family.lm_head_module).weight.t() if holds("head") else None
+        self._head_t = _head_in_out(model.get_submodule(family.lm_head_module).weight) if holds("head") else None
         param = next(model.parameters())
         self._dtype, self._device = param.dtype, param.device
         self._eps = float(config_value(config, "rms_norm_eps", 1e-6))
