@@ -10,8 +10,9 @@ o and MLP biases, per-head q/k RMSNorm) and whose attention is full or sliding-w
 * **Weights** are read by the family's parameter names; q/k/v and gate/up are concatenated so
   that each is one matmul (cached per model until any source weight changes in place, so a
   rollout engine kept between calls concatenates once per weight version). On a CPU every
-  matrix, and a head up to 64 MB, is held ``(in, out)`` contiguous: MKL multiplies a decode
-  step's few rows by it 2–3× faster than by the transposed view; bf16 ones in oneDNN's layout.
+  matrix, and a head up to 64 MB, is held ``(in, out)`` contiguous: MKL spreads a decode step's
+  few rows times it over several threads, which it hardly does on the transposed view; bf16
+  matrices are held in oneDNN's layout.
 * **KV cache**: one preallocated ``(N, kv_heads, P + R, head_dim)`` buffer per layer for k and
   v, written in place at each step; attention reads a view of its first ``P + s + 1`` slots.
 * **RoPE** from cos/sin tables built once per call by the model's own rotary module (so every
@@ -241,14 +242,15 @@ def _in_out(*weights: torch.Tensor) -> torch.Tensor | _Packed:
 
 def _copies_in_out(weight: torch.Tensor) -> bool:
     """Whether the decoder multiplies by an ``(in, out)`` contiguous copy of ``weight`` rather than
-    its transposed view: on a CPU, where MKL's GEMM of a decode step's few rows runs 2–3× faster
-    on it (16 rows by a 512 × 2048 weight: 2.8 against 6.6 ms for 16 of them, 2 threads; level
-    from 64 rows), the products the same bit for bit."""
+    its transposed view: on a CPU, where MKL spreads the GEMM of a decode step's few rows over its
+    threads on it and hardly on the view (16 rows by sixteen 512 × 2048 weights: 2.65 against
+    6.42 ms on 2 threads, 8.81 against 8.71 on one; level from 64 rows), the products the same bit
+    for bit."""
     return weight.device.type == "cpu" and not isinstance(weight, DTensor)
 
 
 # The LM head gets its (in, out) copy up to this size: a small head gains most (a 32000 x 512 one
-# 2.8x at 16 rows), a Qwen-sized one (151936 x 896, 545 MB) 1.2x for a copy of the embedding.
+# 2.8x at 16 rows on 2 threads), a Qwen-sized one (151936 x 896, 545 MB) 1.2x for a copy of the embedding.
 _HEAD_COPY_MAX_BYTES = 64 << 20
 
 
