@@ -266,7 +266,7 @@ def plan_placement(
             kinds = {m.name: m.interface_type for m in device_mfcs}
             plan, threads = one_worker_on_every_core(
                 problem, plan, profile.calls, kinds, p.devices_per_node, profile.host_speedups,
-                explore=ONE_WORKER_EXPLORE if calibrates and not profile.host_speedups else 1.0,
+                explore=one_worker_explore(profile, calibrates),
             )  # fmt: skip
     calls = _call_placements(graph, plan, cfg)
     rounds = {m.name: workload.rollout_rounds for m in device_mfcs if m.name in workload.rollout_calls}
@@ -281,6 +281,34 @@ PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "
 # its calibration does on a one-worker plan only (a multi-worker plan's never measures the one-worker
 # alternative; a one-worker plan's calibration re-plans onto the searched one when that is faster).
 ONE_WORKER_EXPLORE = 2.0
+# A one-worker plan a run has measured at these shapes (its every-core speedups and its corrections on
+# one device) keeps its place unless a plan priced from uncalibrated estimates is this many times faster:
+# the estimates of a regime no run of the shape measured are off by more (the compute task capped at
+# AVX2: two workers estimated at 4.66 s an iteration against one worker's measured 5.19 s, and ran 6.5 s).
+MEASURED_ONE_WORKER_MARGIN = 1.25
+
+
+def one_worker_explore(profile: MachineProfile, calibrates: bool) -> float:
+    """How many times the searched plan's estimate the one-worker plan may be priced at and still be
+    taken (:func:`one_worker_on_every_core`'s ``explore``): :data:`ONE_WORKER_EXPLORE` for a run that
+    calibrates a shape whose every-core speedups no run measured; :data:`MEASURED_ONE_WORKER_MARGIN`
+    where a run measured them and the one-device regime (``alone_corrections``) but no run calibrated
+    the busy one (``corrections``) the searched plan is priced in; else 1.
+
+    >>> from types import SimpleNamespace as Profile
+    >>> one_worker_explore(Profile(host_speedups=None, alone_corrections=None, corrections=None), calibrates=True)
+    2.0
+    >>> measured = Profile(host_speedups={"generate": 1.4}, alone_corrections={"generate": 1.3}, corrections=None)
+    >>> one_worker_explore(measured, calibrates=False)
+    1.25
+    >>> one_worker_explore(Profile(**{**vars(measured), "corrections": {"generate": 1.1}}), calibrates=False)
+    1.0
+    """
+    if not profile.host_speedups:
+        return ONE_WORKER_EXPLORE if calibrates else 1.0
+    if profile.alone_corrections and not profile.corrections:
+        return MEASURED_ONE_WORKER_MARGIN
+    return 1.0
 
 
 def one_worker_on_every_core(

@@ -175,6 +175,43 @@ def test_a_one_worker_runs_calibration_corrects_the_alone_regime_and_prices_its_
     assert again.estimated_call_seconds() == pytest.approx({n: s / 2 for n, s in estimated.items()}, rel=0.05)
 
 
+def test_a_measured_one_worker_plan_keeps_its_place_against_a_plan_priced_in_an_uncalibrated_regime(
+    monkeypatch,
+) -> None:
+    """Once a run has measured the one-worker plan (its every-core speedups and its one-device
+    corrections), the plan search's choice over several workers, priced by busy fits no run
+    calibrated, must be estimated MEASURED_ONE_WORKER_MARGIN times faster to replace it; once the
+    busy regime is calibrated too the two compare as estimated; a new shape explores one worker."""
+    from rlflow.trainer import placement as placement_module
+    from rlflow.trainer.build import build_dataflow
+
+    cfg = load_config(GRPO, ["placement.devices_per_node=2", "placement.use_gpu=false"])
+    graph = build_dataflow(cfg, rule_reward=True)
+    spec = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+    seen = []
+    real = placement_module.one_worker_on_every_core
+
+    def spy(*args, explore=1.0):
+        seen.append(explore)
+        return real(*args, explore=explore)
+
+    monkeypatch.setattr(placement_module, "one_worker_on_every_core", spy)
+    speedups = {"generate": 1.4, "forward": 1.5, "train": 1.5}
+    measured = _two_worker_profile(host_speedups=speedups, alone_corrections={"generate": 1.3, "train_step": 0.9})
+    for profile, calibrates, explore in (
+        (_two_worker_profile(), True, placement_module.ONE_WORKER_EXPLORE),  # a shape new to the host
+        (_two_worker_profile(), False, 1.0),
+        (measured, False, placement_module.MEASURED_ONE_WORKER_MARGIN),
+        (replace(measured, corrections={"generate": 1.1, "train_step": 1.0}), False, 1.0),  # both regimes measured
+    ):
+        seen.clear()
+        placement_module.plan_placement(
+            cfg, graph, {"actor": spec}, use_gpu=False, profile=profile, progress=False, calibrates=calibrates
+        )
+        assert seen == [explore]
+    assert placement_module.MEASURED_ONE_WORKER_MARGIN > 1.0
+
+
 def test_a_new_shape_starts_from_the_machine_profile_and_caches_what_its_calls_measured(tmp_path, machine) -> None:
     trainer, records = _fit(_overrides(tmp_path / "a"))
     assert len(machine) == 1 and machine[0]["calls"]["model"] == REFERENCE_MODEL  # no call of the run's model timed
