@@ -350,10 +350,14 @@ def one_worker_on_every_core(
     if estimate >= plan.iteration_time_s * explore:
         return plan, 1
     if estimate >= plan.iteration_time_s:
+        why = (
+            "a plan a run of this shape measured, against one priced in a regime no run calibrated"
+            if explore == MEASURED_ONE_WORKER_MARGIN
+            else "for the run to measure its speedups on every core (a shape new to this host)"
+        )
         logger.info(
-            "one worker on all %d cores: est. %.3f s/iteration, within %.2fx of the %s plan's %.3f s; taking it "
-            "for the run to measure its speedups on every core (a shape new to this host)",
-            cores, estimate, explore, plan.name, plan.iteration_time_s,
+            "one worker on all %d cores: est. %.3f s/iteration, within %.2fx of the %s plan's %.3f s; taking it: %s",
+            cores, estimate, explore, plan.name, plan.iteration_time_s, why,
         )  # fmt: skip
     else:
         logger.info(
