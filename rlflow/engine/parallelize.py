@@ -21,6 +21,7 @@ by applying, in this order:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -50,6 +51,8 @@ __all__ = [
     "mixed_precision_dtype",
     "resolve_compute_dtype",
 ]
+
+logger = logging.getLogger(__name__)
 
 MESH_AXES = ("pp", "dp", "tp")
 
@@ -232,7 +235,10 @@ def _host_bf16_speedup(key: str) -> float:
     )
     if not valid:
         speed = {"cpu": cpu_model(), "torch": torch.__version__, **measure_cpu_matmul_speed()}
-        write_atomic(path, json.dumps({**known, key: speed}, indent=1))
+        try:
+            write_atomic(path, json.dumps({**known, key: speed}, indent=1))
+        except OSError as err:  # a cache that cannot be written: the next process measures again
+            logger.warning("cannot keep the measured matmul speeds in %s: %s", path, err)
     return speed["bf16_gflop_per_s"] / speed["fp32_gflop_per_s"]
 
 

@@ -145,6 +145,10 @@ def test_the_measured_speedup_is_kept_per_host_identity_and_measured_again_when_
     parallelize._host_bf16_speedup.cache_clear()
     assert parallelize.cpu_bf16_speedup() == pytest.approx(0.55) and len(measured) == 3
     assert len(json.loads((tmp_path / "cpu-matmul-speed.json").read_text())) == 1  # replaced, readable
+    # a cache that cannot be written: the measurement still decides, and the next process measures again
+    monkeypatch.setenv("RLFLOW_CACHE_DIR", str(tmp_path / "cpu-matmul-speed.json" / "not-a-directory"))
+    parallelize._host_bf16_speedup.cache_clear()
+    assert parallelize.cpu_bf16_speedup() == pytest.approx(0.55) and len(measured) == 4
     parallelize._host_bf16_speedup.cache_clear()
 
 
