@@ -74,9 +74,9 @@ ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
 # and the casts around it (see resolve_compute_dtype).
 CPU_BF16_MIN_PASS_WORK = 1 << 28
 # ... and only where its bf16 matmul, measured on this host (cpu_bf16_speedup), beats fp32's by at least
-# this factor: the flags do not say it. A CPU with AMX tiles multiplies bf16 several times faster than
-# fp32, as does AMD's Zen 4 by its AVX512-BF16 dot products; an Intel CPU with AVX512-BF16 but no AMX
-# (or AMX the hypervisor does not expose) multiplies bf16 at about half fp32's speed.
+# this factor: the flags do not say it. AMX tiles, and AMD's Zen 4 dot products, multiply bf16 several
+# times faster than fp32; an Intel CPU with AVX512-BF16 but no AMX multiplies it slower (docs/benchmarks.md,
+# "Precision" and "All three tasks on an AVX-512 CPU whose bf16 matmuls are slower than its fp32 ones").
 CPU_BF16_MIN_SPEEDUP = 1.25
 # The measured product: a training pass's projection, 256 tokens of width 512 to 1024 (F.linear).
 _SPEED_SHAPE = (256, 512, 1024)
@@ -170,13 +170,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _matmul_gflops(dtype: torch.dtype, rounds: int, reps: int = 4) -> list[float]:
-    """GFLOP/s of :data:`_SPEED_SHAPE`'s product in ``dtype``, one figure per round (best of ``reps``)."""
-    m, k, n = _SPEED_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(n, k, generator=gen).to(dtype)
-    torch.nn.functional.linear(x, w)  # oneDNN's first call builds its kernel
+def _matmul_gflops(x: torch.Tensor, w: torch.Tensor, rounds: int, reps: int = 4) -> list[float]:
+    """GFLOP/s of ``F.linear(x, w)``, one figure per round (the best of ``reps`` calls)."""
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
     out = []
     for _ in range(rounds):
         best = float("inf")
@@ -184,24 +180,30 @@ def _matmul_gflops(dtype: torch.dtype, rounds: int, reps: int = 4) -> list[float
             start = time.perf_counter()
             torch.nn.functional.linear(x, w)
             best = min(best, time.perf_counter() - start)
-        out.append(2 * m * k * n / best / 1e9)
+        out.append(flops / best / 1e9)
     return out
 
 
 def measure_cpu_matmul_speed() -> dict[str, float]:
     """This process's fp32 and bf16 matmul speeds on one torch thread (GFLOP/s of a training pass's
     projection, :data:`_SPEED_SHAPE`), measured in alternating rounds so that a load on the machine
-    slows both alike; the best round of each. About 50 ms on a CPU that multiplies bf16 natively."""
+    slows both alike; the best round of each. A fraction of a second where bf16 is native."""
+    m, k, n = _SPEED_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    operands = {"fp32": (x, w), "bf16": (x.bfloat16(), w.bfloat16())}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fp32, bf16 = [], []
+        for pair in operands.values():
+            torch.nn.functional.linear(*pair)  # oneDNN's first call builds its kernel
+        speeds = {name: [] for name in operands}
         for _ in range(3):
-            fp32 += _matmul_gflops(torch.float32, rounds=2)
-            bf16 += _matmul_gflops(torch.bfloat16, rounds=2)
+            for name, pair in operands.items():
+                speeds[name] += _matmul_gflops(*pair, rounds=2)
     finally:
         torch.set_num_threads(threads)
-    return {"fp32_gflop_per_s": round(max(fp32), 1), "bf16_gflop_per_s": round(max(bf16), 1)}
+    return {f"{name}_gflop_per_s": round(max(v), 1) for name, v in speeds.items()}
 
 
 def cpu_bf16_speedup() -> float:
