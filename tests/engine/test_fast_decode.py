@@ -218,8 +218,8 @@ def test_packed_projections_equal_plain_ones():
 
 
 def test_float32_cpu_projections_multiply_contiguous_in_out_copies_as_the_views_would(monkeypatch):
-    # MKL's GEMM of a decode step's few rows is 2-3x faster on an (in, out) contiguous matrix than on
-    # the transposed view of the (out, in) weight: the decoder keeps such copies on CPUs
+    # MKL spreads the GEMM of a decode step's few rows over its threads on an (in, out) contiguous
+    # matrix and hardly on the transposed view of the (out, in) weight: the decoder keeps such copies on CPUs
     model = build_model("llama_biases_tied_mha", seed=3)
     layer = FastDecoder(model, max_new_tokens=2)._layers[1]
     for w, name, width in ((layer.o_weight, "o_proj", 64), (layer.down_weight, "down_proj", 128)):

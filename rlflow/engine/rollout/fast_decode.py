@@ -10,9 +10,9 @@ o and MLP biases, per-head q/k RMSNorm) and whose attention is full or sliding-w
 * **Weights** are read by the family's parameter names; q/k/v and gate/up are concatenated so
   that each is one matmul (cached per model until any source weight changes in place, so a
   rollout engine kept between calls concatenates once per weight version). On a CPU every
-  matrix, and a head up to 64 MB, is held ``(in, out)`` contiguous: MKL spreads a decode step's
-  few rows times it over several threads, which it hardly does on the transposed view; bf16
-  matrices are held in oneDNN's layout.
+  float32 matrix, and a head up to 64 MB, is held ``(in, out)`` contiguous: MKL spreads a decode
+  step's few rows times it over several threads, which it hardly does on the transposed view;
+  bf16 matrices are held in oneDNN's layout.
 * **KV cache**: one preallocated ``(N, kv_heads, P + R, head_dim)`` buffer per layer for k and
   v, written in place at each step; attention reads a view of its first ``P + s + 1`` slots.
 * **RoPE** from cos/sin tables built once per call by the model's own rotary module (so every
@@ -231,26 +231,24 @@ def packs_weights(weight: torch.Tensor) -> bool:
 
 def _in_out(*weights: torch.Tensor) -> torch.Tensor | _Packed:
     """``(out, in)`` weights side by side (their outputs concatenated) in the decoder's form: packed
-    (:func:`packs_weights`); on a CPU an ``(in, out)`` contiguous copy (:func:`_copies_in_out`);
-    else an ``(in, out)`` view."""
-    if packs_weights(weights[0]):
-        return _Packed(weights[0] if len(weights) == 1 else torch.cat(weights, dim=0))
+    (:func:`packs_weights`), an ``(in, out)`` contiguous copy (:func:`_copies_in_out`), else an
+    ``(in, out)`` view."""
     if _copies_in_out(weights[0]):
         return torch.cat([w.t() for w in weights], dim=1).contiguous()
-    return (weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)).t()
+    fused = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
+    return _Packed(fused) if packs_weights(fused) else fused.t()
 
 
 def _copies_in_out(weight: torch.Tensor) -> bool:
     """Whether the decoder multiplies by an ``(in, out)`` contiguous copy of ``weight`` rather than
-    its transposed view: on a CPU, where MKL spreads the GEMM of a decode step's few rows over its
-    threads on it and hardly on the view (16 rows by sixteen 512 × 2048 weights: 2.65 against
-    6.42 ms on 2 threads, 8.81 against 8.71 on one; level from 64 rows), the products the same bit
-    for bit."""
-    return weight.device.type == "cpu" and not isinstance(weight, DTensor)
+    its transposed view: a float32 weight on a CPU, where MKL spreads the GEMM of a decode step's few
+    rows over its threads on the copy and hardly on the view (docs/benchmarks.md, "All three tasks
+    on an AVX-512 CPU whose bf16 matmuls are slower than its fp32 ones"); the products are the same."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and not isinstance(weight, DTensor)
 
 
-# The LM head gets its (in, out) copy up to this size: a small head gains most (a 32000 x 512 one
-# 2.8x at 16 rows on 2 threads), a Qwen-sized one (151936 x 896, 545 MB) 1.2x for a copy of the embedding.
+# The LM head gets its (in, out) copy up to this size: a small head gains most from it, a Qwen-sized
+# one (151936 x 896, 545 MB) little for a copy of the embedding (the same section measures both).
 _HEAD_COPY_MAX_BYTES = 64 << 20
 
 
