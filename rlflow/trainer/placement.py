@@ -264,9 +264,10 @@ def plan_placement(
         plan = _choose(p.mode, problem, baselines, generate, cfg, progress)
         if p.mode == "auto" and not use_gpu and profile is not None and profile.calls is not None:
             kinds = {m.name: m.interface_type for m in device_mfcs}
+            explore, why = one_worker_explore(profile, calibrates)
             plan, threads = one_worker_on_every_core(
                 problem, plan, profile.calls, kinds, p.devices_per_node, profile.host_speedups,
-                explore=one_worker_explore(profile, calibrates),
+                explore=explore, why=why,
             )  # fmt: skip
     calls = _call_placements(graph, plan, cfg)
     rounds = {m.name: workload.rollout_rounds for m in device_mfcs if m.name in workload.rollout_calls}
@@ -283,32 +284,38 @@ PROFILED_CALL = {"generate": "generate", "inference": "forward", "train_step": "
 ONE_WORKER_EXPLORE = 2.0
 # A one-worker plan a run has measured at these shapes (its every-core speedups and its corrections on
 # one device) keeps its place unless a plan priced from uncalibrated estimates is this many times faster:
-# the estimates of a regime no run of the shape measured are off by more (the compute task capped at
-# AVX2: two workers estimated at 4.66 s an iteration against one worker's measured 5.19 s, and ran 6.5 s).
+# the estimates of a regime no run of the shape measured are off by more (docs/benchmarks.md, the
+# compute task capped at AVX2 in "All three tasks on an AVX-512 CPU whose bf16 matmuls are slower ...").
 MEASURED_ONE_WORKER_MARGIN = 1.25
 
 
-def one_worker_explore(profile: MachineProfile, calibrates: bool) -> float:
+def one_worker_explore(profile: MachineProfile, calibrates: bool) -> tuple[float, str]:
     """How many times the searched plan's estimate the one-worker plan may be priced at and still be
-    taken (:func:`one_worker_on_every_core`'s ``explore``): :data:`ONE_WORKER_EXPLORE` for a run that
-    calibrates a shape whose every-core speedups no run measured; :data:`MEASURED_ONE_WORKER_MARGIN`
-    where a run measured them and the one-device regime (``alone_corrections``) but no run calibrated
-    the busy one (``corrections``) the searched plan is priced in; else 1.
+    taken, and why (:func:`one_worker_on_every_core`'s ``explore`` and ``why``): :data:`ONE_WORKER_EXPLORE`
+    for a run that calibrates a shape whose every-core speedups no run measured;
+    :data:`MEASURED_ONE_WORKER_MARGIN` where a run measured them and the one-device regime
+    (``alone_corrections``) but no run calibrated the busy one (``corrections``) the searched plan is
+    priced in; else 1.
 
     >>> from types import SimpleNamespace as Profile
-    >>> one_worker_explore(Profile(host_speedups=None, alone_corrections=None, corrections=None), calibrates=True)
+    >>> one_worker_explore(Profile(host_speedups=None, alone_corrections=None, corrections=None), calibrates=True)[0]
     2.0
     >>> measured = Profile(host_speedups={"generate": 1.4}, alone_corrections={"generate": 1.3}, corrections=None)
-    >>> one_worker_explore(measured, calibrates=False)
+    >>> one_worker_explore(measured, calibrates=False)[0]
     1.25
-    >>> one_worker_explore(Profile(**{**vars(measured), "corrections": {"generate": 1.1}}), calibrates=False)
+    >>> one_worker_explore(Profile(**{**vars(measured), "corrections": {"generate": 1.1}}), calibrates=False)[0]
     1.0
     """
     if not profile.host_speedups:
-        return ONE_WORKER_EXPLORE if calibrates else 1.0
+        if calibrates:
+            return ONE_WORKER_EXPLORE, "for the run to measure its speedups on every core (a shape new to this host)"
+        return 1.0, ""
     if profile.alone_corrections and not profile.corrections:
-        return MEASURED_ONE_WORKER_MARGIN
-    return 1.0
+        return (
+            MEASURED_ONE_WORKER_MARGIN,
+            "a plan a run of this shape measured, against one priced in a regime no run calibrated",
+        )
+    return 1.0, ""
 
 
 def one_worker_on_every_core(
@@ -319,6 +326,7 @@ def one_worker_on_every_core(
     cores: int,
     measured: Mapping[str, float] | None = None,
     explore: float = 1.0,
+    why: str = "",
 ) -> tuple[ExecutionPlan, int]:
     """``plan``, or the plan of one worker with a thread per core of its host where that is
     estimated faster; and the threads its CPU workers take.
@@ -329,7 +337,8 @@ def one_worker_on_every_core(
     ``cores``), or the speedup a run ``measured`` at its own shapes (``MachineProfile.host_speedups``,
     by profiled call); its transfers are unchanged. Without those timings (a one-worker host, an
     older profile) ``plan`` stays, with one thread. ``explore`` > 1: the one-worker plan is taken
-    when estimated at most that many times ``plan``'s time (a run that will measure it).
+    when estimated at most that many times ``plan``'s time, ``why`` said in the log
+    (:func:`one_worker_explore`).
     """
     measured = measured or {}
     speedups = {kind: measured.get(call) or timings.host_speedup(call) for kind, call in PROFILED_CALL.items()}
@@ -350,11 +359,6 @@ def one_worker_on_every_core(
     if estimate >= plan.iteration_time_s * explore:
         return plan, 1
     if estimate >= plan.iteration_time_s:
-        why = (
-            "a plan a run of this shape measured, against one priced in a regime no run calibrated"
-            if explore == MEASURED_ONE_WORKER_MARGIN
-            else "for the run to measure its speedups on every core (a shape new to this host)"
-        )
         logger.info(
             "one worker on all %d cores: est. %.3f s/iteration, within %.2fx of the %s plan's %.3f s; taking it: %s",
             cores, estimate, explore, plan.name, plan.iteration_time_s, why,

@@ -191,9 +191,9 @@ def test_a_measured_one_worker_plan_keeps_its_place_against_a_plan_priced_in_an_
     seen = []
     real = placement_module.one_worker_on_every_core
 
-    def spy(*args, explore=1.0):
+    def spy(*args, explore=1.0, why=""):
         seen.append(explore)
-        return real(*args, explore=explore)
+        return real(*args, explore=explore, why=why)
 
     monkeypatch.setattr(placement_module, "one_worker_on_every_core", spy)
     speedups = {"generate": 1.4, "forward": 1.5, "train": 1.5}
