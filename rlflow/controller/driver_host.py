@@ -11,9 +11,18 @@ is serialised: a call's output is the object the next call reads (a method that 
 inputs still gets a copy, ``WorkerHost.execute``).
 
 What changes for the worker: it shares the driver's process — its torch thread count, its RNG
-state, its ``torch.distributed`` default group (destroyed again by :meth:`DriverHost.kill`) —
-and a crash of the worker is the driver's. The worker group chooses this only when asked
-(``placement.worker_host``).
+state, its ``torch.distributed`` default group (destroyed again by :meth:`DriverHost.kill`), its
+OpenMP runtime — and a crash of the worker is the driver's. The worker group chooses this only
+when asked (``placement.worker_host``).
+
+The OpenMP runtime is shared per process: GNU OpenMP keeps a pool of threads for every thread that
+ran a parallel region, and once a process holds more of them than it has cores, every team
+stops spinning between regions and sleeps instead — a two-thread matmul of a decode step then
+pays a wake-up per call and runs little faster than on one thread. A driver that ran its own
+parallel torch work (building a model, measuring the machine) would leave its pool behind and
+slow every call of its worker so, for the whole run; queuing a call therefore first releases the
+queuing thread's pool (:func:`release_openmp_threads`), which the runtime builds again should
+that thread work in parallel later. docs/benchmarks.md shows the effect on a run.
 
 >>> import operator
 >>> class Adder:
@@ -28,13 +37,54 @@ and a crash of the worker is the driver's. The worker group chooses this only wh
 
 from __future__ import annotations
 
+import ctypes
 import queue
+import re
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 #: The node id every driver-hosted worker reports (there is no Ray node).
 DRIVER_NODE_ID = "driver"
+
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what the runtime can rebuild
+_OPENMP_PAUSE: list[Callable[[int], int] | None] = []  # what the look-up found, once torch was loaded
+
+
+def _openmp_pause() -> Callable[[int], int] | None:
+    """``omp_pause_resource_all`` (OpenMP 5.0) of the OpenMP runtime torch loaded, found among this
+    process's mapped libraries (torch loads its own copy privately); None before torch is imported,
+    where no runtime is loaded or where it lacks the call."""
+    if not _OPENMP_PAUSE:
+        if "torch" not in sys.modules:
+            return None
+        _OPENMP_PAUSE.append(_find_openmp_pause())
+    return _OPENMP_PAUSE[0]
+
+
+def _find_openmp_pause() -> Callable[[int], int] | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if re.search(r"/lib[gi]?omp[^/]*\.so", line)})
+    except OSError:  # not Linux
+        return None
+    for path in paths:
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause
+    return None
+
+
+def release_openmp_threads() -> bool:
+    """Ends the OpenMP threads this thread's parallel regions keep waiting (its thread pool), so
+    that they count no more against the process's cores; the runtime starts them again at this
+    thread's next parallel region. True when a runtime released them."""
+    pause = _openmp_pause()
+    return pause is not None and pause(_OMP_PAUSE_SOFT) == 0
 
 
 class DriverRef:
@@ -117,6 +167,8 @@ class DriverHost:
     def _submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> DriverRef:
         if not self._thread.is_alive():
             raise RuntimeError(f"the driver-hosted {type(self.obj).__name__} was shut down")
+        if threading.current_thread() is not self._thread:
+            release_openmp_threads()  # the module's docstring says why
         ref = DriverRef()
 
         def call() -> Any:
@@ -163,4 +215,4 @@ def wait(refs: Sequence[Any]) -> None:
         ray.wait(list(refs), num_returns=len(refs))
 
 
-__all__ = ["DRIVER_NODE_ID", "DriverHost", "DriverRef", "wait"]
+__all__ = ["DRIVER_NODE_ID", "DriverHost", "DriverRef", "release_openmp_threads", "wait"]

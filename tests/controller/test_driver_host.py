@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 
 import pytest
 import torch
 from conftest import ActorWorker, BrokenWorker, CriticWorker, make_batch
 
-from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, WorkerError, transfer_stats
+from rlflow.controller import RayClassWithInitArgs, RayWorkerGroup, WorkerError, driver_host, transfer_stats
 from rlflow.controller.driver_host import DRIVER_NODE_ID, DriverHost, wait
 
 
@@ -141,3 +142,31 @@ def test_driver_host_runs_calls_in_order_and_hands_errors_to_the_waiter():
     host.kill()
     assert obj.closed
     host.kill()  # a second kill does nothing
+
+
+def _tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def test_queuing_a_call_ends_the_openmp_threads_the_queuing_thread_kept():
+    # GNU OpenMP stops spinning in every team once a process keeps more pool threads than it has
+    # cores: a driver's own pool would slow its worker's parallel calls for the whole run.
+    if driver_host._openmp_pause() is None:
+        pytest.skip("this process's OpenMP runtime has no omp_pause_resource_all")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    host = None
+    try:
+        before = _tasks()
+        torch.ones(1 << 22).exp_()  # a parallel region on two threads: this thread's pool starts one
+        pool = _tasks() - before
+        assert pool, "the parallel region started no OpenMP thread"
+        host = DriverHost(lambda: types.SimpleNamespace(ping=lambda: "pong"))
+        assert host.ping.remote().result() == "pong"
+        assert not pool & _tasks()
+        torch.ones(1 << 22).exp_()  # the runtime starts the pool again at this thread's next region
+        assert _tasks() - before - {str(host._thread.native_id)}
+    finally:
+        torch.set_num_threads(threads)
+        if host is not None:
+            host.kill()
