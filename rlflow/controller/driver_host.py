@@ -53,9 +53,11 @@ _OPENMP_PAUSE: list[Callable[[int], int] | None] = []  # what the look-up found,
 
 
 def _openmp_pause() -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` (OpenMP 5.0) of the OpenMP runtime torch loaded, found among this
-    process's mapped libraries (torch loads its own copy privately); None before torch is imported,
-    where no runtime is loaded or where it lacks the call."""
+    """``omp_pause_resource_all`` (OpenMP 5.0) of GNU OpenMP as torch loaded it, found among this
+    process's mapped libraries (torch's wheels load their own copy privately); None before torch is
+    imported and where torch runs on another runtime. GNU OpenMP's pause ends the calling thread's
+    pool only; the standard lets a runtime release the whole process's threads, which would stop
+    the worker's team mid-call (LLVM's and Intel's runtimes are left alone)."""
     if not _OPENMP_PAUSE:
         if "torch" not in sys.modules:
             return None
@@ -66,7 +68,7 @@ def _openmp_pause() -> Callable[[int], int] | None:
 def _find_openmp_pause() -> Callable[[int], int] | None:
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if re.search(r"/lib[gi]?omp[^/]*\.so", line)})
+            paths = sorted({line.split()[-1] for line in maps if re.search(r"/libgomp[^/]*\.so", line)})
     except OSError:  # not Linux
         return None
     for path in paths:
