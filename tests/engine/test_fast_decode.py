@@ -395,3 +395,18 @@ def test_an_engine_built_for_a_worker_ties_its_head_and_decodes_lean():
     model = engine.module
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert fast_decode_blocker(model) is None
+
+
+@pytest.mark.parametrize("shape", [(16, 512), (3, 5, 64), (2, 7, 4, 32)])
+def test_float32_rms_norm_is_hf_rms_norm_bit_for_bit(shape):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+    hf = LlamaRMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        expected = hf(x)
+    assert torch.equal(fast_decode_module._rms_norm(x, weight, 1e-6), expected)
+    assert torch.equal(fast_decode_module._rms_norm(x, weight, 1e-6), torch.rms_norm(x, shape[-1:], weight, 1e-6))
+    assert torch.equal(fast_decode_module._rms_norm(x, None, 1e-6), torch.rms_norm(x, shape[-1:], None, 1e-6))
