@@ -410,3 +410,15 @@ def test_float32_rms_norm_is_hf_rms_norm_bit_for_bit(shape):
     assert torch.equal(fast_decode_module._rms_norm(x, weight, 1e-6), expected)
     assert torch.equal(fast_decode_module._rms_norm(x, weight, 1e-6), torch.rms_norm(x, shape[-1:], weight, 1e-6))
     assert torch.equal(fast_decode_module._rms_norm(x, None, 1e-6), torch.rms_norm(x, shape[-1:], None, 1e-6))
+
+
+def test_bf16_rms_norm_is_hf_rms_norm_bit_for_bit():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    x, weight = (torch.randn(16, 512, generator=gen) * 3).bfloat16(), torch.randn(512, generator=gen).bfloat16()
+    hf = LlamaRMSNorm(512, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        expected = hf(x)
+    assert torch.equal(fast_decode_module._rms_norm(x, weight, 1e-6), expected)

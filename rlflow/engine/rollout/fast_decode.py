@@ -270,14 +270,14 @@ def _project(x: torch.Tensor, weight, bias: torch.Tensor | None, residual=None) 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """HF's RMSNorm over the last dim: computed in float32, the weight applied in ``x``'s dtype.
 
-    In float32 as HF's ops, the same products as ``torch.rms_norm``'s in place where HF makes new
-    tensors: a decode step's rows are few, and ``torch.rms_norm`` took about 1.5 times as long on them
-    (docs/benchmarks.md, section "All three tasks on an AVX-512 CPU whose bf16 matmuls are slower
-    than its fp32 ones")."""
+    HF's ops, in place where HF makes new tensors: the same bits as ``torch.rms_norm``, which took
+    about 1.5 times as long on a decode step's few rows (docs/benchmarks.md, section "All three tasks
+    on an AVX-512 CPU whose bf16 matmuls are slower than its fp32 ones")."""
+    wide = x.float()
+    normed = wide * wide.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     if x.dtype == torch.float32:
-        normed = x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
         return normed if weight is None else normed.mul_(weight)
-    normed = torch.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+    normed = normed.to(x.dtype)
     return normed if weight is None else weight * normed
 
 
