@@ -160,9 +160,10 @@ def _side_figures(times: dict, new: int, step_bytes: int, copy: float, rlflow_s:
     step_s = (seconds - prefill) / (new - 1) if new > 1 and seconds > prefill else None
     figures = {
         **times,
-        "seconds": round(seconds, 4),
-        "prefill_seconds": round(prefill, 4),
-        "cpu_seconds": round(times["cpu_seconds"], 4),
+        # to the microsecond: a tiny model's call takes a few milliseconds, which 0.1 ms would round by 2-5%
+        "seconds": round(seconds, 6),
+        "prefill_seconds": round(prefill, 6),
+        "cpu_seconds": round(times["cpu_seconds"], 6),
         "ms_per_token": round(seconds / new * 1e3, 3),
         "decode_step_ms": round(step_s * 1e3, 3) if step_s else None,
         "decode_gb_per_s": round(step_bytes / step_s / 1e9, 2) if step_s else None,
