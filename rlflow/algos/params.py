@@ -110,6 +110,15 @@ class AlgorithmParams:
         gt=0.0,
         lt=1.0,
     )
+    distill_student_fraction: float = declared_field(
+        1.0,
+        "GKD's lambda (TRL GKDConfig's lmbda): the share of each step's prompts whose responses the student "
+        "samples; the others take their training row's 'completion' (a teacher's sample: sequence-level KD data) "
+        "as the response, and the same distill_loss full_vocab divergence trains on both kinds of row; 1: "
+        "on-policy only",
+        ge=0.0,
+        le=1.0,
+    )
     loss_agg_mode: str = declared_field("token-mean", "how per-token losses are reduced", choices=LOSS_AGG_MODES)
     norm_adv_by_std: bool = declared_field(
         True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)"
@@ -263,6 +272,13 @@ class AlgorithmParams:
             return (
                 "distill_loss",
                 "no teacher is read (algorithm distill, or distill_coef > 0, reads one); set sampled",
+            )
+        if self.distill_student_fraction < 1 and not (teacher_only and self.distill_loss == "full_vocab"):
+            return (
+                "distill_student_fraction",
+                "given completions train under the divergence over the whole vocabulary alone (the student did not "
+                "sample them: a sampled-token advantage or a reward's would be off-policy); set algorithm.name "
+                "distill and distill_loss full_vocab, or 1",
             )
         if self.distill_coef > 0 and not get_algorithm(self.name).samples_responses:
             return ("distill_coef", f"algorithm {self.name!r} samples nothing for a teacher to score; set 0")

@@ -331,6 +331,8 @@ class RLFlowConfig(_Section):
         self._check_sampling()
         if self.rollout.partial_tokens:
             self._check_partial()
+        if self.algorithm.distill_student_fraction < 1:
+            self._check_given_completions()
         if self.logging.rollouts_every and not self.algorithm.record.samples_responses:
             raise ConfigError(
                 "logging.rollouts_every", f"algorithm {self.algorithm.name!r} samples no rollouts to write (set 0)"
@@ -557,6 +559,18 @@ class RLFlowConfig(_Section):
                 "process and kept (its own processes and process-wide settings); run it in a Ray worker "
                 "(placement.worker_host: ray or auto)",
             )
+
+    def _check_given_completions(self) -> None:
+        """GKD's mixed rows (``algorithm.distill_student_fraction`` < 1) take completions into single-turn
+        rollouts the student's own samples share a call with (the rows holding them are checked with the
+        data: :func:`rlflow.trainer.data.check_completions`)."""
+        key, why = "algorithm.distill_student_fraction", None
+        if self.rollout.multi_turn.enabled:
+            why = "rollout.multi_turn is on; a completion is one response, not an episode"
+        elif self.rollout.partial_tokens:
+            why = f"rollout.partial_tokens={self.rollout.partial_tokens}; a given completion is not continued"
+        if why is not None:
+            raise ConfigError(key, f"{self.algorithm.distill_student_fraction:g}: {why}")
 
     def _check_partial(self) -> None:
         """Partial rollouts (``rollout.partial_tokens``) run where the driver can carry responses from

@@ -32,6 +32,7 @@ from rlflow.data.datasets import (
 from rlflow.data.files import data_format, read_records
 from rlflow.data.loader import StatefulDataLoader
 from rlflow.data.tasks import ArithmeticTask, CountdownTask, TaskExample, solve_countdown
+from rlflow.engine.rollout.given import COMPLETION
 from rlflow.protocol import DataProto
 from rlflow.trainer.config import ConfigError, RLFlowConfig
 from rlflow.workers.environments import MultiTurnSetup, import_object, trace_example
@@ -169,8 +170,17 @@ def build_trainer_data(
             SFTDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, max_len), "data.batch_size", sft=True
         )
     else:
-        dataset = PromptDataset(_records(cfg, "train", TASK_TRAIN_SIZE), tokenizer, d.max_prompt_len, d.truncation)
+        records = _records(cfg, "train", TASK_TRAIN_SIZE)
+        dataset = PromptDataset(records, tokenizer, d.max_prompt_len, d.truncation)
         check_rows(dataset, training_reward(cfg, reward_fn))  # every row, before any batch is drawn
+        if cfg.algorithm.distill_student_fraction < 1:
+            if not isinstance(records, str):
+                raise ConfigError(
+                    "algorithm.distill_student_fraction",
+                    f"{cfg.algorithm.distill_student_fraction:g}: the given responses are the {COMPLETION!r} "
+                    f"column of data.train_file's rows; the synthetic task {d.task!r} has none (set data.train_file)",
+                )
+            check_completions(dataset)
         train, columns = loader(dataset, "data.batch_size"), dataset.columns
     eval_prompts = _eval_prompts(cfg, tokenizer, reward_fn)
     warmup = None
@@ -242,6 +252,24 @@ def check_rows(dataset: PromptDataset, reward: str | RewardFuncs | None, indices
             check_ground_truth(reward, ground_truth_of(dataset[i]))
         except ValueError as err:
             raise DatasetFormatError(f"{dataset.where(i)}: {err}") from None
+
+
+def check_completions(dataset: PromptDataset) -> None:
+    """Every prompt row holds a string ``completion``: the response a row takes when the student does not
+    sample it (``algorithm.distill_student_fraction``, GKD's mixed rows).
+
+    Raises:
+        DatasetFormatError: naming where the first row without one is.
+    """
+    for i in range(len(dataset)):
+        completion = dataset[i].get(COMPLETION)
+        if not isinstance(completion, str):
+            have = sorted(k for k in dataset[i] if k not in ("index", "input_ids"))
+            got = "no such column" if completion is None else f"a {type(completion).__name__}"
+            raise DatasetFormatError(
+                f"{dataset.where(i)}: algorithm.distill_student_fraction < 1 gives rows their {COMPLETION!r} "
+                f"(a string: a teacher's sample) as the response; got {got} (the row has {have})"
+            )
 
 
 def _eval_prompts(cfg: RLFlowConfig, tokenizer, reward_fn: str | RewardFuncs | None) -> DataProto | None:

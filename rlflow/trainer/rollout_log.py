@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlflow.engine.rollout.given import GIVEN_RESPONSE
 from rlflow.protocol import DataProto
 from rlflow.workers.interfaces.reward import decode_rollout
 
@@ -36,7 +37,8 @@ def rollout_records(tokenizer: Any, generated: DataProto, scored: DataProto | No
     """One record a row of ``generated``: ``prompt`` (the real tokens before the first sampled one),
     ``response`` (every real token after the prompt: a multi-turn row's observations included),
     ``response_tokens`` (sampled tokens), ``reward`` from ``scored`` when given, ``answer`` and
-    ``group`` (the row's ``answers`` and ``uid`` columns) when the rows hold them.
+    ``group`` (the row's ``answers`` and ``uid`` columns) and ``given`` (true where the response was the
+    row's completion, not a sample: GKD's mixed rollouts) when the rows hold them.
 
     Raises:
         ValueError: ``scored`` has another number of rows than ``generated``.
@@ -56,7 +58,7 @@ def rollout_records(tokenizer: Any, generated: DataProto, scored: DataProto | No
             raise ValueError(f"{len(rewards)} rewards for {len(records)} rollouts")
         for record, reward in zip(records, torch.as_tensor(rewards).float().tolist()):
             record["reward"] = reward
-    for column, key in (("answers", "answer"), ("uid", "group")):
+    for column, key in (("answers", "answer"), ("uid", "group"), (GIVEN_RESPONSE, "given")):
         if column in generated.non_tensor_keys:
             for record, value in zip(records, generated.non_tensor_batch[column]):
                 record[key] = _plain(value)

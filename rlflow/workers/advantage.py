@@ -41,6 +41,7 @@ from rlflow.algos import (
 )
 from rlflow.algos.overlong import overlong_penalty, response_lengths
 from rlflow.algos.params import AlgorithmParams, estimator_reads
+from rlflow.engine.rollout.given import GIVEN_RESPONSE
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, gather_dp, last_token_scatter
 
@@ -102,6 +103,8 @@ class AdvantageEstimator:
             raise KeyError(f"advantages need {missing}; the train step's rows hold {sorted(data.keys)}")
         local: dict[str, Any] = {k: data.batch[k] for k in _INPUTS if k in data.batch_keys}
         local["uid"] = group_ids(data, self.algo.n_samples, ctx.coords.dp)
+        if GIVEN_RESPONSE in data.non_tensor_batch:  # GKD's mixed rollouts: which rows the policy sampled
+            local["sampled_rows"] = torch.from_numpy(~np.asarray(data.non_tensor_batch[GIVEN_RESPONSE], dtype=bool))
         batch, rows = gather_dp(local, ctx)
         mask = batch["response_mask"].float()
         kl_coef = self.kl_controller.value
@@ -120,7 +123,12 @@ class AdvantageEstimator:
             self.kl_controller.update(float(mean_kl), n_steps=int(mask.shape[0]))
         advantages, returns = self._estimate(batch, token_rewards, mask)
         if estimator_reads(self.algo.adv_estimator, "teacher_logp"):  # the teacher's signal alone
-            metrics.update(distill_metrics(advantages, None, 1.0, mask))
+            sampled = batch.get("sampled_rows")
+            if sampled is None:
+                metrics.update(distill_metrics(advantages, None, 1.0, mask))
+            else:  # the reverse-KL estimate is over the student's own samples; the given share beside it
+                metrics.update(distill_metrics(advantages, None, 1.0, mask * sampled[:, None].float()))
+                metrics["given_response_fraction"] = float(1.0 - sampled.float().mean())
         elif "teacher_logp" in batch and self.algo.distill_coef > 0:
             signal = distill_signal(batch["old_logp"], batch["teacher_logp"], mask)
             if self.algo.distill_loss == "sampled":

@@ -13,6 +13,7 @@ import torch
 from tiny_fit import DRIVER_FIT, GRPO, REPO, TINY_ACTOR
 from transformers import AutoModelForCausalLM
 
+from rlflow.data.datasets import DatasetFormatError
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.trainer import ConfigError, Trainer, load_config
@@ -182,3 +183,70 @@ def test_other_bad_distillation_settings_name_their_field():
         assert err.value.key == key, (key, str(err.value))
     # A teacher beside an algorithm that reads none is not built.
     assert "teacher" not in load_config(GRPO, [*TINY_ACTOR, *teacher]).required_models()
+
+
+def _completions_file(path: Path, rows: int = 64) -> Path:
+    """Training rows of the main task with the task's answer as each row's ``completion`` (a perfect
+    teacher's sample) beside the ``answer`` the held-out rule reads."""
+    task = load_config(GRPO, ["data.eval_size=2"]).data.build_task(0)
+    lines = [
+        json.dumps({"prompt": ex.prompt, "completion": ex.answer, "answer": ex.answer})
+        for ex in task.sample("train", rows)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_mixed_rows_take_their_completion_and_train_on_the_teachers_distributions(teacher, tmp_path):
+    """GKD's mix (``distill_student_fraction``): half of each step's prompts take their row's completion,
+    the student samples the others; the rows say which is which, a given row's old log-probs are the
+    student's own (the ratio is 1 on every token of a one-update step), and the divergence falls."""
+    run = tmp_path / "run"
+    data = _completions_file(tmp_path / "train.jsonl")
+    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "algorithm.distill_divergence=forward"]
+    overrides += ["algorithm.distill_student_fraction=0.5", "algorithm.n_samples=2", "data.batch_size=8"]
+    overrides += [f"data.train_file={data}", "data.task=null", "logging.rollouts_every=1", "trainer.total_steps=8"]
+    overrides += ["models.actor.lr=2e-2", "models.teacher.init=path", f"models.teacher.path={teacher}"]
+    with Trainer(GRPO, overrides=[*overrides, f"logging.dir={run}"], progress_bars=False) as trainer:
+        trainer.fit()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "actor_train/distill_vocab_kl" in r]
+    assert len(steps) == 8 and all(r["actor_train/given_response_fraction"] == 0.5 for r in steps)
+    # Old log-probs of given rows left at 0 would put the ratio at exp(log pi) and approx_kl far above 0.
+    assert all(abs(r["actor_train/approx_kl"]) < 1e-5 for r in steps), [r["actor_train/approx_kl"] for r in steps]
+    kl = [r["actor_train/distill_vocab_kl"] for r in steps]
+    assert sum(kl[-2:]) / 2 < 0.5 * sum(kl[:2]) / 2, kl
+    answers = {json.loads(line)["prompt"]: json.loads(line)["completion"] for line in data.read_text().splitlines()}
+    for step in range(1, 9):
+        rows = [json.loads(line) for line in (run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        given = [r for r in rows if r["given"]]
+        assert len(given) == 8 and len(rows) == 16  # 4 of 8 prompts, 2 sample slots each
+        assert all(r["response"] == answers[r["prompt"]] for r in given)
+        assert {r["group"] for r in given}.isdisjoint({r["group"] for r in rows if not r["given"]})
+
+
+def test_mixed_rows_need_a_completion_on_every_training_row_before_any_worker_starts(tmp_path):
+    data = _completions_file(tmp_path / "train.jsonl", rows=4)
+    lines = data.read_text().splitlines()
+    lines[2] = json.dumps({k: v for k, v in json.loads(lines[2]).items() if k != "completion"})
+    data.write_text("\n".join(lines) + "\n")
+    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "algorithm.distill_student_fraction=0.5"]
+    overrides += ["models.teacher.init=tiny", f"logging.dir={tmp_path / 'run'}", "data.task=null"]
+    with pytest.raises(DatasetFormatError, match=r"train\.jsonl:3: .*'completion'.*got no such column"):
+        Trainer(GRPO, overrides=[*overrides, f"data.train_file={data}"], progress_bars=False)
+    # The synthetic task has no completions.
+    with pytest.raises(ConfigError, match="synthetic task 'arithmetic' has none") as err:
+        Trainer(GRPO, overrides=[*overrides[:-1]], progress_bars=False)
+    assert err.value.key == "algorithm.distill_student_fraction"
+
+
+def test_mixed_rows_with_an_objective_that_reads_sampled_tokens_are_refused():
+    teacher = ["models.teacher.init=tiny", "algorithm.distill_student_fraction=0.5"]
+    for extra in (
+        ["algorithm.name=distill"],  # the sampled-token advantage
+        ["algorithm.distill_coef=0.5", "algorithm.distill_loss=full_vocab"],  # GRPO's reward advantage
+        ["algorithm.name=distill", "algorithm.distill_loss=full_vocab", "rollout.partial_tokens=2"],
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(GRPO, [*TINY_ACTOR, *teacher, *extra])
+        assert err.value.key == "algorithm.distill_student_fraction", (extra, str(err.value))

@@ -175,7 +175,7 @@ def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples
     result = main([*student, *split, "algorithm.distill_divergence=jsd", "algorithm.distill_jsd_beta=0.1"])
     # 3 steps of 4 sequences: every training prompt once (a pass), each with one sample of the teacher.
     rows = [json.loads(line) for line in Path("runs/distill_arithmetic_sft_data/train.jsonl").open()]
-    assert len(rows) == 4096 and all(set(r) == {"prompt", "completion"} for r in rows)
+    assert len(rows) == 4096 and all(set(r) == {"prompt", "completion", "answer"} for r in rows)
     assert result.steps == 3 and "actor_train" in result.mfc_seconds and result.score_after is not None
     cfg = load_config(Path(result.run_dir) / "config.yaml")
     assert cfg.algorithm.name == "sft" and cfg.models["actor"].num_layers == 2 and cfg.data.batch_size == 4
@@ -183,6 +183,30 @@ def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples
     held_out = [json.loads(line) for line in Path("runs/distill_arithmetic_sft_data/eval.jsonl").open()]
     seed_0 = load_config(RECIPES / "distill_arithmetic.yaml", ["seed=0", "data.eval_size=2"])
     assert cfg.data.split_seed is None and held_out == task_records(seed_0, "test", 2)
+
+
+def test_the_distillation_recipe_mixes_in_the_teachers_samples_it_draws_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from distill_arithmetic import main
+
+    tok = build_char_tokenizer()
+    build_tiny_model(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
+        "runs/sft_arithmetic/actor"
+    )
+    tok.save_pretrained("runs/sft_arithmetic/actor")
+    driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
+    student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
+    student += ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
+    result = main([*student, "algorithm.distill_student_fraction=0.5"])
+    # 3 steps of 2 given rows need one pass over the training prompts, one teacher sample each.
+    rows = [json.loads(line) for line in Path("runs/distill_arithmetic_teacher_samples/train.jsonl").open()]
+    assert len(rows) == 4096 and all(set(r) == {"prompt", "completion", "answer"} for r in rows)
+    records = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").open()]
+    given = [r["actor_train/given_response_fraction"] for r in records if "actor_train/given_response_fraction" in r]
+    assert result.steps == 3 and given == [0.5] * 3 and result.score_after is not None
+    cfg = load_config(Path(result.run_dir) / "config.yaml")
+    assert cfg.algorithm.name == "distill" and cfg.data.train_file.endswith("train.jsonl") and cfg.data.task is None
 
 
 @pytest.mark.distributed

@@ -33,6 +33,14 @@ from rlflow.data.tokenizer import load_tokenizer
 from rlflow.engine.lora import adapters_disabled
 from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.given import (
+    COMPLETION,
+    GIVEN_RESPONSE,
+    choose_given,
+    completion_ids,
+    given_rollout,
+    merge_rollouts,
+)
 from rlflow.engine.rollout.multi_turn import MultiTurn
 from rlflow.engine.rollout.partial import TOKEN_VERSION, PartialCall, append_tokens, prefix_prompts, widen_rows
 from rlflow.protocol import DataProto
@@ -210,7 +218,10 @@ class ActorInterface(ModelInterface):
             self.num_eval_rollouts += 1
         else:
             self.num_rollouts += 1
-        sampled = self._sample(engine, prompts, params)
+        if self.algo.distill_student_fraction < 1 and not greedy and not evaluate:
+            sampled = self._sample_or_give(engine, prompts, params, ctx)
+        else:
+            sampled = self._sample(engine, prompts, params)
         # An engine that reports log-probs of the top-k/top-p filtered distribution says so (vLLM);
         # logged as <call>/old_logp_filtered (algorithm.recompute_old_logp replaces them).
         filtered = sampled.meta_info.get("old_logp_filtered")
@@ -272,14 +283,34 @@ class ActorInterface(ModelInterface):
             )
         return run(prompts, params, self.multi_turn)
 
+    def _sample_or_give(
+        self, engine: RolloutEngine, prompts: DataProto, params: SamplingParams, ctx: CallContext
+    ) -> DataProto:
+        """GKD's mixed rollout (``algorithm.distill_student_fraction``, :mod:`rlflow.engine.rollout.given`):
+        a drawn share of the prompts take their row's completion as the response, the policy samples
+        the others. The draw is seeded by the rollout's seed and the dp rank, so every tp and pp rank
+        of a dp rank takes the same prompts, and a resumed run the same as the interrupted one."""
+        given = choose_given(len(prompts), self.algo.distill_student_fraction, (params.seed, ctx.coords.dp))
+        pad = engine.pad_token_id
+        sampled = self._sample(engine, prompts[~given], params) if not given.all() else None
+        given_rows = None
+        if given.any():
+            rows = prompts[given]
+            texts = [row.get(COMPLETION) for row in rows.non_tensor_batch["columns"]]
+            responses = completion_ids(self._tokenizer, texts, params.max_new_tokens)
+            given_rows = given_rollout(rows, responses, params.n, pad)
+        return merge_rollouts(sampled, given_rows, given, params.n, pad)
+
+    @cached_property
+    def _tokenizer(self):
+        return load_tokenizer(self.setup.tokenizer_path)
+
     @cached_property
     def multi_turn(self) -> MultiTurn | None:
         """The episodes of ``rollout.multi_turn`` (built once: the episodes share one tool thread pool)."""
         if self.setup.multi_turn is None:
             return None
-        return self.setup.multi_turn.build(
-            load_tokenizer(self.setup.tokenizer_path), self.setup.sampling.stop_token_ids or None
-        )
+        return self.setup.multi_turn.build(self._tokenizer, self.setup.sampling.stop_token_ids or None)
 
     # ------------------------------------------------------------------ inference
     def inference(self, engine: TrainEngine, data: DataProto, ctx: CallContext) -> DataProto | None:
@@ -292,6 +323,9 @@ class ActorInterface(ModelInterface):
         out = log_probs(engine, data, self.temperature)
         if out is not None and "rollout_logp" in data.batch_keys:
             mask = data.batch["response_mask"]
+            if GIVEN_RESPONSE in data.non_tensor_batch:  # given responses have no rollout log-probs to compare
+                sampled = ~np.asarray(data.non_tensor_batch[GIVEN_RESPONSE], dtype=bool)
+                mask = mask * torch.from_numpy(sampled)[:, None].to(mask.dtype)
             out.meta_info.update(logp_mismatch(out.batch["logp"], data.batch["rollout_logp"], mask))
         return out
 
@@ -308,6 +342,8 @@ class ActorInterface(ModelInterface):
             )
         if self.model.lora is not None and self.algo.kl_coef > 0 and "ref_logp" not in data.batch_keys:
             data = data.union(DataProto.from_dict({"ref_logp": self._base_log_probs(engine, data)}))
+        if self.algo.distill_student_fraction < 1:  # on every rank: the forward it may take is collective
+            data = self._own_logp_of_given_rows(engine, data)
         advantages, _, metrics = self.advantages(data, ctx)
         batch = tensors_of(data, ("input_ids", "attention_mask", "response_mask", "old_logp"))
         batch["advantages"] = advantages
@@ -339,6 +375,26 @@ class ActorInterface(ModelInterface):
             empty_ok=self.algo.mask_truncated,  # a mini-batch of truncated responses only has no loss
         )
         return {**metrics, **step}
+
+    def _own_logp_of_given_rows(self, engine: TrainEngine, data: DataProto) -> DataProto:
+        """Rows whose response was given (GKD's mixed rollouts, ``given_response``) have no sampler's
+        log-probs: their ``old_logp`` becomes the student's own before this step (the train engine's,
+        at the sampling temperature), so the ratio, the KL terms and the metrics read them as a sample
+        of these weights. Under the old-log-prob recompute ``old_logp`` is that already, and their
+        ``rollout_logp`` becomes it (no mismatch to correct: no engine sampled them)."""
+        if "rollout_logp" in data.batch_keys:
+            own, key = data.batch["old_logp"], "rollout_logp"
+        else:
+            out = log_probs(engine, data, self.temperature)
+            if out is None:  # not the last pipeline stage: no loss is taken here
+                return data
+            own, key = out.batch["logp"] * data.batch["response_mask"], "old_logp"
+        given = torch.from_numpy(np.asarray(data.non_tensor_batch[GIVEN_RESPONSE], dtype=bool))
+        tensors = dict(data.batch.items())
+        tensors[key] = torch.where(given[:, None], own.to(tensors[key].dtype), tensors[key])
+        out = DataProto.from_dict(tensors, dict(data.non_tensor_batch))
+        out.meta_info.update(data.meta_info)
+        return out
 
     def _mask_truncated(self, batch: dict[str, torch.Tensor]) -> float:
         """Leaves the responses the generation limit cut off out of the loss (``algorithm.mask_truncated``);
