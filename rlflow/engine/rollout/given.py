@@ -48,8 +48,8 @@ def choose_given(num_prompts: int, student_fraction: float, seed: Sequence[int] 
     """``(num_prompts,)`` bool: which prompts take their given completion — ``round((1 - f) * B)`` of
     them (halves up), drawn without replacement from a generator seeded by ``seed``.
 
-    >>> choose_given(4, 0.5, seed=0).sum(), choose_given(4, 1.0, seed=0).any(), choose_given(3, 0.0, seed=1).all()
-    (np.int64(2), np.False_, np.True_)
+    >>> int(choose_given(4, 0.5, seed=0).sum()), bool(choose_given(4, 1.0, seed=0).any()), bool(choose_given(3, 0.0, seed=1).all())
+    (2, False, True)
     """
     if not 0.0 <= student_fraction <= 1.0:
         raise ValueError(f"student_fraction={student_fraction!r}; expected 0 <= f <= 1")
