@@ -156,11 +156,9 @@ def test_grpo_lora_recipe_trains_the_missing_base_then_adapters_that_load_in_pla
         assert not torch.allclose(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
 
 
-def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(RECIPES))
-    from distill_sft_arithmetic import main
-
+def _tiny_teacher_and_student() -> list[str]:
+    """A tiny untrained teacher at the distillation recipe's teacher path (in the current directory);
+    the overrides of a 3-step student run in the driver."""
     tok = build_char_tokenizer()
     build_tiny_model(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
         "runs/sft_arithmetic/actor"
@@ -168,7 +166,15 @@ def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples
     tok.save_pretrained("runs/sft_arithmetic/actor")
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
-    student += ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
+    return [*student, "logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
+
+
+def test_the_distillation_baseline_is_sft_of_the_student_on_the_teachers_samples(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from distill_sft_arithmetic import main
+
+    student = _tiny_teacher_and_student()
     # The distillation's own settings, which SFT does not read, are accepted and dropped; the split's
     # seed draws the held-out file, which then holds the problems a distillation run of it scores.
     split = ["seed=1", "data.split_seed=0"]
@@ -190,14 +196,7 @@ def test_the_distillation_recipe_mixes_in_the_teachers_samples_it_draws_first(tm
     monkeypatch.syspath_prepend(str(RECIPES))
     from distill_arithmetic import main
 
-    tok = build_char_tokenizer()
-    build_tiny_model(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
-        "runs/sft_arithmetic/actor"
-    )
-    tok.save_pretrained("runs/sft_arithmetic/actor")
-    driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
-    student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
-    student += ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
+    student = _tiny_teacher_and_student()
     result = main([*student, "algorithm.distill_student_fraction=0.5"])
     # 3 steps of 2 given rows need one pass over the training prompts, one teacher sample each.
     rows = [json.loads(line) for line in Path("runs/distill_arithmetic_teacher_samples/train.jsonl").open()]
