@@ -326,7 +326,21 @@ def build_dataflow(cfg: RLFlowConfig, rule_reward: bool) -> nx.DiGraph:
     graph.graph["old_logp_mismatch"] = algo.old_logp_mismatch(
         cfg.rollout, cfg.placement.use_gpu, cfg.model_dtype("actor")
     )
+    if algo.distill_student_fraction < 1:
+        _price_the_sampled_share(graph, cfg)
     return graph
+
+
+def _price_the_sampled_share(graph: nx.DiGraph, cfg: RLFlowConfig) -> None:
+    """GKD's mixed rollouts (``algorithm.distill_student_fraction``): the actor's sampling call samples
+    the student's share of the prompts (the rest take given completions), so the planner prices it
+    for those sequences; the calls after it read every row of the step."""
+    algo = cfg.algorithm
+    prompts = max(1, math.floor(algo.distill_student_fraction * cfg.data.batch_size + 0.5))
+    for name in graph.nodes:
+        mfc = graph.nodes[name]["mfc"]
+        if mfc.interface_type == "generate" and not mfc.greedy and mfc.model_name == "actor":
+            graph.nodes[name]["mfc"] = replace(mfc, n_seqs=prompts * algo.n_samples)
 
 
 def extra_calls(

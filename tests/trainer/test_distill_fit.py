@@ -208,6 +208,9 @@ def test_mixed_rows_take_their_completion_and_train_on_the_teachers_distribution
     overrides += [f"data.train_file={data}", "data.task=null", "logging.rollouts_every=1", "trainer.total_steps=8"]
     overrides += ["models.actor.lr=2e-2", "models.teacher.init=path", f"models.teacher.path={teacher}"]
     with Trainer(GRPO, overrides=[*overrides, f"logging.dir={run}"], progress_bars=False) as trainer:
+        # The planner prices the sampling for the student's 4 prompts x 2 samples, the teacher's call for every row.
+        mfcs = {name: trainer.graph.nodes[name]["mfc"] for name in trainer.graph.nodes}
+        assert mfcs["actor_gen"].n_seqs == 8 and mfcs["teacher_inf"].n_seqs is None
         trainer.fit()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "actor_train/distill_vocab_kl" in r]
