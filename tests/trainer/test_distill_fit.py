@@ -253,3 +253,23 @@ def test_mixed_rows_with_an_objective_that_reads_sampled_tokens_are_refused():
         with pytest.raises(ConfigError) as err:
             load_config(GRPO, [*TINY_ACTOR, *teacher, *extra])
         assert err.value.key == "algorithm.distill_student_fraction", (extra, str(err.value))
+
+
+def test_mixed_rows_under_the_old_logp_recompute_compare_only_the_sampled_rows(tmp_path):
+    """With the recompute the trainer's log-probs are every row's ``old_logp``; a given row has no
+    rollout log-probs, so the engine/trainer mismatch is over the student's samples (0 would be
+    compared with the trainer's log-probs of the given tokens otherwise) and the ratio stays 1."""
+    run = tmp_path / "run"
+    data = _completions_file(tmp_path / "train.jsonl")
+    overrides = [*DISTILL, "algorithm.distill_loss=full_vocab", "algorithm.distill_divergence=forward"]
+    overrides += ["algorithm.distill_student_fraction=0.5", "algorithm.recompute_old_logp=true"]
+    overrides += [f"data.train_file={data}", "data.task=null", "trainer.total_steps=3", "models.teacher.init=tiny"]
+    overrides += ["data.batch_size=8", *(f"models.teacher.{o}" for o in TEACHER_SHAPE)]
+    with Trainer(GRPO, overrides=[*overrides, f"logging.dir={run}"], progress_bars=False) as trainer:
+        assert list(trainer.graph.nodes) == ["actor_gen", "actor_inf", "teacher_inf", "actor_train"]
+        trainer.fit()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [r["actor_inf/logp_mismatch_max"] for r in records if "actor_inf/logp_mismatch_max" in r]
+    assert len(mismatch) == 3 and max(mismatch) < 1e-3, mismatch
+    steps = [r for r in records if "actor_train/approx_kl" in r]
+    assert len(steps) == 3 and all(abs(r["actor_train/approx_kl"]) < 1e-5 for r in steps)
