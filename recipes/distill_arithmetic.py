@@ -3,10 +3,10 @@
 The teacher (``models.teacher``) is the export of ``sft_arithmetic``, which this script trains
 first when ``models.teacher.path`` holds no model. At each position of a step's responses the student
 is trained toward the teacher's whole next-token distribution (``algorithm.distill_loss: full_vocab``).
-The responses are GKD's mix (``algorithm.distill_student_fraction``): the student samples that share of
-a step's prompts itself (on-policy), and the others take a response the teacher sampled, which this
-script draws from the teacher first (:func:`teacher_sample_data`, two per training prompt). At 1 the
-run is on-policy only and samples nothing from the teacher.
+The responses are GKD's mix (``algorithm.distill_student_fraction``, 0.5 in the recipe): the student
+samples that share of a step's prompts itself (on-policy), and the others take a response the teacher
+sampled, which this script draws from the teacher first (:func:`teacher_sample_data`, two per training
+prompt). At 1 the run is on-policy only and samples nothing from the teacher.
 
 python recipes/distill_arithmetic.py [recipes/other.yaml] [key=value ...]
 """
