@@ -273,3 +273,29 @@ def test_mixed_rows_under_the_old_logp_recompute_compare_only_the_sampled_rows(t
     assert len(mismatch) == 3 and max(mismatch) < 1e-3, mismatch
     steps = [r for r in records if "actor_train/approx_kl" in r]
     assert len(steps) == 3 and all(abs(r["actor_train/approx_kl"]) < 1e-5 for r in steps)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_mixed_rows_on_two_data_parallel_ranks(ray_session, tmp_path):
+    """Each dp rank draws its own given prompts; the train call's forward for the given rows' old
+    log-probs runs on both FSDP ranks (a collective), and half of every step's rows are given."""
+    run = tmp_path / "run"
+    data = _completions_file(tmp_path / "train.jsonl")
+    m = "placement.manual"
+    dp2 = ["placement.mode=manual", "placement.devices_per_node=2", "placement.worker_host=ray"]
+    for call in ("actor_gen", "teacher_inf", "actor_train"):
+        dp2 += [f"{m}.{call}.mesh.num_devices=2", f"{m}.{call}.strategy.dp=2"]
+    overrides = [*DISTILL, *dp2, "algorithm.distill_loss=full_vocab", "algorithm.distill_divergence=forward"]
+    overrides += ["algorithm.distill_student_fraction=0.5", f"data.train_file={data}", "data.task=null"]
+    overrides += ["data.batch_size=8", "trainer.total_steps=3", "models.teacher.init=tiny", "logging.rollouts_every=1"]
+    with Trainer(GRPO, overrides=[*overrides, f"logging.dir={run}"], progress_bars=False) as trainer:
+        trainer.fit()
+        assert trainer.placement.plan.call("actor_train").strategy.dp == 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "actor_train/given_response_fraction" in r]
+    assert len(steps) == 3 and all(r["actor_train/given_response_fraction"] == 0.5 for r in steps)
+    assert all(abs(r["actor_train/approx_kl"]) < 1e-5 for r in steps)
+    for step in range(1, 4):
+        rows = [json.loads(line) for line in (run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 16 and sum(r["given"] for r in rows) == 8
