@@ -286,6 +286,11 @@ class RolloutEngine(Protocol):
         """The model it generates with."""
         ...
 
+    @property
+    def pad_token_id(self) -> int:
+        """The token written after a row's end (what rows built beside its own are padded with)."""
+        ...
+
     def generate(self, prompts: Prompts, params: SamplingParams) -> DataProto | dict[str, torch.Tensor]:
         """Sample ``params.n`` responses per prompt.
 

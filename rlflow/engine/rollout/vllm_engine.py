@@ -462,6 +462,11 @@ class VLLMRolloutEngine:
         """The HF config vLLM runs."""
         return self._config
 
+    @property
+    def pad_token_id(self) -> int:
+        """The token written after a row's end."""
+        return self._pad_token_id
+
     def _check_tp_rank(self) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
