@@ -71,7 +71,8 @@ class StandInVLLM(VLLMRolloutEngine):
         return cls(spec.config, pad_token_id=spec.pad_token_id)
 
     def __init__(self, config, *, pad_token_id=None) -> None:
-        self._config, self.pad_token_id, self.events = config, pad_token_id, []
+        default = getattr(config, "pad_token_id", None) or 0  # the engine's default: the config's, else 0
+        self._config, self._pad_token_id, self.events = config, default if pad_token_id is None else pad_token_id, []
         hf = AutoModelForCausalLM.from_config(config).state_dict()
         d, heads, kv = (
             config.hidden_size // config.num_attention_heads,
