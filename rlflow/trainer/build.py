@@ -30,6 +30,7 @@ from rlflow.engine.optim import OptimConfig
 from rlflow.engine.parallelize import layer_matmul_params, resolve_compute_dtype
 from rlflow.engine.rollout import get_rollout_engine
 from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.given import given_count
 from rlflow.engine.router_loss import resolve_router_aux_loss_coef
 from rlflow.families import family_of, list_families
 from rlflow.families.generic import GenericFamily
@@ -336,7 +337,8 @@ def _price_the_sampled_share(graph: nx.DiGraph, cfg: RLFlowConfig) -> None:
     the student's share of the prompts (the rest take given completions), so the planner prices it
     for those sequences; the calls after it read every row of the step."""
     algo = cfg.algorithm
-    prompts = max(1, math.floor(algo.distill_student_fraction * cfg.data.batch_size + 0.5))
+    batch = cfg.data.batch_size
+    prompts = max(1, batch - given_count(batch, algo.distill_student_fraction))
     for name in graph.nodes:
         mfc = graph.nodes[name]["mfc"]
         if mfc.interface_type == "generate" and not mfc.greedy and mfc.model_name == "actor":

@@ -41,7 +41,7 @@ from rlflow.algos import (
 )
 from rlflow.algos.overlong import overlong_penalty, response_lengths
 from rlflow.algos.params import AlgorithmParams, estimator_reads
-from rlflow.engine.rollout.given import GIVEN_RESPONSE
+from rlflow.engine.rollout.given import sampled_rows
 from rlflow.protocol import DataProto
 from rlflow.workers.context import CallContext, gather_dp, last_token_scatter
 
@@ -103,8 +103,9 @@ class AdvantageEstimator:
             raise KeyError(f"advantages need {missing}; the train step's rows hold {sorted(data.keys)}")
         local: dict[str, Any] = {k: data.batch[k] for k in _INPUTS if k in data.batch_keys}
         local["uid"] = group_ids(data, self.algo.n_samples, ctx.coords.dp)
-        if GIVEN_RESPONSE in data.non_tensor_batch:  # GKD's mixed rollouts: which rows the policy sampled
-            local["sampled_rows"] = torch.from_numpy(~np.asarray(data.non_tensor_batch[GIVEN_RESPONSE], dtype=bool))
+        sampled = sampled_rows(data)  # GKD's mixed rollouts: which rows the policy sampled
+        if sampled is not None:
+            local["sampled_rows"] = sampled
         batch, rows = gather_dp(local, ctx)
         mask = batch["response_mask"].float()
         kl_coef = self.kl_controller.value

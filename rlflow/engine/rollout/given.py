@@ -30,8 +30,10 @@ __all__ = [
     "choose_given",
     "completion_ids",
     "given_rollout",
+    "given_count",
     "merge_rollouts",
     "pad_responses",
+    "sampled_rows",
 ]
 
 # The training row's field a given response comes from (TRL's prompt-completion format).
@@ -51,12 +53,28 @@ def choose_given(num_prompts: int, student_fraction: float, seed: Sequence[int] 
     >>> int(choose_given(4, 0.5, seed=0).sum()), bool(choose_given(4, 1.0, seed=0).any()), bool(choose_given(3, 0.0, seed=1).all())
     (2, False, True)
     """
-    if not 0.0 <= student_fraction <= 1.0:
-        raise ValueError(f"student_fraction={student_fraction!r}; expected 0 <= f <= 1")
-    count = int(np.floor((1.0 - student_fraction) * num_prompts + 0.5))
     given = np.zeros(num_prompts, dtype=bool)
+    count = given_count(num_prompts, student_fraction)
     given[np.random.default_rng(seed).choice(num_prompts, size=count, replace=False)] = True
     return given
+
+
+def given_count(num_prompts: int, student_fraction: float) -> int:
+    """How many of ``num_prompts`` prompts take their given completion: ``round((1 - f) * B)``, halves up.
+
+    >>> given_count(7, 0.5), given_count(5, 0.25), given_count(3, 1.0)
+    (4, 4, 0)
+    """
+    if not 0.0 <= student_fraction <= 1.0:
+        raise ValueError(f"student_fraction={student_fraction!r}; expected 0 <= f <= 1")
+    return int(np.floor((1.0 - student_fraction) * num_prompts + 0.5))
+
+
+def sampled_rows(rows: DataProto) -> torch.Tensor | None:
+    """``(N,)`` bool: True on the rows the policy sampled, False on given ones; None for rows without
+    the ``given_response`` column (a rollout that mixes nothing in)."""
+    given = rows.non_tensor_batch.get(GIVEN_RESPONSE)
+    return None if given is None else torch.from_numpy(~np.asarray(given, dtype=bool))
 
 
 def completion_ids(tokenizer, texts: Sequence[str], max_new_tokens: int) -> list[list[int]]:
@@ -99,8 +117,7 @@ def given_rollout(prompts: DataProto, responses: Sequence[Sequence[int]], n: int
     ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
     logp = torch.zeros(ids.shape, dtype=torch.float32)
     p = prompts.batch
-    out = assemble_rollout(p["input_ids"], p["attention_mask"], ids, mask, logp, n, prompts)
-    return out if isinstance(out, DataProto) else DataProto.from_dict(out)
+    return assemble_rollout(p["input_ids"], p["attention_mask"], ids, mask, logp, n, prompts)  # a DataProto
 
 
 def pad_responses(rollout: DataProto, width: int, pad_token_id: int) -> DataProto:

@@ -35,11 +35,11 @@ from rlflow.engine.packing import position_ids_from_mask
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.given import (
     COMPLETION,
-    GIVEN_RESPONSE,
     choose_given,
     completion_ids,
     given_rollout,
     merge_rollouts,
+    sampled_rows,
 )
 from rlflow.engine.rollout.multi_turn import MultiTurn
 from rlflow.engine.rollout.partial import TOKEN_VERSION, PartialCall, append_tokens, prefix_prompts, widen_rows
@@ -323,9 +323,9 @@ class ActorInterface(ModelInterface):
         out = log_probs(engine, data, self.temperature)
         if out is not None and "rollout_logp" in data.batch_keys:
             mask = data.batch["response_mask"]
-            if GIVEN_RESPONSE in data.non_tensor_batch:  # given responses have no rollout log-probs to compare
-                sampled = ~np.asarray(data.non_tensor_batch[GIVEN_RESPONSE], dtype=bool)
-                mask = mask * torch.from_numpy(sampled)[:, None].to(mask.dtype)
+            sampled = sampled_rows(data)
+            if sampled is not None:  # given responses have no rollout log-probs to compare
+                mask = mask * sampled[:, None].to(mask.dtype)
             out.meta_info.update(logp_mismatch(out.batch["logp"], data.batch["rollout_logp"], mask))
         return out
 
@@ -389,9 +389,8 @@ class ActorInterface(ModelInterface):
             if out is None:  # not the last pipeline stage: no loss is taken here
                 return data
             own, key = out.batch["logp"] * data.batch["response_mask"], "old_logp"
-        given = torch.from_numpy(np.asarray(data.non_tensor_batch[GIVEN_RESPONSE], dtype=bool))
         tensors = dict(data.batch.items())
-        tensors[key] = torch.where(given[:, None], own.to(tensors[key].dtype), tensors[key])
+        tensors[key] = torch.where(sampled_rows(data)[:, None], tensors[key], own.to(tensors[key].dtype))
         out = DataProto.from_dict(tensors, dict(data.non_tensor_batch))
         out.meta_info.update(data.meta_info)
         return out
