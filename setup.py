@@ -15,6 +15,12 @@ from setuptools import setup
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# Kernels that run on OpenMP threads: linked to libgomp by its soname, which torch's wheel ships
+# under the same one, so that in a process that imported torch they share its threads (the
+# comment on on_threads in kernels/decode.cpp).
+_OPENMP = {"decode": ["-fopenmp"]}
+
+
 def _kernel_extensions() -> list[Pybind11Extension]:
     extensions = []
     for source in sorted(glob.glob(os.path.join("kernels", "*.cpp"))):
@@ -25,7 +31,8 @@ def _kernel_extensions() -> list[Pybind11Extension]:
                 [source],
                 include_dirs=[os.path.join(_HERE, "kernels")],
                 cxx_std=17,
-                extra_compile_args=["-O3"],
+                extra_compile_args=["-O3", *_OPENMP.get(name, [])],
+                extra_link_args=_OPENMP.get(name, []),
             )
         )
     return extensions

@@ -26,9 +26,16 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -41,30 +48,156 @@ using FArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 namespace {
 
+// ---------------------------------------------------------------- threads
+
+// f(t, n) on each thread t of a team of n <= `threads` (fewer when the OpenMP runtime gives
+// fewer), the calling thread being t = 0. The team is OpenMP's: the extension links libgomp by the
+// soname torch's own copy carries, so in a process that imported torch first both share one
+// runtime and one set of threads — the ones torch's last op left spinning take the step's work,
+// rather than a second set of threads contending with them for the cores. Without OpenMP, or
+// with one thread, f(0, 1) here.
+template <class F>
+void on_threads(int threads, F&& f) {
+#ifdef _OPENMP
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    f(omp_get_thread_num(), omp_get_num_threads());
+    return;
+  }
+#endif
+  f(0, 1);
+}
+
+// [begin, end) of `count` items for thread t of `threads`: contiguous, sizes differing by at most one.
+inline std::pair<i64, i64> share(i64 count, int t, int threads) {
+  return {count * t / threads, count * (t + 1) / threads};
+}
+
 // ---------------------------------------------------------------- matmul: y[n, :] = base + x[n, :] @ w
 
-// Scalar kernel (any CPU): rows one at a time, the inner loop over contiguous output columns.
-void matmul_scalar(const float* x, i64 n, i64 in, const float* w, i64 out, float* y) {
-  for (i64 r = 0; r < n; ++r) {
-    float* yr = y + r * out;
-    const float* xr = x + r * in;
-    for (i64 k = 0; k < in; ++k) {
-      const float a = xr[k];
-      const float* wk = w + k * out;
-      for (i64 j = 0; j < out; ++j) yr[j] += a * wk[j];
+// A matrix (in, out) held as panels of kPanel output columns: panel p is its columns
+// [p kPanel, (p + 1) kPanel) as an (in, kPanel) contiguous block, zero past `out`. A kernel streams
+// one panel front to back (the hardware prefetchers follow it, where the rows of an (in, out) matrix
+// lie a whole row apart), and threads take disjoint runs of panels.
+constexpr i64 kPanel = 16;
+
+// Buffers of panels kept after their decoder is gone, for the next decoder of the same shapes (a
+// generate call builds one, and every call of a run packs the same shapes): fresh pages cost as
+// much to touch as the packing itself. At most kKeptBytes are kept.
+class Kept {
+ public:
+  static constexpr size_t kKeptBytes = size_t{1} << 30;
+
+  static float* take(size_t floats) {
+    std::lock_guard<std::mutex> hold(mutex());
+    auto& kept = buffers();
+    for (auto it = kept.begin(); it != kept.end(); ++it) {
+      if (it->first == floats) {
+        float* buffer = it->second;
+        kept.erase(it);
+        bytes() -= floats * sizeof(float);
+        return buffer;
+      }
+    }
+    return new float[floats];
+  }
+
+  static void give(float* buffer, size_t floats) {
+    std::lock_guard<std::mutex> hold(mutex());
+    if (bytes() + floats * sizeof(float) > kKeptBytes) {
+      delete[] buffer;
+      return;
+    }
+    buffers().emplace_back(floats, buffer);
+    bytes() += floats * sizeof(float);
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::pair<size_t, float*>>& buffers() {
+    static std::vector<std::pair<size_t, float*>> b;
+    return b;
+  }
+  static size_t& bytes() {
+    static size_t n = 0;
+    return n;
+  }
+};
+
+struct KeptDeleter {
+  size_t floats = 0;
+  void operator()(float* buffer) const { Kept::give(buffer, floats); }
+};
+
+struct Panels {
+  i64 in = 0, out = 0, count = 0;
+  const float* source = nullptr;  // the (in, out) matrix packed from, until fill() has run
+  std::unique_ptr<float[], KeptDeleter> buffer;  // count x in x kPanel floats from the first 64-byte boundary on
+  float* data = nullptr;
+  const float* panel(i64 p) const { return data + p * in * kPanel; }
+
+  // Panels [p0, p1) from `source` (columns past `out` zero); the threads fill disjoint runs, each
+  // touching its own pages first.
+  void fill(i64 p0, i64 p1) const {
+    for (i64 q = p0; q < p1; ++q) {
+      const i64 width = std::min(kPanel, out - q * kPanel);
+      float* dst = data + q * in * kPanel;
+      for (i64 k = 0; k < in; ++k) {
+        std::copy_n(source + k * out + q * kPanel, width, dst + k * kPanel);
+        std::fill(dst + k * kPanel + width, dst + (k + 1) * kPanel, 0.f);
+      }
+    }
+  }
+};
+
+// Room for the panels of an (in, out) matrix, filled later (Decoder's constructor, on its threads).
+Panels panels_of(const float* source, i64 in, i64 out) {
+  Panels p;
+  p.in = in;
+  p.out = out;
+  p.count = (out + kPanel - 1) / kPanel;
+  p.source = source;
+  const size_t floats = p.count * in * kPanel + 16;  // a whole vector a cache line: aligned to one
+  p.buffer = std::unique_ptr<float[], KeptDeleter>(Kept::take(floats), KeptDeleter{floats});
+  const auto address = reinterpret_cast<std::uintptr_t>(p.buffer.get());
+  p.data = p.buffer.get() + ((64 - address % 64) % 64) / sizeof(float);
+  return p;
+}
+
+// Scalar kernel (any CPU): panels [p0, p1), rows one at a time. y holds the base on entry.
+void panels_scalar(const float* x, i64 n, const Panels& w, i64 p0, i64 p1, float* y) {
+  for (i64 q = p0; q < p1; ++q) {
+    const float* panel = w.panel(q);
+    const i64 j = q * kPanel, width = std::min(kPanel, w.out - j);
+    for (i64 r = 0; r < n; ++r) {
+      float acc[kPanel];
+      std::copy_n(y + r * w.out + j, width, acc);
+      const float* xr = x + r * w.in;
+      for (i64 k = 0; k < w.in; ++k) {
+        const float a = xr[k];
+        for (i64 c = 0; c < width; ++c) acc[c] += a * panel[k * kPanel + c];
+      }
+      std::copy_n(acc, width, y + r * w.out + j);
     }
   }
 }
 
 #ifdef RLFLOW_X86
-// AVX2/FMA kernel: for each strip of 16 output columns (its in x 16 weights stay in cache while
-// every row passes), tiles of 4 rows x 16 columns held in 8 registers across the whole k loop, so
-// each weight vector loaded feeds 4 FMAs; leftover rows take 1-row tiles, leftover columns the
-// scalar loop. y holds the base (bias, residual or 0) on entry.
-__attribute__((target("avx2,fma"))) void matmul_avx2(const float* x, i64 n, i64 in, const float* w, i64 out,
+// AVX2/FMA kernel: tiles of 4 rows x one panel (8 accumulators), so each weight vector loaded feeds
+// 4 FMAs; leftover rows take 1-row tiles; a last panel narrower than kPanel the scalar kernel.
+__attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, const Panels& w, i64 p0, i64 p1,
                                                       float* y) {
-  const i64 cols16 = out - out % 16;
-  for (i64 j = 0; j < cols16; j += 16) {
+  const i64 in = w.in, out = w.out;
+  for (i64 q = p0; q < p1; ++q) {
+    const i64 j = q * kPanel;
+    if (out - j < kPanel) {
+      panels_scalar(x, n, w, q, q + 1, y);
+      continue;
+    }
+    const float* panel = w.panel(q);
     i64 r = 0;
     for (; r + 4 <= n; r += 4) {
       const float* x0 = x + r * in;
@@ -74,8 +207,8 @@ __attribute__((target("avx2,fma"))) void matmul_avx2(const float* x, i64 n, i64 
         acc[i][1] = _mm256_loadu_ps(y + (r + i) * out + j + 8);
       }
       for (i64 k = 0; k < in; ++k) {
-        const __m256 w0 = _mm256_loadu_ps(w + k * out + j);
-        const __m256 w1 = _mm256_loadu_ps(w + k * out + j + 8);
+        const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+        const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
         for (int i = 0; i < 4; ++i) {
           const __m256 a = _mm256_broadcast_ss(x0 + i * in + k);
           acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
@@ -92,20 +225,47 @@ __attribute__((target("avx2,fma"))) void matmul_avx2(const float* x, i64 n, i64 
       __m256 a0 = _mm256_loadu_ps(y + r * out + j), a1 = _mm256_loadu_ps(y + r * out + j + 8);
       for (i64 k = 0; k < in; ++k) {
         const __m256 a = _mm256_broadcast_ss(xr + k);
-        a0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(w + k * out + j), a0);
-        a1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(w + k * out + j + 8), a1);
+        a0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + k * kPanel), a0);
+        a1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
       }
       _mm256_storeu_ps(y + r * out + j, a0);
       _mm256_storeu_ps(y + r * out + j + 8, a1);
     }
   }
-  if (cols16 < out) {  // the last out % 16 columns
-    for (i64 r = 0; r < n; ++r) {
-      for (i64 k = 0; k < in; ++k) {
-        const float a = x[r * in + k];
-        for (i64 j = cols16; j < out; ++j) y[r * out + j] += a * w[k * out + j];
-      }
-    }
+}
+
+// AVX-512 kernel: tiles of up to 16 rows x one panel (one 16-wide accumulator a row), so a decode
+// step's rows read each weight once from memory and each weight vector feeds up to 16 FMAs; a
+// last panel narrower than kPanel is loaded and stored under a mask.
+// How far ahead (in panel rows of 64 bytes) the kernels ask for weights: the hardware prefetchers
+// stop at page boundaries, a panel runs over many pages.
+constexpr i64 kPrefetchRows = 64;
+
+template <int R>
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* x, i64 in, const float* panel, float* y,
+                                                          i64 out, __mmask16 cols) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_maskz_loadu_ps(cols, y + i * out);
+  for (i64 k = 0; k < in; ++k) {
+    const __m512 wk = _mm512_load_ps(panel + k * kPanel);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * in + k]), wk, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + i * out, cols, acc[i]);
+}
+
+__attribute__((target("avx512f"))) void panels_avx512(const float* x, i64 n, const Panels& w, i64 p0, i64 p1,
+                                                        float* y) {
+  const i64 in = w.in, out = w.out;
+  for (i64 q = p0; q < p1; ++q) {
+    const i64 j = q * kPanel, width = std::min(kPanel, out - j);
+    const __mmask16 cols = static_cast<__mmask16>((1u << width) - 1u);
+    const float* panel = w.panel(q);
+    i64 r = 0;
+    for (; r + 16 <= n; r += 16) tile_avx512<16>(x + r * in, in, panel, y + r * out + j, out, cols);
+    if (r + 8 <= n) tile_avx512<8>(x + r * in, in, panel, y + r * out + j, out, cols), r += 8;
+    if (r + 4 <= n) tile_avx512<4>(x + r * in, in, panel, y + r * out + j, out, cols), r += 4;
+    for (; r < n; ++r) tile_avx512<1>(x + r * in, in, panel, y + r * out + j, out, cols);
   }
 }
 
@@ -127,11 +287,34 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return total;
 }
 
-bool has_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+// o[0:dim] = sum over t in [start, end] of p[t] * vals[t dim : (t + 1) dim], for dim a multiple of 8:
+// chunks of 64 columns held in 8 registers across the whole t loop (attention's weighted values).
+__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const float* vals, i64 start, i64 end,
+                                                            i64 dim, float* o) {
+  for (i64 c = 0; c < dim; c += 64) {
+    const int width = static_cast<int>(std::min<i64>(64, dim - c)) / 8;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (i64 t = start; t <= end; ++t) {
+      const __m256 pt = _mm256_broadcast_ss(p + t);
+      const float* v = vals + t * dim + c;
+      for (int i = 0; i < width; ++i) acc[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < width; ++i) _mm256_storeu_ps(o + c + 8 * i, acc[i]);
+  }
 }
 #endif
+
+// The widest kernels this CPU runs, capped at `cap`: 0 scalar, 1 AVX2/FMA, 2 AVX-512.
+int kernel_level(int cap) {
+  int level = 0;
+#ifdef RLFLOW_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
+  if (level == 1 && __builtin_cpu_supports("avx512f")) level = 2;
+#endif
+  return std::min(level, std::max(0, cap));
+}
 
 float dot_scalar(const float* a, const float* b, i64 n) {
   float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: the adds overlap
@@ -149,7 +332,8 @@ float dot_scalar(const float* a, const float* b, i64 n) {
 // ---------------------------------------------------------------- the decoder
 
 struct Layer {
-  FArray input_norm, qkv_w, qkv_b, qk_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b;
+  FArray input_norm, qkv_b, qk_norm, o_b, post_norm, gate_up_b, down_b;
+  Panels qkv_w, o_w, gate_up_w, down_w;  // packed from the (in, out) matrices the Python side gives
   bool has_qkv_b = false, has_qk_norm = false, has_o_b = false, has_gate_up_b = false, has_down_b = false;
   i64 window = 0;  // 0: full attention
 };
@@ -176,33 +360,43 @@ void check_shape(const FArray& a, std::vector<i64> shape, const std::string& nam
   }
 }
 
+// Room for the panels of an (in, out) matrix, checked; `sources` keeps the array alive until filled.
+Panels packed(py::handle h, i64 in, i64 out, const std::string& name, std::vector<FArray>& sources) {
+  FArray a = h.cast<FArray>();
+  check_shape(a, {in, out}, name);
+  sources.push_back(a);
+  return panels_of(a.data(), in, out);
+}
+
+// Work below this many multiply-adds (or exps) runs on the calling thread: waking the team costs
+// about a microsecond, as much as that work does.
+constexpr i64 kParallelMacs = 1 << 16;
+
 class Decoder {
  public:
   Decoder(i64 hidden, i64 heads, i64 kv_heads, i64 head_dim, i64 inter, i64 vocab, double eps, double scale,
-          FArray embed, FArray final_norm, FArray head_t, py::list layers)
+          FArray embed, FArray final_norm, py::handle head_t, py::list layers, int threads, int kernels)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), inter_(inter), vocab_(vocab),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), embed_(embed), final_norm_(final_norm),
-        head_t_(head_t) {
+        level_(kernel_level(kernels)), threads_(threads) {
     if (heads % kv_heads != 0) throw std::invalid_argument("NativeDecoder: heads must be a multiple of kv_heads");
+    if (threads < 1) throw std::invalid_argument("NativeDecoder: threads must be at least 1");
     check_shape(embed_, {vocab, hidden}, "embed");
     check_shape(final_norm_, {hidden}, "final_norm");
-    check_shape(head_t_, {hidden, vocab}, "head_t");
+    std::vector<FArray> sources;
+    head_t_ = packed(head_t, hidden, vocab, "head_t", sources);
     const i64 qkv = (heads + 2 * kv_heads) * head_dim;
     for (py::handle item : layers) {
       py::dict d = py::reinterpret_borrow<py::dict>(item);
       Layer l;
       l.input_norm = d["input_norm"].cast<FArray>();
-      l.qkv_w = d["qkv_w"].cast<FArray>();
-      l.o_w = d["o_w"].cast<FArray>();
       l.post_norm = d["post_norm"].cast<FArray>();
-      l.gate_up_w = d["gate_up_w"].cast<FArray>();
-      l.down_w = d["down_w"].cast<FArray>();
       check_shape(l.input_norm, {hidden}, "input_norm");
-      check_shape(l.qkv_w, {hidden, qkv}, "qkv_w");
-      check_shape(l.o_w, {heads * head_dim, hidden}, "o_w");
       check_shape(l.post_norm, {hidden}, "post_norm");
-      check_shape(l.gate_up_w, {hidden, 2 * inter}, "gate_up_w");
-      check_shape(l.down_w, {inter, hidden}, "down_w");
+      l.qkv_w = packed(d["qkv_w"], hidden, qkv, "qkv_w", sources);
+      l.o_w = packed(d["o_w"], heads * head_dim, hidden, "o_w", sources);
+      l.gate_up_w = packed(d["gate_up_w"], hidden, 2 * inter, "gate_up_w", sources);
+      l.down_w = packed(d["down_w"], inter, hidden, "down_w", sources);
       auto optional = [&](const char* key, FArray& dst, bool& has, std::vector<i64> shape) {
         if (d.contains(key) && !d[key].is_none()) {
           dst = d[key].cast<FArray>();
@@ -218,10 +412,35 @@ class Decoder {
       l.window = d.contains("window") && !d["window"].is_none() ? d["window"].cast<i64>() : 0;
       layers_.push_back(std::move(l));
     }
-#ifdef RLFLOW_X86
-    avx2_ = has_avx2_fma();
-#endif
+    fill_panels();
   }
+
+  // Every matrix's panels, the threads taking equal shares of all of them (the pages are new:
+  // touching them costs as much as copying into them).
+  void fill_panels() {
+    std::vector<Panels*> all{&head_t_};
+    for (auto& l : layers_) all.insert(all.end(), {&l.qkv_w, &l.o_w, &l.gate_up_w, &l.down_w});
+    i64 total = 0;
+    for (const Panels* p : all) total += p->count;
+    auto task = [&](int t, int n) {
+      const auto [begin, end] = share(total, t, n);
+      i64 first = 0;  // index of the current matrix's first panel among all
+      for (const Panels* p : all) {
+        const i64 lo = std::max(begin, first), hi = std::min(end, first + p->count);
+        if (lo < hi) p->fill(lo - first, hi - first);
+        first += p->count;
+      }
+    };
+    {
+      py::gil_scoped_release release;
+      on_threads(threads_, task);
+    }
+    for (Panels* p : all) p->source = nullptr;
+  }
+
+  // The kernels in use (0 scalar, 1 AVX2/FMA, 2 AVX-512) and the step's threads.
+  int kernels() const { return level_; }
+  int threads() const { return threads_; }
 
   // The rows' state after the prefill or a pruning: KV buffers per layer, rope tables, key mask.
   void set_state(py::list k, py::list v, FArray cos, FArray sin, FArray key_mask) {
@@ -252,7 +471,7 @@ class Decoder {
     attn_.assign(rows_ * heads_ * dim_, 0.f);
     gate_up_.assign(rows_ * 2 * inter_, 0.f);
     act_.assign(rows_ * inter_, 0.f);
-    scores_.assign(total_, 0.f);
+    scores_.assign(threads_ * total_, 0.f);  // one row of scores per thread
     rotated_.assign(dim_, 0.f);
   }
 
@@ -282,27 +501,45 @@ class Decoder {
       for (i64 r = 0; r < rows_; ++r) std::copy_n(embed_.data() + tok[r] * hidden_, hidden_, h_.data() + r * hidden_);
       for (size_t i = 0; i < layers_.size(); ++i) layer(layers_[i], i, step, slot);
       for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, final_norm_.data(), x_.data() + r * hidden_);
-      head_logits(out);
+      std::fill_n(out, rows_ * vocab_, 0.f);
+      matmul(x_.data(), head_t_, out);
     }
   }
 
  private:
   float dot(const float* a, const float* b, i64 n) const {
 #ifdef RLFLOW_X86
-    if (avx2_) return dot_avx2(a, b, n);
+    if (level_ >= 1) return dot_avx2(a, b, n);
 #endif
     return dot_scalar(a, b, n);
   }
 
-  void matmul(const float* x, i64 n, i64 in, const float* w, i64 out, float* y) const {
+  // fn(begin, end, thread) over `count` items: split among the pool's threads when `work`
+  // (multiply-adds or the like) is worth a round of the pool, else on this thread (thread 0).
+  template <class F>
+  void parallel(i64 count, i64 work, F&& fn) {
+    const int threads = static_cast<int>(std::min<i64>(threads_, count));
+    if (threads <= 1 || work < kParallelMacs) return fn(i64{0}, count, 0);
+    on_threads(threads, [&](int t, int n) {
+      const auto [begin, end] = share(count, t, n);
+      fn(begin, end, t);
+    });
+  }
+
+  // y (rows_, out) = base + x @ w, the pool's threads taking runs of w's panels.
+  void matmul(const float* x, const Panels& w, float* y) {
+    parallel(w.count, rows_ * w.in * w.out, [&](i64 p0, i64 p1, int) {
 #ifdef RLFLOW_X86
-    if (avx2_) return matmul_avx2(x, n, in, w, out, y);
+      if (level_ == 2) return panels_avx512(x, rows_, w, p0, p1, y);
+      if (level_ == 1) return panels_avx2(x, rows_, w, p0, p1, y);
 #endif
-    matmul_scalar(x, n, in, w, out, y);
+      panels_scalar(x, rows_, w, p0, p1, y);
+    });
   }
 
   // y = base + x @ w over all rows: base is bias (or 0) broadcast, or y's own content (residual).
-  void project(const float* x, i64 in, const float* w, i64 out, const float* bias, float* y, bool residual) const {
+  void project(const float* x, const Panels& w, const float* bias, float* y, bool residual) {
+    const i64 out = w.out;
     if (!residual) {
       for (i64 r = 0; r < rows_; ++r) {
         if (bias) std::copy_n(bias, out, y + r * out);
@@ -312,7 +549,7 @@ class Decoder {
       for (i64 r = 0; r < rows_; ++r)
         for (i64 j = 0; j < out; ++j) y[r * out + j] += bias[j];
     }
-    matmul(x, rows_, in, w, out, y);
+    matmul(x, w, y);
   }
 
   // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight (weight may be null).
@@ -324,10 +561,39 @@ class Decoder {
   }
   void rms_norm(const float* x, const float* weight, float* y) const { rms_norm_n(x, weight, y, hidden_); }
 
+  // Attention of q head `hq` of row `r` over its valid keys [start, slot]; `scores` holds total_ floats.
+  void attend(i64 r, i64 hq, i64 start, i64 slot, const float* kbuf, const float* vbuf, float* scores) {
+    const i64 qkv = (heads_ + 2 * kv_heads_) * dim_, g = hq / (heads_ / kv_heads_);
+    const float* q = qkv_.data() + r * qkv + hq * dim_;
+    const float* keys = kbuf + (r * kv_heads_ + g) * total_ * dim_;
+    const float* vals = vbuf + (r * kv_heads_ + g) * total_ * dim_;
+    const float* mask = key_mask_.data() + r * total_;
+    float top = -std::numeric_limits<float>::infinity();
+    for (i64 t = start; t <= slot; ++t) {
+      scores[t] = mask[t] + scale_ * dot(q, keys + t * dim_, dim_);
+      top = std::max(top, scores[t]);
+    }
+    float total = 0.f;
+    for (i64 t = start; t <= slot; ++t) {
+      scores[t] = std::exp(scores[t] - top);
+      total += scores[t];
+    }
+    float* o = attn_.data() + (r * heads_ + hq) * dim_;
+    for (i64 t = start; t <= slot; ++t) scores[t] /= total;
+#ifdef RLFLOW_X86
+    if (level_ >= 1 && dim_ % 8 == 0) return weighted_sum_avx2(scores, vals, start, slot, dim_, o);
+#endif
+    std::fill_n(o, dim_, 0.f);
+    for (i64 t = start; t <= slot; ++t) {
+      const float p = scores[t];
+      for (i64 i = 0; i < dim_; ++i) o[i] += p * vals[t * dim_ + i];
+    }
+  }
+
   void layer(const Layer& l, size_t index, i64 step, i64 slot) {
-    const i64 qkv = (heads_ + 2 * kv_heads_) * dim_, half = dim_ / 2, group = heads_ / kv_heads_;
+    const i64 qkv = (heads_ + 2 * kv_heads_) * dim_, half = dim_ / 2;
     for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, l.input_norm.data(), x_.data() + r * hidden_);
-    project(x_.data(), hidden_, l.qkv_w.data(), qkv, l.has_qkv_b ? l.qkv_b.data() : nullptr, qkv_.data(), false);
+    project(x_.data(), l.qkv_w, l.has_qkv_b ? l.qkv_b.data() : nullptr, qkv_.data(), false);
     float* kbuf = k_[index].mutable_data();
     float* vbuf = v_[index].mutable_data();
     const i64 start = l.window > 0 ? std::max<i64>(0, slot + 1 - l.window) : 0;
@@ -338,7 +604,8 @@ class Decoder {
       for (i64 hd = 0; hd < heads_ + kv_heads_; ++hd) {  // q/k norm, then RoPE
         float* vec = row + hd * dim_;
         if (l.has_qk_norm) rms_norm_n(vec, l.qk_norm.data() + hd * dim_, vec, dim_);
-        for (i64 i = 0; i < dim_; ++i) rotated_[i] = vec[i] * c[i] + vec[(i + half) % dim_] * s[i];
+        for (i64 i = 0; i < half; ++i) rotated_[i] = vec[i] * c[i] + vec[i + half] * s[i];
+        for (i64 i = half; i < dim_; ++i) rotated_[i] = vec[i] * c[i] + vec[i - half] * s[i];
         std::copy_n(rotated_.data(), dim_, vec);
       }
       for (i64 g = 0; g < kv_heads_; ++g) {  // this step's k and v into slot
@@ -346,60 +613,41 @@ class Decoder {
         std::copy_n(row + (heads_ + g) * dim_, dim_, kbuf + at);
         std::copy_n(row + (heads_ + kv_heads_ + g) * dim_, dim_, vbuf + at);
       }
-      const float* mask = key_mask_.data() + r * total_;
-      for (i64 hq = 0; hq < heads_; ++hq) {
-        const i64 g = hq / group;
-        const float* q = row + hq * dim_;
-        const float* keys = kbuf + (r * kv_heads_ + g) * total_ * dim_;
-        const float* vals = vbuf + (r * kv_heads_ + g) * total_ * dim_;
-        float top = -std::numeric_limits<float>::infinity();
-        for (i64 t = start; t <= slot; ++t) {
-          scores_[t] = mask[t] + scale_ * dot(q, keys + t * dim_, dim_);
-          top = std::max(top, scores_[t]);
-        }
-        float total = 0.f;
-        for (i64 t = start; t <= slot; ++t) {
-          scores_[t] = std::exp(scores_[t] - top);
-          total += scores_[t];
-        }
-        float* o = attn_.data() + (r * heads_ + hq) * dim_;
-        std::fill_n(o, dim_, 0.f);
-        for (i64 t = start; t <= slot; ++t) {
-          const float p = scores_[t] / total;
-          for (i64 i = 0; i < dim_; ++i) o[i] += p * vals[t * dim_ + i];
-        }
-      }
     }
-    project(attn_.data(), heads_ * dim_, l.o_w.data(), hidden_, l.has_o_b ? l.o_b.data() : nullptr, h_.data(), true);
+    // every (row, q head) apart: the threads take runs of them, each with its own row of scores
+    const i64 pairs = rows_ * heads_;
+    const i64 keys = slot + 1 - start;
+    parallel(pairs, 2 * pairs * keys * dim_, [&](i64 begin, i64 end, int t) {
+      float* scores = scores_.data() + t * total_;
+      for (i64 i = begin; i < end; ++i) attend(i / heads_, i % heads_, start, slot, kbuf, vbuf, scores);
+    });
+    project(attn_.data(), l.o_w, l.has_o_b ? l.o_b.data() : nullptr, h_.data(), true);
     for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, l.post_norm.data(), x_.data() + r * hidden_);
-    project(x_.data(), hidden_, l.gate_up_w.data(), 2 * inter_, l.has_gate_up_b ? l.gate_up_b.data() : nullptr,
-            gate_up_.data(), false);
-    for (i64 r = 0; r < rows_; ++r) {
-      const float* gu = gate_up_.data() + r * 2 * inter_;
-      float* a = act_.data() + r * inter_;
-      for (i64 i = 0; i < inter_; ++i) {
-        const float g = gu[i];
-        a[i] = (g / (1.0f + std::exp(-g))) * gu[inter_ + i];  // SiLU(gate) * up
+    project(x_.data(), l.gate_up_w, l.has_gate_up_b ? l.gate_up_b.data() : nullptr, gate_up_.data(), false);
+    parallel(rows_, 16 * rows_ * inter_, [&](i64 begin, i64 end, int) {  // an exp costs ~16 multiply-adds
+      for (i64 r = begin; r < end; ++r) {
+        const float* gu = gate_up_.data() + r * 2 * inter_;
+        float* a = act_.data() + r * inter_;
+        for (i64 i = 0; i < inter_; ++i) {
+          const float g = gu[i];
+          a[i] = (g / (1.0f + std::exp(-g))) * gu[inter_ + i];  // SiLU(gate) * up
+        }
       }
-    }
-    project(act_.data(), inter_, l.down_w.data(), hidden_, l.has_down_b ? l.down_b.data() : nullptr, h_.data(), true);
-  }
-
-  // logits (N, V) = normed h @ head_t, the LM head packed (H, V).
-  void head_logits(float* out) const {
-    std::fill_n(out, rows_ * vocab_, 0.f);
-    matmul(x_.data(), rows_, hidden_, head_t_.data(), vocab_, out);
+    });
+    project(act_.data(), l.down_w, l.has_down_b ? l.down_b.data() : nullptr, h_.data(), true);
   }
 
   i64 hidden_, heads_, kv_heads_, dim_, inter_, vocab_;
   float eps_, scale_;
-  FArray embed_, final_norm_, head_t_;
+  FArray embed_, final_norm_;
+  Panels head_t_;
   std::vector<Layer> layers_;
   std::vector<py::array_t<float, py::array::c_style>> k_, v_;
   FArray cos_, sin_, key_mask_;
   i64 rows_ = 0, total_ = 0, steps_ = 0;
   std::vector<float> h_, x_, qkv_, attn_, gate_up_, act_, scores_, rotated_;  // scratch, sized by set_state
-  bool avx2_ = false;
+  int level_;
+  int threads_;
 };
 
 // ---------------------------------------------------------------- one sampling step
@@ -516,10 +764,12 @@ i64 sample_step(py::array_t<float, py::array::c_style> logits, py::object noise,
 PYBIND11_MODULE(_C_decode, m) {
   m.doc() = "One float32 decode step of a Llama-style decoder on CPU (twin: rlflow.engine.rollout.fast_decode)";
   py::class_<Decoder>(m, "Decoder")
-      .def(py::init<i64, i64, i64, i64, i64, i64, double, double, FArray, FArray, FArray, py::list>(),
+      .def(py::init<i64, i64, i64, i64, i64, i64, double, double, FArray, FArray, py::handle, py::list, int, int>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"),
            py::arg("vocab"), py::arg("eps"), py::arg("scale"), py::arg("embed"), py::arg("final_norm"),
-           py::arg("head_t"), py::arg("layers"))
+           py::arg("head_t"), py::arg("layers"), py::arg("threads") = 1, py::arg("kernels") = 2)
+      .def_property_readonly("kernels", &Decoder::kernels)
+      .def_property_readonly("threads", &Decoder::threads)
       .def("set_state", &Decoder::set_state, py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
            py::arg("key_mask"))
       .def("step", &Decoder::step, py::arg("tokens"), py::arg("step"), py::arg("slot"), py::arg("logits"));

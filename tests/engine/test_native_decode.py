@@ -16,7 +16,9 @@ from rlflow.data.tiny_models import build_tiny_model
 from rlflow.engine.rollout import HFRolloutEngine, SamplingParams
 from rlflow.engine.rollout.fast_decode import FastDecoder
 from rlflow.engine.rollout.native_decode import (
+    NATIVE_MAX_ROWS,
     NATIVE_MAX_STEP_MACS,
+    NATIVE_MAX_WEIGHT_BYTES,
     NativeDecoder,
     native_decode_blocker,
     native_sampling_blocker,
@@ -97,6 +99,39 @@ def test_the_sampler_draws_the_same_tokens_as_with_the_twin(case, caplog):
         torch.testing.assert_close(native["old_logp"], twin["old_logp"], atol=TWIN_ATOL, rtol=0)
 
 
+# Wide enough that every part of the step runs on both threads (matmuls, attention, SiLU); a
+# vocabulary, MLP and head size whose matrices end in a part-filled panel; head_dim 24 (not a
+# multiple of 16) and 20 (not of 8: the attention's scalar weighted sum).
+@pytest.mark.parametrize("kernels", [0, 1, 2])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hidden, heads, kv_heads", [(96, 4, 2), (120, 6, 6)])
+def test_every_kernel_and_thread_count_equals_the_twin(kernels, threads, hidden, heads, kv_heads):
+    model = build_tiny_model(
+        vocab_size=VOCAB + 3, hidden_size=hidden, num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
+        intermediate_size=200, tie_word_embeddings=False, seed=7,
+    ).eval()  # fmt: skip
+    ids, mask = left_padded_prompts([6, 9, 4, 8], seed=2, width=10)
+    ids, n, steps = ids % VOCAB, 8, 6
+    twin, native = FastDecoder(model, steps), NativeDecoder(model, steps, threads=threads, kernels=kernels)
+    assert native.threads == threads and native.kernels <= kernels
+    with torch.inference_mode():
+        a, b = twin.prefill(ids, mask, n), native.prefill(ids, mask, n)
+        tokens = torch.arange(ids.shape[0] * n) % VOCAB
+        for step in range(steps):
+            a, b = twin.step(tokens, step), native.step(tokens, step)
+            torch.testing.assert_close(b, a, atol=TWIN_ATOL, rtol=0)
+            tokens = a.argmax(-1)
+
+
+def test_the_kernels_follow_torchs_cpu_capability(monkeypatch):
+    import rlflow.engine.rollout.native_decode as native_decode
+
+    for capability, level in (("AVX512", 2), ("AVX2", 1), ("DEFAULT", 0)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert native_decode.kernel_cap() == level
+        assert NativeDecoder(build_model("llama"), 2).kernels <= level
+
+
 def test_sample_step_refuses_what_it_would_not_write_in_place():
     logits, outputs = torch.zeros(2, 5), (torch.zeros(2, 3, dtype=torch.long),) * 2 + (torch.zeros(2, 3),)
     params, rows, stops = SamplingParams(greedy=True), torch.arange(2), np.zeros(0, dtype=np.int64)
@@ -139,9 +174,18 @@ def test_blockers_name_what_they_refuse():
     model.config.hidden_act = "gelu"
     assert native_decode_blocker(model, 8) == "hidden_act='gelu' (the native step implements SiLU)"
     wide = build_tiny_model(vocab_size=16, hidden_size=512, num_layers=1, num_heads=8)  # 2.2 M per row
-    macs = step_macs(wide, 16)
-    assert macs > NATIVE_MAX_STEP_MACS and native_decode_blocker(wide, 1) is None  # one row: op-bound
-    assert f"{macs} multiply-adds per layer and step > {NATIVE_MAX_STEP_MACS}" in native_decode_blocker(wide, 16)
+    rows = NATIVE_MAX_ROWS + 1
+    macs = step_macs(wide, rows)
+    assert macs > NATIVE_MAX_STEP_MACS and native_decode_blocker(wide, NATIVE_MAX_ROWS) is None  # weight-bound
+    small = build_model("llama")
+    assert step_macs(small, 256) <= NATIVE_MAX_STEP_MACS and native_decode_blocker(small, 256) is None  # op-bound
+    assert f"{rows} rows > {NATIVE_MAX_ROWS} and {macs} multiply-adds per layer and step" in native_decode_blocker(
+        wide, rows
+    )
+    huge = build_tiny_model(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2)
+    # an embedding just over the limit (never written: its pages are never touched)
+    huge.model.embed_tokens.weight = torch.nn.Parameter(torch.empty(NATIVE_MAX_WEIGHT_BYTES // 64 + 1, 16))
+    assert f"bytes of matrices > {NATIVE_MAX_WEIGHT_BYTES}" in native_decode_blocker(huge, 1)
 
 
 def test_a_pipeline_stage_keeps_the_twin():

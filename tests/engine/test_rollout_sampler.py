@@ -75,7 +75,9 @@ def test_old_logp_equals_teacher_forced_forward(model, engine, greedy):
     temperature = 1.0 if greedy else params.temperature
     logp = torch.log_softmax(logits[:, prompt_len - 1 : -1].float() / temperature, dim=-1)
     expected = logp.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1) * out["response_mask"]
-    torch.testing.assert_close(out["old_logp"], expected, atol=1e-5, rtol=0)
+    # the sampler's C++ step (FMA over its own summation order) against MKL's forward: float32
+    # rounding of log-probs up to ~3 in size (test_native_decode.TWIN_ATOL)
+    torch.testing.assert_close(out["old_logp"], expected, atol=2e-5, rtol=0)
 
 
 def test_left_padding_does_not_change_the_continuation(model, engine):

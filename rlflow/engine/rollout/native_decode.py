@@ -9,9 +9,17 @@ rope tables and key mask: the same math, the same sampler loop around it (the sa
 same pruning of finished rows), logits equal to the twin's to float rounding
 (``tests/engine/test_native_decode.py``).
 
+The step runs on torch's thread count (a pool of its own: the calling thread and workers that
+sleep between steps) with the widest kernels torch's CPU capability allows (AVX-512, AVX2/FMA or
+scalar, :func:`kernel_cap`). Its matrices are packed once per decoder into panels of 16 output
+columns, each streamed front to back with the next pages prefetched: with a decode step's few rows
+the step reads every weight once from memory, and that read, not the arithmetic, is its bound.
+
 It applies where :func:`native_decode_blocker` finds nothing against it: a whole model (not a
-pipeline stage) in float32 on the CPU, SiLU MLP, and a model small enough that per-op overhead
-is what a step costs (:data:`NATIVE_MAX_STEP_MACS`); bigger steps keep torch's matmuls.
+pipeline stage) in float32 on the CPU, SiLU MLP, matrices of at most
+:data:`NATIVE_MAX_WEIGHT_BYTES`, and a step of few rows (:data:`NATIVE_MAX_ROWS`: streaming the
+weights sets its time) or little work (:data:`NATIVE_MAX_STEP_MACS`: per-op overhead sets it);
+steps of many rows on big matrices keep torch's GEMMs, which win where the arithmetic is the bound.
 """
 
 from __future__ import annotations
@@ -30,9 +38,12 @@ except ImportError:  # pragma: no cover - a source tree without its build
     _C_decode = None
 
 __all__ = [
+    "NATIVE_MAX_ROWS",
     "NATIVE_MAX_STEP_MACS",
+    "NATIVE_MAX_WEIGHT_BYTES",
     "NativeDecoder",
     "native_decode_blocker",
+    "kernel_cap",
     "native_sampling_blocker",
     "sample_step",
     "step_macs",
@@ -43,6 +54,13 @@ __all__ = [
 # AVX2 tiles; `python -m benchmarks.run sampler` times the crossover (its `sampler_step_*` records;
 # the figures and the level point below which this limit sits: docs/benchmarks.md, "Sampler").
 NATIVE_MAX_STEP_MACS = 32_000_000
+# Rows up to which the C++ step runs at any width: its panels are read once per 16 rows, and up to
+# this many rows streaming them from memory bounds a step (the same benchmark's records at 16 and 32
+# rows); above it, and above NATIVE_MAX_STEP_MACS, MKL's GEMMs win on arithmetic.
+NATIVE_MAX_ROWS = 32
+# Largest total of packed matrices (float32 bytes, the LM head included): the decoder holds them
+# besides the model's weights for the length of a generate call.
+NATIVE_MAX_WEIGHT_BYTES = 1 << 30
 
 
 def step_macs(model: nn.Module, num_rows: int) -> int:
@@ -80,10 +98,27 @@ def native_decode_blocker(model: nn.Module, num_rows: int) -> str | None:
     act = config_value(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         return f"hidden_act={act!r} (the native step implements SiLU)"
+    matrix_bytes = sum(p.nbytes for p in model.parameters() if p.dim() == 2)  # the embedding for the tied head
+    if matrix_bytes > NATIVE_MAX_WEIGHT_BYTES:
+        return f"{matrix_bytes} bytes of matrices > {NATIVE_MAX_WEIGHT_BYTES} (the native step packs a copy of each)"
     macs = step_macs(model, num_rows)
-    if macs > NATIVE_MAX_STEP_MACS:
-        return f"{macs} multiply-adds per layer and step > {NATIVE_MAX_STEP_MACS}: torch's GEMMs are faster there"
+    if num_rows > NATIVE_MAX_ROWS and macs > NATIVE_MAX_STEP_MACS:
+        return (
+            f"{num_rows} rows > {NATIVE_MAX_ROWS} and {macs} multiply-adds per layer and step > "
+            f"{NATIVE_MAX_STEP_MACS}: torch's GEMMs are faster there"
+        )
     return None
+
+
+# torch's CPU capability (ATEN_CPU_CAPABILITY caps it) -> the widest kernels the C++ step may use.
+_KERNEL_LEVELS = {"AVX512": 2, "AVX2": 1}
+
+
+def kernel_cap() -> int:
+    """The widest kernels the C++ step may run: 2 (AVX-512), 1 (AVX2/FMA) or 0 (scalar) — torch's own
+    CPU capability, so ``ATEN_CPU_CAPABILITY=avx2`` holds the step to AVX2 as it holds ATen's kernels
+    (the step also takes no more than the CPU has)."""
+    return _KERNEL_LEVELS.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def _packed(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -93,11 +128,19 @@ def _packed(tensor: torch.Tensor | None) -> torch.Tensor | None:
 class NativeDecoder(FastDecoder):
     """:class:`FastDecoder` whose :meth:`step` runs in C++ (module docstring); same interface.
 
-    The matrices are packed ``(in, out)`` contiguous once per decoder (a copy of the weights for
-    the length of one rollout: the models it takes are small).
+    The C++ side packs the twin's ``(in, out)`` matrices into its panels once per decoder (a copy of
+    the weights for the length of one rollout; the buffers are kept for the next decoder of the
+    same shapes).
+
+    Args:
+        model, max_new_tokens: as :class:`FastDecoder`'s.
+        threads: the step's threads; torch's thread count by default.
+        kernels: the widest kernels to use (2 AVX-512, 1 AVX2/FMA, 0 scalar; never wider than the
+            CPU has); :func:`kernel_cap` by default. ``kernels`` and ``threads`` attributes say
+            what the step runs.
     """
 
-    def __init__(self, model: nn.Module, max_new_tokens: int):
+    def __init__(self, model: nn.Module, max_new_tokens: int, threads: int | None = None, kernels: int | None = None):
         super().__init__(model, max_new_tokens)
         family = family_of(_text_config(model))
         head_t = model.get_submodule(family.lm_head_module).weight.t()  # (H, V)
@@ -122,9 +165,11 @@ class NativeDecoder(FastDecoder):
             hidden=self._embed.shape[1], heads=self._heads, kv_heads=self._kv_heads, head_dim=self._head_dim,
             inter=self._inter, vocab=head_t.shape[1], eps=self._eps, scale=self._scale,
             embed=_packed(self._embed).numpy(), final_norm=_packed(self._norm).numpy(), head_t=_packed(head_t).numpy(),
-            layers=layers,
+            layers=layers, threads=torch.get_num_threads() if threads is None else threads,
+            kernels=kernel_cap() if kernels is None else kernels,
         )  # fmt: skip
         self._vocab = head_t.shape[1]
+        self.kernels, self.threads = self._native.kernels, self._native.threads
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int) -> torch.Tensor:
         logits = super().prefill(input_ids, attention_mask, n)
