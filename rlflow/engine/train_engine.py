@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.engine import engine_state
 from rlflow.engine.attention import VARLEN_SDPA, flash_attn_available, varlen_implementation
+from rlflow.engine.fused_ops import fuse_cpu_ops
 from rlflow.engine.lora import LoraSpec, apply_lora, init_lora_weights, lora_strategy_error
 from rlflow.engine.micro_batch import MicroBatch, select, split_micro_batches
 from rlflow.engine.optim import OptimConfig, build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -101,6 +102,9 @@ class EngineConfig:
             once; :mod:`rlflow.engine.shared_prefix`) where that is estimated cheaper: micro-batches
             with a ``response_mask``, unpacked, ``pp = 1``, full attention through SDPA or eager
             attention, no router loss. ``False``: always the padded rows.
+        fused_cpu_ops: on a CPU, the model's Llama-style RMSNorms run forward and backward as one
+            fused C++ pass each (:mod:`rlflow.engine.fused_ops`; float32 outside autocast, call by
+            call); ``False``: the modules' own forward.
         router_aux_loss_coef: a mixture-of-experts model's training loss adds this times the
             router's load-balancing loss (:mod:`rlflow.engine.router_loss`; ``pp = 1``); ``None``:
             the model config's ``router_aux_loss_coef`` (0 for a dense model); 0: off.
@@ -117,6 +121,7 @@ class EngineConfig:
     compute_entropy: bool = True
     lora: LoraSpec | None = None
     shared_prefix: bool = True
+    fused_cpu_ops: bool = True
     router_aux_loss_coef: float | None = None
     device: str | None = None
 
@@ -221,6 +226,8 @@ class TrainEngine:
             stage.to(self.device)
         if self.config.lora is not None:  # before FSDP, which must shard the adapters too
             apply_lora(stage, self.config.lora)
+        if self.config.fused_cpu_ops and self.device.type == "cpu":
+            fuse_cpu_ops(stage)
         apply_tp(stage, self.mesh["tp"])
         if self.config.gradient_checkpointing:
             apply_ac(stage)

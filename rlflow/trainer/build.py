@@ -418,6 +418,7 @@ def model_setups(
             optim=_optim(cfg, m) if trainable else None,
             gradient_checkpointing=m.gradient_checkpointing,
             shared_prefix=m.shared_prefix,
+            fused_cpu_ops=m.fused_cpu_ops,
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
             compute_dtype=resolve_compute_dtype(
