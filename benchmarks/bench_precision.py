@@ -48,8 +48,9 @@ def _matmul_flops(dtype: torch.dtype, threads: int, n: int = 2048) -> float:
     return 2 * n**3 / _best(lambda: a @ b, repeats=5)
 
 
-def _copy_bytes_per_s(nbytes: int = 256 << 20) -> float:
-    torch.set_num_threads(1)
+def _copy_bytes_per_s(nbytes: int = 256 << 20, threads: int = 1) -> float:
+    """Bytes read and written per second by a ``nbytes`` copy on ``threads`` torch threads (best of 5)."""
+    torch.set_num_threads(threads)
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     return 2 * nbytes / _best(lambda: dst.copy_(src), repeats=5)
 

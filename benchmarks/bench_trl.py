@@ -377,7 +377,7 @@ def machine_peaks() -> dict[str, float]:
     """This machine's limits (benchmarks/bench_precision.py's measurements): the 2048² matmul's
     FLOP/s on both cores in fp32 and, where the CPU multiplies bf16 natively, in bf16 (elsewhere
     nothing computes in bf16: capped at AVX2, oneDNN's bf16 matmul falls to reference kernels that
-    take seconds per 2048² product), and one thread's copy bandwidth (bytes/s)."""
+    take seconds per 2048² product), and the copy bandwidth (bytes/s) of one thread and of two."""
     import torch
 
     from benchmarks.bench_precision import _copy_bytes_per_s, _matmul_flops
@@ -388,6 +388,7 @@ def machine_peaks() -> dict[str, float]:
     try:
         peaks = {f"matmul_flops_{p}": _matmul_flops(d, 2) for p, d in precisions}
         peaks["copy_bytes_per_s_1thread"] = _copy_bytes_per_s()
+        peaks["copy_bytes_per_s_2threads"] = _copy_bytes_per_s(threads=2)
     finally:
         torch.set_num_threads(threads)
     return peaks
@@ -441,12 +442,21 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
                     (weights + cache) / step_s / peaks["copy_bytes_per_s_1thread"], 3
                 ),
             )
+            if "copy_bytes_per_s_2threads" in peaks:  # the generation's own threads where it used both
+                entry["share_of_copy_bandwidth_2threads"] = round(
+                    (weights + cache) / step_s / peaks["copy_bytes_per_s_2threads"], 3
+                )
         record["calls"][call] = entry
     record["peaks"] = {
         "matmul_gflop_per_s_2threads": {
             p: round(peaks[f"matmul_flops_{p}"] / 1e9, 1) for p in ("fp32", "bf16") if f"matmul_flops_{p}" in peaks
         },
         "copy_gb_per_s_1thread": round(peaks["copy_bytes_per_s_1thread"] / 1e9, 1),
+        **(
+            {"copy_gb_per_s_2threads": round(peaks["copy_bytes_per_s_2threads"] / 1e9, 1)}
+            if "copy_bytes_per_s_2threads" in peaks
+            else {}
+        ),
     }
     record["units"] = {"share": "achieved / measured limit; FLOPs of the matmuls only (limits_record)"}
     return record

@@ -1,11 +1,12 @@
-// The training step's RMSNorm on CPU in float32, forward and backward, each one pass over its rows.
+// The training step's memory-bound ops on CPU in float32, forward and backward, each one pass:
+// RMSNorm, SwiGLU (SiLU(gate) * up) and RoPE.
 //
-// Python twin: HF's LlamaRMSNorm.forward (weight * (x * rsqrt(mean(x^2) + eps))) under autograd;
-// rlflow.engine.fused_ops wraps these two calls in an autograd Function and the tests compare both
-// passes with the twin's. Autograd runs that norm as about five ops forward and a dozen backward,
-// each a pass over the (rows, hidden) activations; here the forward reads x and writes y, the
-// backward reads dy and x and writes dx (and the weight's gradient), so a memory-bound op moves a
-// fifth of the bytes.
+// Python twins: HF's LlamaRMSNorm.forward (weight * (x * rsqrt(mean(x^2) + eps))), LlamaMLP's
+// act_fn(gate) * up and apply_rotary_pos_emb (x * cos + rotate_half(x) * sin) under autograd;
+// rlflow.engine.fused_ops wraps each pair of calls in an autograd Function and the tests compare
+// both passes with the twin's. Autograd runs each as several ops forward and more backward, each
+// a pass over the activations; here each pass reads its inputs and writes its outputs once, so a
+// memory-bound op moves a fraction of the bytes.
 //
 // Rows are independent and split over torch's thread count (OpenMP: the same runtime as torch's,
 // see kernels/decode.cpp's on_threads). The weight's gradient sums over rows in fixed blocks of
@@ -16,12 +17,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #endif
 
 namespace py = pybind11;
@@ -101,13 +108,186 @@ void rms_norm_backward(std::uintptr_t dy_at, std::uintptr_t x_at, std::uintptr_t
   }
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+// e^x of 8 floats (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r,
+// times 2^n; within 2 ulp of the true value); 0 below -87.34, infinity above 88.72.
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
+  const __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+
+// The sigmoid of 8 floats: 1 / (1 + e^-g).
+__attribute__((target("avx2,fma"))) inline __m256 sigmoid_avx2(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+__attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float* u, i64 begin, i64 end, float* h) {
+  i64 i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(gi, sigmoid_avx2(gi)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+__attribute__((target("avx2,fma"))) void swiglu_backward_avx2(const float* dh, const float* g, const float* u,
+                                                               i64 begin, i64 end, float* dg, float* du) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  i64 i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m256 gi = _mm256_loadu_ps(g + i), dhi = _mm256_loadu_ps(dh + i);
+    const __m256 s = sigmoid_avx2(gi);
+    _mm256_storeu_ps(du + i, _mm256_mul_ps(dhi, _mm256_mul_ps(gi, s)));
+    const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(gi, _mm256_sub_ps(one, s), one));  // s (1 + g (1 - s))
+    _mm256_storeu_ps(dg + i, _mm256_mul_ps(_mm256_mul_ps(dhi, _mm256_loadu_ps(u + i)), slope));
+  }
+  for (; i < end; ++i) {
+    const float s = 1.0f / (1.0f + std::exp(-g[i]));
+    du[i] = dh[i] * (g[i] * s);
+    dg[i] = dh[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+  }
+}
+
+bool has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
+void swiglu_scalar(const float* g, const float* u, i64 begin, i64 end, float* h) {
+  for (i64 i = begin; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void swiglu_backward_scalar(const float* dh, const float* g, const float* u, i64 begin, i64 end, float* dg,
+                            float* du) {
+  for (i64 i = begin; i < end; ++i) {
+    const float s = 1.0f / (1.0f + std::exp(-g[i]));
+    du[i] = dh[i] * (g[i] * s);
+    dg[i] = dh[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+  }
+}
+
+// [begin, end) of n items for thread t of `threads`, in runs of 64 floats (whole cache lines).
+std::pair<i64, i64> share(i64 n, int t, int threads) {
+  const i64 lines = (n + 63) / 64;
+  return {std::min(n, lines * t / threads * 64), std::min(n, lines * (t + 1) / threads * 64)};
+}
+
+// h = SiLU(g) * u over n floats, SiLU(g) = g / (1 + e^-g) (AVX2 where the CPU has it, with the
+// exponential above; std::exp elsewhere).
+void swiglu(std::uintptr_t g_at, std::uintptr_t u_at, i64 n, std::uintptr_t h_at, int threads) {
+  const float *g = at(g_at), *u = at(u_at);
+  float* h = at_mut(h_at);
+#if defined(__x86_64__) || defined(_M_X64)
+  const bool avx2 = has_avx2_fma();
+#else
+  const bool avx2 = false;
+#endif
+  py::gil_scoped_release release;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#ifdef _OPENMP
+    const auto [begin, end] = share(n, omp_get_thread_num(), omp_get_num_threads());
+#else
+    const i64 begin = 0, end = n;
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+    if (avx2) swiglu_avx2(g, u, begin, end, h);
+    else
+#endif
+      swiglu_scalar(g, u, begin, end, h);
+  }
+}
+
+// dg = dh * u * s * (1 + g (1 - s)), du = dh * SiLU(g), s = sigmoid(g).
+void swiglu_backward(std::uintptr_t dh_at, std::uintptr_t g_at, std::uintptr_t u_at, i64 n, std::uintptr_t dg_at,
+                     std::uintptr_t du_at, int threads) {
+  const float *dh = at(dh_at), *g = at(g_at), *u = at(u_at);
+  float *dg = at_mut(dg_at), *du = at_mut(du_at);
+#if defined(__x86_64__) || defined(_M_X64)
+  const bool avx2 = has_avx2_fma();
+#else
+  const bool avx2 = false;
+#endif
+  py::gil_scoped_release release;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#ifdef _OPENMP
+    const auto [begin, end] = share(n, omp_get_thread_num(), omp_get_num_threads());
+#else
+    const i64 begin = 0, end = n;
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+    if (avx2) swiglu_backward_avx2(dh, g, u, begin, end, dg, du);
+    else
+#endif
+      swiglu_backward_scalar(dh, g, u, begin, end, dg, du);
+  }
+}
+
+// RoPE over x (rows, heads, dim) with cos / sin (table_rows, dim) and row r's table row
+// r % table_rows (one table per position broadcast over a batch, or one per row):
+//   forward  y = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1);
+//   backward dx = dy * cos + rotate_half^T(dy * sin),  rotate_half^T(z) = (z2, -z1).
+void rope(std::uintptr_t x_at, std::uintptr_t cos_at, std::uintptr_t sin_at, i64 rows, i64 heads, i64 dim,
+          i64 table_rows, bool backward, std::uintptr_t y_at, int threads) {
+  if (dim % 2 != 0 || table_rows < 1) throw std::invalid_argument("fused: rope needs an even dim and a table");
+  const float *x = at(x_at), *cos = at(cos_at), *sin = at(sin_at);
+  float* y = at_mut(y_at);
+  const i64 half = dim / 2;
+  py::gil_scoped_release release;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (i64 r = 0; r < rows; ++r) {
+    const float* c = cos + (r % table_rows) * dim;
+    const float* s = sin + (r % table_rows) * dim;
+    for (i64 h = 0; h < heads; ++h) {
+      const float* xr = x + (r * heads + h) * dim;
+      float* yr = y + (r * heads + h) * dim;
+      if (!backward) {
+#pragma omp simd
+        for (i64 i = 0; i < half; ++i) yr[i] = xr[i] * c[i] - xr[i + half] * s[i];
+#pragma omp simd
+        for (i64 i = half; i < dim; ++i) yr[i] = xr[i] * c[i] + xr[i - half] * s[i];
+      } else {
+#pragma omp simd
+        for (i64 i = 0; i < half; ++i) yr[i] = xr[i] * c[i] + xr[i + half] * s[i + half];
+#pragma omp simd
+        for (i64 i = half; i < dim; ++i) yr[i] = xr[i] * c[i] - xr[i - half] * s[i - half];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_fused, m) {
-  m.doc() = "The training step's float32 RMSNorm on CPU, forward and backward (twin: HF's LlamaRMSNorm)";
+  m.doc() = "The training step's float32 RMSNorm, SwiGLU and RoPE on CPU, forward and backward (twins: HF's)";
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"),
         py::arg("y"), py::arg("rstd"), py::arg("threads"), "y = weight * x * rstd; rstd (rows,) written too.");
   m.def("rms_norm_backward", &rms_norm_backward, py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("rstd"),
         py::arg("rows"), py::arg("hidden"), py::arg("dx"), py::arg("dweight"), py::arg("threads"),
         "dx and the weight's gradient of rms_norm.");
+  m.def("swiglu", &swiglu, py::arg("gate"), py::arg("up"), py::arg("n"), py::arg("out"), py::arg("threads"),
+        "out = SiLU(gate) * up over n floats.");
+  m.def("swiglu_backward", &swiglu_backward, py::arg("grad"), py::arg("gate"), py::arg("up"), py::arg("n"),
+        py::arg("grad_gate"), py::arg("grad_up"), py::arg("threads"), "The gradients of swiglu's gate and up.");
+  m.def("rope", &rope, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"), py::arg("heads"),
+        py::arg("dim"), py::arg("table_rows"), py::arg("backward"), py::arg("out"), py::arg("threads"),
+        "RoPE of x (rows, heads, dim), or with backward=True its transpose applied to a gradient.");
 }

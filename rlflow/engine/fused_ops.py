@@ -1,22 +1,32 @@
-"""Fused CPU kernels for the training engine's decoder layers: RMSNorm forward and backward in one
-pass each.
+"""Fused CPU kernels for the training engine's decoder layers: RMSNorm, SwiGLU and RoPE, forward
+and backward in one pass each.
 
-On a CPU a training step's norms are memory-bound: autograd runs HF's RMSNorm as about five ops
-forward and a dozen backward, each a pass over the ``(rows, hidden)`` activations, at the speed of
-memory. :func:`fuse_cpu_ops` points the forward of every RMSNorm whose math is Llama's
-(``weight * (x * rsqrt(mean(x^2) + eps))``: the same code object as ``LlamaRMSNorm.forward``, which
-the Mistral, Qwen2, Qwen3 and Mixtral norms copy) at :class:`RMSNormFunction`, whose two passes are
-``rlflow._C_fused`` (``kernels/fused.cpp``): the forward reads ``x`` and writes ``y``, the backward
-reads ``dy`` and ``x`` and writes ``dx`` and the weight's gradient.
+On a CPU a training step's elementwise ops are memory-bound: autograd runs HF's RMSNorm as about
+five ops forward and a dozen backward, its MLP's ``act_fn(gate) * up`` as two and three, and RoPE
+(``x * cos + rotate_half(x) * sin``) as five and more, each a pass over the activations at the
+speed of memory. :func:`fuse_cpu_ops` points each at ``rlflow._C_fused`` (``kernels/fused.cpp``),
+whose passes read their inputs and write their outputs once:
 
-It takes plain float32 CPU tensors outside autocast (FSDP's gathered weights are plain during
+* every RMSNorm whose math is Llama's — the same code object as ``LlamaRMSNorm.forward``, which
+  the Mistral, Qwen2, Qwen3 and Mixtral norms copy — at :class:`RMSNormFunction` (its forward);
+* every MLP whose forward is ``LlamaMLP``'s with a SiLU activation at :class:`SwiGLUFunction` for
+  ``SiLU(gate) * up`` (its forward; the three projections stay the module's own);
+* the ``apply_rotary_pos_emb`` of every modeling module whose function is Llama's at
+  :class:`RoPEFunction`. That function is a module global HF's attention looks up on each call, so
+  this one is replaced for the whole process, once; it computes as before for every input the
+  kernels do not take.
+
+They take plain float32 CPU tensors outside autocast (FSDP's gathered weights are plain during
 the forward); anything else — a GPU, bf16 compute, a tensor-parallel layer's DTensors or its
-not-yet-waited collective results — runs the module's own forward, call by call. The results equal HF's to float rounding (``tests/engine/test_fused_ops.py``); the weight's
-gradient sums rows in fixed blocks, so it has the same bits at any thread count.
+not-yet-waited collective results — runs HF's own ops, call by call. The results equal HF's to
+float rounding (``tests/engine/test_fused_ops.py``; the SwiGLU's exponential is a polynomial
+within 2 ulp); the norm weight's gradient sums rows in fixed blocks, so every result has the same
+bits at any thread count.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -27,17 +37,28 @@ try:  # built by `pip install -e .` (setup.py); without it the modules keep thei
 except ImportError:  # pragma: no cover - a source tree without its build
     _C_fused = None
 
-__all__ = ["RMSNormFunction", "fuse_cpu_ops", "fused_cpu_ops_blocker"]
+__all__ = ["RMSNormFunction", "RoPEFunction", "SwiGLUFunction", "fuse_cpu_ops", "fused_cpu_ops_blocker"]
 
 
-def _llama_rms_norm_code():
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+def _llama():
+    from transformers.models.llama import modeling_llama
 
-    return LlamaRMSNorm.forward.__code__
+    return modeling_llama
 
 
-def _same_code(a, b) -> bool:
-    return (a.co_code, a.co_names, a.co_consts) == (b.co_code, b.co_names, b.co_consts)
+def _consts(fn) -> tuple:
+    """``fn``'s code constants without its docstring."""
+    doc = fn.__doc__
+    return tuple(c for c in fn.__code__.co_consts if doc is None or c is not doc)
+
+
+def _same_body(f, g) -> bool:
+    """Whether functions ``f`` and ``g`` run the same code (HF's "Copied from" twins), docstrings aside."""
+    return (f.__code__.co_code, f.__code__.co_names, _consts(f)) == (
+        g.__code__.co_code,
+        g.__code__.co_names,
+        _consts(g),
+    )
 
 
 def fused_cpu_ops_blocker() -> str | None:
@@ -77,19 +98,107 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x.view(grad.shape), grad_weight if ctx.needs_input_grad[1] else None, None
 
 
-def _takes_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Plain tensors only: a subclass — a DTensor, or the AsyncCollectiveTensor a tensor-parallel
-    # layer's input arrives as, whose data is not there until waited for — runs the module's forward.
-    return (
-        type(x) is torch.Tensor
-        and type(weight) in (torch.Tensor, nn.Parameter)
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and x.shape[-1] == weight.numel()
-        and not torch.is_autocast_enabled("cpu")
+def _plain_float32(*tensors: torch.Tensor) -> bool:
+    """Plain float32 CPU tensors outside autocast. Not a subclass: a DTensor, or the
+    AsyncCollectiveTensor a tensor-parallel layer's input arrives as, whose data is not there until
+    waited for."""
+    return not torch.is_autocast_enabled("cpu") and all(
+        type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
     )
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """``SiLU(gate) * up`` of two float32 CPU tensors of one shape, both passes in C++."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.detach().contiguous(), up.detach().contiguous()
+        out = torch.empty_like(gate)
+        _C_fused.swiglu(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr(), torch.get_num_threads())
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad = grad.contiguous().float()
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        _C_fused.swiglu_backward(
+            grad.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.numel(), grad_gate.data_ptr(), grad_up.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return grad_gate, grad_up
+
+
+class RoPEFunction(torch.autograd.Function):
+    """HF's ``x * cos + rotate_half(x) * sin`` of ``x`` ``(B, H, T, D)`` (a transposed view of the
+    projection's ``(B, T, H, D)``, as HF's attention makes it) with ``cos``/``sin`` ``(B or 1, T, D)``,
+    both passes in C++; the result is laid out ``(B, T, H, D)`` as HF's is, seen ``(B, H, T, D)``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows = x.detach().transpose(1, 2).contiguous()  # (B, T, H, D): no copy for HF's view
+        cos, sin = cos.detach().contiguous(), sin.detach().contiguous()
+        out = torch.empty_like(rows)
+        batch, length, heads, dim = rows.shape
+        _C_fused.rope(
+            rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch * length, heads, dim, cos.shape[0] * length,
+            False, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(cos, sin)
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        rows = grad.transpose(1, 2).contiguous().float()
+        out = torch.empty_like(rows)
+        batch, length, heads, dim = rows.shape
+        _C_fused.rope(
+            rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch * length, heads, dim, cos.shape[0] * length,
+            True, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out.transpose(1, 2), None, None
+
+
+def _rope_takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    return (
+        x.dim() == 4
+        and cos.dim() == 3
+        and cos.shape[0] in (1, x.shape[0])
+        and cos.shape[1] == x.shape[2]
+        and cos.shape[2] == x.shape[3]
+        and x.shape[3] % 2 == 0
+    )
+
+
+def _fused_rope(original):
+    """``apply_rotary_pos_emb`` that runs :class:`RoPEFunction` where it applies, else ``original``."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (
+            unsqueeze_dim == 1
+            and _plain_float32(q, k, cos, sin)
+            and not (cos.requires_grad or sin.requires_grad)
+            and _rope_takes(q, cos)
+            and _rope_takes(k, cos)
+        ):
+            return RoPEFunction.apply(q, cos, sin), RoPEFunction.apply(k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.rlflow_fused = original
+    return apply_rotary_pos_emb
+
+
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if _plain_float32(gate, up) and gate.shape == up.shape:
+        return self.down_proj(SwiGLUFunction.apply(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _takes_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _plain_float32(x, weight) and x.shape[-1] == weight.numel()
 
 
 def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -98,19 +207,36 @@ def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return type(self).forward(self, hidden_states)
 
 
+def _original(rope):
+    """HF's function behind a fused ``apply_rotary_pos_emb`` (itself where not fused)."""
+    return getattr(rope, "rlflow_fused", rope)
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 def fuse_cpu_ops(model: nn.Module) -> int:
-    """Point every Llama-style RMSNorm of ``model`` at the fused kernels (module docstring); returns
-    how many. Each module decides per call: inputs the kernels do not take run its own forward."""
+    """Point ``model``'s Llama-style RMSNorms and SwiGLU MLPs, and its modeling module's RoPE, at
+    the fused kernels (module docstring); returns how many modules. Each decides per call: inputs
+    the kernels do not take run HF's own ops."""
     if fused_cpu_ops_blocker() is not None:
         return 0
-    code = _llama_rms_norm_code()
+    llama = _llama()
     fused = 0
     for module in model.modules():
         forward = getattr(type(module), "forward", None)
-        if getattr(forward, "__code__", None) is None or not _same_code(forward.__code__, code):
+        if getattr(forward, "__code__", None) is None:
             continue
-        if not isinstance(getattr(module, "weight", None), torch.Tensor) or module.weight.dim() != 1:
-            continue
-        module.forward = types.MethodType(_fused_rms_norm_forward, module)
-        fused += 1
+        weight = getattr(module, "weight", None)
+        if _same_body(forward, llama.LlamaRMSNorm.forward) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            module.forward = types.MethodType(_fused_rms_norm_forward, module)
+            fused += 1
+        elif _same_body(forward, llama.LlamaMLP.forward) and _is_silu(getattr(module, "act_fn", None)):
+            module.forward = types.MethodType(_fused_mlp_forward, module)
+            fused += 1
+        modeling = sys.modules.get(type(module).__module__)
+        rope = getattr(modeling, "apply_rotary_pos_emb", None)
+        if getattr(rope, "__code__", None) is not None and _same_body(rope, _original(llama.apply_rotary_pos_emb)):
+            modeling.apply_rotary_pos_emb = _fused_rope(rope)  # once a process: the fused one has other code
     return fused

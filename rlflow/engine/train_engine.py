@@ -102,9 +102,10 @@ class EngineConfig:
             once; :mod:`rlflow.engine.shared_prefix`) where that is estimated cheaper: micro-batches
             with a ``response_mask``, unpacked, ``pp = 1``, full attention through SDPA or eager
             attention, no router loss. ``False``: always the padded rows.
-        fused_cpu_ops: on a CPU, the model's Llama-style RMSNorms run forward and backward as one
-            fused C++ pass each (:mod:`rlflow.engine.fused_ops`; float32 outside autocast, call by
-            call); ``False``: the modules' own forward.
+        fused_cpu_ops: on a CPU, the model's Llama-style RMSNorms, SwiGLU MLPs and RoPE run
+            forward and backward as one fused C++ pass each (:mod:`rlflow.engine.fused_ops`; float32
+            outside autocast, call by call; RoPE's function for the whole process); ``False``: the
+            modules' own forward.
         router_aux_loss_coef: a mixture-of-experts model's training loss adds this times the
             router's load-balancing loss (:mod:`rlflow.engine.router_loss`; ``pp = 1``); ``None``:
             the model config's ``router_aux_loss_coef`` (0 for a dense model); 0: off.

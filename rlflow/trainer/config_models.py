@@ -90,8 +90,9 @@ class ModelConfig(_Section):
     micro_batch_tokens: int | None = _f(None, "tokens per forward/backward micro-batch; null: whole batch", ge=1)
     fused_cpu_ops: bool = _f(
         True,
-        "on a CPU, Llama-style RMSNorms run forward and backward as one fused C++ pass each (float32, outside "
-        "autocast; rlflow.engine.fused_ops); false: the model's own modules",
+        "on a CPU, Llama-style RMSNorms, SwiGLU MLPs and RoPE run forward and backward as one fused C++ pass "
+        "each (float32, outside autocast; rlflow.engine.fused_ops; the RoPE function is replaced for the whole "
+        "worker process); false: the model's own modules",
     )
     lora: LoraConfig | None = _f(
         None, "train low-rank adapters instead of every weight (actor only, tp = pp = 1); null: full-parameter"

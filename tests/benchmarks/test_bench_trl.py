@@ -306,7 +306,10 @@ def test_limits_record_prices_the_calls_of_a_fixed_length_task(tmp_path):
         "plan": {"calls": {"actor_gen": "(dp=2,tp=1,pp=1)"}},
         "precision": {"actor": "bfloat16"},
     }
-    peaks = {"matmul_flops_fp32": 1e9, "matmul_flops_bf16": 4e9, "copy_bytes_per_s_1thread": 1e9}
+    peaks = {
+        "matmul_flops_fp32": 1e9, "matmul_flops_bf16": 4e9, "copy_bytes_per_s_1thread": 1e9,
+        "copy_bytes_per_s_2threads": 2e9,
+    }  # fmt: skip
     record = bench_trl.limits_record("compute", spec, figures, peaks)
     n = 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16) + 10 * 8  # layers' projections (kv width 4) + LM head
     tokens = 2 * (4 + 6)
@@ -316,6 +319,10 @@ def test_limits_record_prices_the_calls_of_a_fixed_length_task(tmp_path):
     gen = record["calls"]["actor_gen"]
     weights, cache = n * 2 * 2, 2 * 2 * 4 * 2 * 2 * (4 + 3)  # two dp workers' bf16 weights; K and V at context 7
     assert gen["decode_bytes_per_step"] == weights + cache and gen["decode_step_ms"] == round(0.5 / 6 * 1e3, 3)
+    per_s = (weights + cache) / (0.5 / 6)
+    assert gen["share_of_copy_bandwidth_1thread"] == round(per_s / 1e9, 3)
+    assert gen["share_of_copy_bandwidth_2threads"] == round(per_s / 2e9, 3)
+    assert record["peaks"]["copy_gb_per_s_2threads"] == 2.0
     assert "reward_inf" not in record["calls"] and record["peaks"]["matmul_gflop_per_s_2threads"]["bf16"] == 4.0
     # lengths that vary (an EOS may end a response early) are not priced
     assert bench_trl.limits_record("compute", {**spec, "min_new_tokens": 0}, figures, peaks) is None

@@ -1,8 +1,10 @@
-"""The fused CPU RMSNorm (rlflow.engine.fused_ops, kernels/fused.cpp) against HF's modules: both
-passes at float rounding, the same bits at any thread count, which modules take it and when a
-module falls back to its own forward; and the training engine's switch."""
+"""The fused CPU kernels (rlflow.engine.fused_ops, kernels/fused.cpp) against HF's ops: RMSNorm,
+SwiGLU and RoPE, both passes at float rounding, the same bits at any thread count, which modules
+take them and when HF's own ops run instead; and the training engine's switch."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.engine import fused_ops
-from rlflow.engine.fused_ops import RMSNormFunction, fuse_cpu_ops
+from rlflow.engine.fused_ops import RMSNormFunction, RoPEFunction, SwiGLUFunction, fuse_cpu_ops
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
 torch.set_num_threads(1)
@@ -75,7 +77,8 @@ def test_a_whole_models_loss_and_gradients_equal_hfs(case):
     layers = plain.config.num_hidden_layers
     # two norms a layer and the final one; Qwen3's per-head q/k norms are the same module class
     per_head = 2 * layers if case == "qwen3" else 0  # Qwen3's q/k norms: the same math per head
-    assert fuse_cpu_ops(fused) == 2 * layers + 1 + per_head
+    assert fuse_cpu_ops(fused) == 2 * layers + 1 + per_head + layers  # the norms and the MLPs
+    assert getattr(sys.modules[type(fused).__module__].apply_rotary_pos_emb, "rlflow_fused", None) is not None
     ids = torch.randint(0, plain.config.vocab_size, (3, 11))
     losses = []
     for model in (plain, fused):
@@ -130,9 +133,72 @@ def test_the_engine_switch_and_its_forward(single_mesh):
         model = build_tiny_model(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=4)
         engine = TrainEngine(model, single_mesh, EngineConfig(fused_cpu_ops=fused, device="cpu", optim=None))
         patched = [m for m in engine.stage.modules() if "forward" in vars(m)]
-        assert len(patched) == (5 if fused else 0)  # two norms a layer and the final one
+        assert len(patched) == (7 if fused else 0)  # two norms and the MLP a layer, the final norm
         ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         outputs[fused] = engine.forward(batch)
     for key, value in outputs[False].items():
         torch.testing.assert_close(outputs[True][key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def _grads(fn, *inputs, grad):
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def test_swiglu_equals_silu_times_up_in_both_passes():
+    gate, up = torch.randn(7, 130) * 4, torch.randn(7, 130)  # 910 floats: vector body and scalar tail
+    gate[0, :4] = torch.tensor([-100.0, -88.0, 88.0, 100.0])  # the exponential's clamps
+    grad = torch.randn(7, 130)
+    want = _grads(lambda g, u: torch.nn.functional.silu(g) * u, gate, up, grad=grad)
+    got = _grads(SwiGLUFunction.apply, gate, up, grad=grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("table_batch", [1, 3])
+def test_rope_equals_hfs_in_both_passes(table_batch):
+    from transformers.models.llama import modeling_llama
+
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "rlflow_fused", modeling_llama.apply_rotary_pos_emb)
+    x = torch.randn(3, 5, 4, 16).transpose(1, 2)  # (B, H, T, D) as HF's attention views its projection
+    cos, sin = torch.randn(table_batch, 5, 16), torch.randn(table_batch, 5, 16)
+    grad = torch.randn(3, 4, 5, 16)
+    want = _grads(lambda q: original(q, q, cos, sin)[0], x, grad=grad)
+    got = _grads(lambda q: RoPEFunction.apply(q, cos, sin), x, grad=grad)
+    assert got[0].stride() == want[0].stride()  # laid out as HF lays it out
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_the_rope_dispatcher_runs_hfs_ops_for_what_it_does_not_take():
+    from transformers.models.llama import modeling_llama
+
+    fuse_cpu_ops(build_model("llama"))
+    fused = modeling_llama.apply_rotary_pos_emb
+    original = fused.rlflow_fused
+    q, cos, sin = torch.randn(2, 4, 5, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+    for args in ((q.bfloat16(), q.bfloat16(), cos.bfloat16(), sin.bfloat16()), (q, q, cos[..., :8], sin[..., :8])):
+        try:
+            want = original(*args)
+        except RuntimeError:  # shapes HF's own ops refuse are refused the same way
+            with pytest.raises(RuntimeError):
+                fused(*args)
+            continue
+        assert all(torch.equal(a, b) for a, b in zip(fused(*args), want))
+    seq_first = q.transpose(1, 2)  # (B, T, H, D): HF's unsqueeze_dim=2 layout
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fused(seq_first, seq_first, cos, sin, 2), original(seq_first, seq_first, cos, sin, 2))
+    )
+
+
+def test_swiglu_mlps_only():
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = build_model("llama").config
+    silu, gelu = LlamaMLP(config), LlamaMLP(config)
+    gelu.act_fn = torch.nn.GELU()
+    assert fuse_cpu_ops(nn.Sequential(silu, gelu)) == 1 and "forward" in vars(silu) and "forward" not in vars(gelu)
