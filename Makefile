@@ -83,7 +83,7 @@ MIN_TESTS := tests/test_protocol.py tests/algos tests/data tests/dataflow tests/
 	tests/trainer/test_python_inputs.py tests/planner/test_timeline.py tests/workers/test_math_verify_reward.py \
 	tests/engine/test_models.py tests/engine/test_packing.py tests/engine/test_packing_attention.py \
 	tests/engine/test_train_engine_units.py tests/engine/test_native_decode.py tests/engine/test_rollout_sampler.py \
-	tests/engine/test_lora.py tests/engine/test_shared_prefix.py \
+	tests/engine/test_lora.py tests/engine/test_shared_prefix.py tests/engine/test_fused_ops.py \
 	tests/controller/test_worker_group.py tests/controller/test_dispatch.py \
 	"tests/trainer/test_algorithms_fit.py::test_fit_trains_every_model_of_the_algorithm[ppo]"
 

@@ -185,6 +185,10 @@ void panels_scalar(const float* x, i64 n, const Panels& w, i64 p0, i64 p1, float
   }
 }
 
+// How far ahead (in panel rows of 64 bytes) the kernels ask for weights: the hardware prefetchers
+// stop at page boundaries, a panel runs over many pages.
+constexpr i64 kPrefetchRows = 64;
+
 #ifdef RLFLOW_X86
 // AVX2/FMA kernel: tiles of 4 rows x one panel (8 accumulators), so each weight vector loaded feeds
 // 4 FMAs; leftover rows take 1-row tiles; a last panel narrower than kPanel the scalar kernel.
@@ -207,8 +211,9 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
         acc[i][1] = _mm256_loadu_ps(y + (r + i) * out + j + 8);
       }
       for (i64 k = 0; k < in; ++k) {
-        const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
-        const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+        const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
+        const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
         for (int i = 0; i < 4; ++i) {
           const __m256 a = _mm256_broadcast_ss(x0 + i * in + k);
           acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
@@ -237,10 +242,6 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
 // AVX-512 kernel: tiles of up to 16 rows x one panel (one 16-wide accumulator a row), so a decode
 // step's rows read each weight once from memory and each weight vector feeds up to 16 FMAs; a
 // last panel narrower than kPanel is loaded and stored under a mask.
-// How far ahead (in panel rows of 64 bytes) the kernels ask for weights: the hardware prefetchers
-// stop at page boundaries, a panel runs over many pages.
-constexpr i64 kPrefetchRows = 64;
-
 template <int R>
 __attribute__((target("avx512f"))) inline void tile_avx512(const float* x, i64 in, const float* panel, float* y,
                                                           i64 out, __mmask16 cols) {
