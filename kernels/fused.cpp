@@ -189,11 +189,10 @@ std::pair<i64, i64> share(i64 n, int t, int threads) {
   return {std::min(n, lines * t / threads * 64), std::min(n, lines * (t + 1) / threads * 64)};
 }
 
-// h = SiLU(g) * u over n floats, SiLU(g) = g / (1 + e^-g) (AVX2 where the CPU has it, with the
-// exponential above; std::exp elsewhere).
-void swiglu(std::uintptr_t g_at, std::uintptr_t u_at, i64 n, std::uintptr_t h_at, int threads) {
-  const float *g = at(g_at), *u = at(u_at);
-  float* h = at_mut(h_at);
+// kernel(begin, end, avx2) over n floats, each thread taking a run of whole cache lines; avx2: the
+// CPU runs the AVX2/FMA kernels.
+template <class F>
+void over_floats(i64 n, int threads, F&& kernel) {
 #if defined(__x86_64__) || defined(_M_X64)
   const bool avx2 = has_avx2_fma();
 #else
@@ -207,12 +206,21 @@ void swiglu(std::uintptr_t g_at, std::uintptr_t u_at, i64 n, std::uintptr_t h_at
 #else
     const i64 begin = 0, end = n;
 #endif
-#if defined(__x86_64__) || defined(_M_X64)
-    if (avx2) swiglu_avx2(g, u, begin, end, h);
-    else
-#endif
-      swiglu_scalar(g, u, begin, end, h);
+    kernel(begin, end, avx2);
   }
+}
+
+// h = SiLU(g) * u over n floats, SiLU(g) = g / (1 + e^-g) (AVX2 where the CPU has it, with the
+// exponential above; std::exp elsewhere).
+void swiglu(std::uintptr_t g_at, std::uintptr_t u_at, i64 n, std::uintptr_t h_at, int threads) {
+  const float *g = at(g_at), *u = at(u_at);
+  float* h = at_mut(h_at);
+  over_floats(n, threads, [&](i64 begin, i64 end, bool avx2) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (avx2) return swiglu_avx2(g, u, begin, end, h);
+#endif
+    swiglu_scalar(g, u, begin, end, h);
+  });
 }
 
 // dg = dh * u * s * (1 + g (1 - s)), du = dh * SiLU(g), s = sigmoid(g).
@@ -220,25 +228,12 @@ void swiglu_backward(std::uintptr_t dh_at, std::uintptr_t g_at, std::uintptr_t u
                      std::uintptr_t du_at, int threads) {
   const float *dh = at(dh_at), *g = at(g_at), *u = at(u_at);
   float *dg = at_mut(dg_at), *du = at_mut(du_at);
+  over_floats(n, threads, [&](i64 begin, i64 end, bool avx2) {
 #if defined(__x86_64__) || defined(_M_X64)
-  const bool avx2 = has_avx2_fma();
-#else
-  const bool avx2 = false;
+    if (avx2) return swiglu_backward_avx2(dh, g, u, begin, end, dg, du);
 #endif
-  py::gil_scoped_release release;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-#ifdef _OPENMP
-    const auto [begin, end] = share(n, omp_get_thread_num(), omp_get_num_threads());
-#else
-    const i64 begin = 0, end = n;
-#endif
-#if defined(__x86_64__) || defined(_M_X64)
-    if (avx2) swiglu_backward_avx2(dh, g, u, begin, end, dg, du);
-    else
-#endif
-      swiglu_backward_scalar(dh, g, u, begin, end, dg, du);
-  }
+    swiglu_backward_scalar(dh, g, u, begin, end, dg, du);
+  });
 }
 
 // RoPE over x (rows, heads, dim) with cos / sin (table_rows, dim) and row r's table row

@@ -137,28 +137,26 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rows = x.detach().transpose(1, 2).contiguous()  # (B, T, H, D): no copy for HF's view
         cos, sin = cos.detach().contiguous(), sin.detach().contiguous()
-        out = torch.empty_like(rows)
-        batch, length, heads, dim = rows.shape
-        _C_fused.rope(
-            rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch * length, heads, dim, cos.shape[0] * length,
-            False, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
         ctx.save_for_backward(cos, sin)
-        return out.transpose(1, 2)
+        return _rope(x.detach(), cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        rows = grad.transpose(1, 2).contiguous().float()
-        out = torch.empty_like(rows)
-        batch, length, heads, dim = rows.shape
-        _C_fused.rope(
-            rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch * length, heads, dim, cos.shape[0] * length,
-            True, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        return out.transpose(1, 2), None, None
+        return _rope(grad.float(), cos, sin, backward=True), None, None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """The C++ RoPE pass (or its transpose) of ``(B, H, T, D)`` ``x``, computed ``(B, T, H, D)``."""
+    rows = x.transpose(1, 2).contiguous()  # no copy for HF's view of its projection
+    out = torch.empty_like(rows)
+    batch, length, heads, dim = rows.shape
+    _C_fused.rope(
+        rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch * length, heads, dim, cos.shape[0] * length, backward,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.transpose(1, 2)
 
 
 def _rope_takes(x: torch.Tensor, cos: torch.Tensor) -> bool:
