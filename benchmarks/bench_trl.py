@@ -441,22 +441,17 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
                 share_of_copy_bandwidth_1thread=round(
                     (weights + cache) / step_s / peaks["copy_bytes_per_s_1thread"], 3
                 ),
-            )
-            if "copy_bytes_per_s_2threads" in peaks:  # the generation's own threads where it used both
-                entry["share_of_copy_bandwidth_2threads"] = round(
+                share_of_copy_bandwidth_2threads=round(
                     (weights + cache) / step_s / peaks["copy_bytes_per_s_2threads"], 3
-                )
+                ),
+            )
         record["calls"][call] = entry
     record["peaks"] = {
         "matmul_gflop_per_s_2threads": {
             p: round(peaks[f"matmul_flops_{p}"] / 1e9, 1) for p in ("fp32", "bf16") if f"matmul_flops_{p}" in peaks
         },
         "copy_gb_per_s_1thread": round(peaks["copy_bytes_per_s_1thread"] / 1e9, 1),
-        **(
-            {"copy_gb_per_s_2threads": round(peaks["copy_bytes_per_s_2threads"] / 1e9, 1)}
-            if "copy_bytes_per_s_2threads" in peaks
-            else {}
-        ),
+        "copy_gb_per_s_2threads": round(peaks["copy_bytes_per_s_2threads"] / 1e9, 1),
     }
     record["units"] = {"share": "achieved / measured limit; FLOPs of the matmuls only (limits_record)"}
     return record

@@ -9,15 +9,17 @@
 // residual → RMSNorm → fused gate/up → SiLU(gate) · up →
 // down-projection + residual; then the final RMSNorm and the LM head.
 //
-// Layouts (all float32, C-contiguous; the Python side packs them once per weight version):
-//   matrices (in, out): y = x @ W, the LM head too (H, V); the embedding (V, H).
+// Layouts (all float32, C-contiguous):
+//   matrices given (in, out): y = x @ W, the LM head too (H, V); the decoder packs each once into
+//   panels of 16 output columns (Panels below). The embedding (V, H).
 //   KV buffers (N, Hkv, T, D) per layer, shared with the twin (it filled the prompt slots).
 //   rope tables (N, R, D): cos, and sin with its first half negated (FastDecoder's form:
 //   rope(q) = q * cos + roll(q, D/2) * sin).
 //   key mask (N, T) additive: 0 where a row may attend, -inf where not.
 // The arithmetic follows HF's order (RMSNorm in float32 then times the weight; softmax with the
 // row maximum subtracted), but sums run in another order than MKL's, so results agree with the
-// twin to float rounding, not bit for bit.
+// twin to float rounding, not bit for bit. Matmuls, attention and the SiLU split over torch's
+// threads (rlflow_cpu::on_threads in cpu.h).
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -33,9 +35,7 @@
 #include <utility>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -48,30 +48,9 @@ using FArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 namespace {
 
-// ---------------------------------------------------------------- threads
-
-// f(t, n) on each thread t of a team of n <= `threads` (fewer when the OpenMP runtime gives
-// fewer), the calling thread being t = 0. The team is OpenMP's: the extension links libgomp by the
-// soname torch's own copy carries, so in a process that imported torch first both share one
-// runtime and one set of threads — the ones torch's last op left spinning take the step's work,
-// rather than a second set of threads contending with them for the cores. Without OpenMP, or
-// with one thread, f(0, 1) here.
-template <class F>
-void on_threads(int threads, F&& f) {
-#ifdef _OPENMP
-  if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-    f(omp_get_thread_num(), omp_get_num_threads());
-    return;
-  }
-#endif
-  f(0, 1);
-}
-
-// [begin, end) of `count` items for thread t of `threads`: contiguous, sizes differing by at most one.
-inline std::pair<i64, i64> share(i64 count, int t, int threads) {
-  return {count * t / threads, count * (t + 1) / threads};
-}
+using rlflow_cpu::kernel_level;
+using rlflow_cpu::on_threads;
+using rlflow_cpu::share;
 
 // ---------------------------------------------------------------- matmul: y[n, :] = base + x[n, :] @ w
 
@@ -306,17 +285,6 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const
 }
 #endif
 
-// The widest kernels this CPU runs, capped at `cap`: 0 scalar, 1 AVX2/FMA, 2 AVX-512.
-int kernel_level(int cap) {
-  int level = 0;
-#ifdef RLFLOW_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
-  if (level == 1 && __builtin_cpu_supports("avx512f")) level = 2;
-#endif
-  return std::min(level, std::max(0, cap));
-}
-
 float dot_scalar(const float* a, const float* b, i64 n) {
   float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: the adds overlap
   i64 i = 0;
@@ -515,8 +483,8 @@ class Decoder {
     return dot_scalar(a, b, n);
   }
 
-  // fn(begin, end, thread) over `count` items: split among the pool's threads when `work`
-  // (multiply-adds or the like) is worth a round of the pool, else on this thread (thread 0).
+  // fn(begin, end, thread) over `count` items: split among the step's threads when `work`
+  // (multiply-adds or the like) is worth waking them, else on this thread (thread 0).
   template <class F>
   void parallel(i64 count, i64 work, F&& fn) {
     const int threads = static_cast<int>(std::min<i64>(threads_, count));
@@ -527,7 +495,7 @@ class Decoder {
     });
   }
 
-  // y (rows_, out) = base + x @ w, the pool's threads taking runs of w's panels.
+  // y (rows_, out) = base + x @ w, the step's threads taking runs of w's panels.
   void matmul(const float* x, const Panels& w, float* y) {
     parallel(w.count, rows_ * w.in * w.out, [&](i64 p0, i64 p1, int) {
 #ifdef RLFLOW_X86

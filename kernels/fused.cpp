@@ -9,7 +9,7 @@
 // memory-bound op moves a fraction of the bytes.
 //
 // Rows are independent and split over torch's thread count (OpenMP: the same runtime as torch's,
-// see kernels/decode.cpp's on_threads). The weight's gradient sums over rows in fixed blocks of
+// see on_threads in cpu.h). The weight's gradient sums over rows in fixed blocks of
 // kBlockRows, added in block order: the same bits whatever the thread count.
 
 #include <pybind11/pybind11.h>
@@ -20,12 +20,9 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -108,9 +105,23 @@ void rms_norm_backward(std::uintptr_t dy_at, std::uintptr_t x_at, std::uintptr_t
   }
 }
 
+void swiglu_scalar(const float* g, const float* u, i64 begin, i64 end, float* h) {
+  for (i64 i = begin; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void swiglu_backward_scalar(const float* dh, const float* g, const float* u, i64 begin, i64 end, float* dg,
+                            float* du) {
+  for (i64 i = begin; i < end; ++i) {
+    const float s = 1.0f / (1.0f + std::exp(-g[i]));
+    du[i] = dh[i] * (g[i] * s);
+    dg[i] = dh[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+  }
+}
+
 #if defined(__x86_64__) || defined(_M_X64)
 // e^x of 8 floats (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r,
-// times 2^n; within 2 ulp of the true value); 0 below -87.34, infinity above 88.72.
+// times 2^n; within 2 ulp of the true value); 0 below -87.34 (where float's normal range ends),
+// infinity from about 88.38 on (2^128 overflows; e^x does at 88.72).
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
   const __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
@@ -143,7 +154,7 @@ __attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float
     const __m256 gi = _mm256_loadu_ps(g + i);
     _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(gi, sigmoid_avx2(gi)), _mm256_loadu_ps(u + i)));
   }
-  for (; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  swiglu_scalar(g, u, i, end, h);
 }
 
 __attribute__((target("avx2,fma"))) void swiglu_backward_avx2(const float* dh, const float* g, const float* u,
@@ -157,57 +168,20 @@ __attribute__((target("avx2,fma"))) void swiglu_backward_avx2(const float* dh, c
     const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(gi, _mm256_sub_ps(one, s), one));  // s (1 + g (1 - s))
     _mm256_storeu_ps(dg + i, _mm256_mul_ps(_mm256_mul_ps(dhi, _mm256_loadu_ps(u + i)), slope));
   }
-  for (; i < end; ++i) {
-    const float s = 1.0f / (1.0f + std::exp(-g[i]));
-    du[i] = dh[i] * (g[i] * s);
-    dg[i] = dh[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
-  }
-}
-
-bool has_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  swiglu_backward_scalar(dh, g, u, i, end, dg, du);
 }
 #endif
 
-void swiglu_scalar(const float* g, const float* u, i64 begin, i64 end, float* h) {
-  for (i64 i = begin; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
-void swiglu_backward_scalar(const float* dh, const float* g, const float* u, i64 begin, i64 end, float* dg,
-                            float* du) {
-  for (i64 i = begin; i < end; ++i) {
-    const float s = 1.0f / (1.0f + std::exp(-g[i]));
-    du[i] = dh[i] * (g[i] * s);
-    dg[i] = dh[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
-  }
-}
-
-// [begin, end) of n items for thread t of `threads`, in runs of 64 floats (whole cache lines).
-std::pair<i64, i64> share(i64 n, int t, int threads) {
-  const i64 lines = (n + 63) / 64;
-  return {std::min(n, lines * t / threads * 64), std::min(n, lines * (t + 1) / threads * 64)};
-}
-
-// kernel(begin, end, avx2) over n floats, each thread taking a run of whole cache lines; avx2: the
-// CPU runs the AVX2/FMA kernels.
+// kernel(begin, end, avx2) over n floats, each thread taking a run of whole cache lines (64
+// floats); avx2: the CPU runs the AVX2/FMA kernels.
 template <class F>
 void over_floats(i64 n, int threads, F&& kernel) {
-#if defined(__x86_64__) || defined(_M_X64)
-  const bool avx2 = has_avx2_fma();
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = rlflow_cpu::kernel_level() >= 1;
   py::gil_scoped_release release;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-#ifdef _OPENMP
-    const auto [begin, end] = share(n, omp_get_thread_num(), omp_get_num_threads());
-#else
-    const i64 begin = 0, end = n;
-#endif
-    kernel(begin, end, avx2);
-  }
+  rlflow_cpu::on_threads(threads, [&](int t, int team) {
+    const auto [first, last] = rlflow_cpu::share((n + 63) / 64, t, team);
+    kernel(std::min(n, first * 64), std::min(n, last * 64), avx2);
+  });
 }
 
 // h = SiLU(g) * u over n floats, SiLU(g) = g / (1 + e^-g) (AVX2 where the CPU has it, with the

@@ -221,11 +221,12 @@ def fuse_cpu_ops(model: nn.Module) -> int:
     if fused_cpu_ops_blocker() is not None:
         return 0
     llama = _llama()
-    fused = 0
+    fused, modelings = 0, set()
     for module in model.modules():
         forward = getattr(type(module), "forward", None)
         if getattr(forward, "__code__", None) is None:
             continue
+        modelings.add(type(module).__module__)
         weight = getattr(module, "weight", None)
         if _same_body(forward, llama.LlamaRMSNorm.forward) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
             module.forward = types.MethodType(_fused_rms_norm_forward, module)
@@ -233,8 +234,10 @@ def fuse_cpu_ops(model: nn.Module) -> int:
         elif _same_body(forward, llama.LlamaMLP.forward) and _is_silu(getattr(module, "act_fn", None)):
             module.forward = types.MethodType(_fused_mlp_forward, module)
             fused += 1
-        modeling = sys.modules.get(type(module).__module__)
+    llama_rope = _original(llama.apply_rotary_pos_emb)
+    for name in modelings:
+        modeling = sys.modules.get(name)
         rope = getattr(modeling, "apply_rotary_pos_emb", None)
-        if getattr(rope, "__code__", None) is not None and _same_body(rope, _original(llama.apply_rotary_pos_emb)):
+        if getattr(rope, "__code__", None) is not None and _same_body(rope, llama_rope):
             modeling.apply_rotary_pos_emb = _fused_rope(rope)  # once a process: the fused one has other code
     return fused
