@@ -73,6 +73,8 @@ def test_the_weight_gradient_has_the_same_bits_at_any_thread_count():
 
 @pytest.mark.parametrize("case", ["llama", "qwen3", "mistral"])
 def test_a_whole_models_loss_and_gradients_equal_hfs(case):
+    # The norms and MLPs are compared here; RoPE, replaced for the whole process once any model is
+    # fused, runs fused in both models (test_rope_equals_hfs_in_both_passes compares it with HF's).
     plain, fused = build_model(case, seed=3).train(), build_model(case, seed=3).train()
     layers = plain.config.num_hidden_layers
     # two norms a layer and the final one; Qwen3's per-head q/k norms are the same module class
