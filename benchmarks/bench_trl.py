@@ -394,7 +394,9 @@ def machine_peaks() -> dict[str, float]:
     return peaks
 
 
-def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float]) -> dict | None:
+def limits_record(
+    task: str, spec: dict, figures: dict, peaks: dict[str, float], trl_completions_per_s: float | None = None
+) -> dict | None:
     """rlflow's actor calls on a fixed-length task against the machine's limits, or None (lengths vary).
 
     FLOPs count the matmuls (layers' projections and the LM head) of every row's prompt
@@ -402,6 +404,12 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
     inference, ``6·N`` for a training step. A decode step reads every generation worker's
     weights and the KV cache of its rows (at the mean context); its seconds are the generation
     call's over the new tokens (prefill included, so an upper bound).
+
+    ``at_limits``: the step of the same calls at the limits — each call's matmuls at the peak, a
+    decode step the longer of its matmuls at the peak and one copy of the weights and the cache
+    read at two threads' copy bandwidth — against rlflow's step (its completions/s) and, given
+    ``trl_completions_per_s``, TRL's: ``max_ratio_to_trl`` is the ratio no implementation of these
+    calls passes on this machine.
     """
     if spec.get("min_new_tokens", 0) != spec["max_new_tokens"] or "call_s_median" not in figures:
         return None
@@ -422,17 +430,26 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
     itemsize = 2 if precision == "bfloat16" else 4
     plan = figures.get("plan", {}).get("calls", {})
     record = {"name": f"trl_{task}_limits", "task": task, "precision": precision, "plan": plan, "calls": {}}
+    cache = 2 * layers * kv * itemsize * rows * (spec["max_prompt_len"] + new / 2)
+    limit_s = 0.0
     for call, seconds in figures["call_s_median"].items():
         per_token = 6 if call.endswith("_train") else 2 if call.endswith(("_gen", "_inf")) else None
         if not call.startswith("actor_") or per_token is None or seconds <= 0:  # the actor's calls only
             continue
         flops = per_token * n_matmul * tokens
+        if call.endswith("_gen"):
+            weights_once = (n_matmul + (0 if config.get("tie_word_embeddings") else vocab * h)) * itemsize
+            limit_s += 2 * n_matmul * rows * spec["max_prompt_len"] / peak  # the prefill
+            limit_s += new * max(
+                2 * n_matmul * rows / peak, (weights_once + cache) / peaks["copy_bytes_per_s_2threads"]
+            )
+        else:
+            limit_s += flops / peak
         entry = {"seconds": seconds, "gflop": round(flops / 1e9, 1), "gflop_per_s": round(flops / seconds / 1e9, 1)}
         entry["share_of_matmul_peak_2threads"] = round(flops / seconds / peak, 3)
         if call.endswith("_gen"):
             workers = _dp_of(plan.get(call, ""))
-            weights = (n_matmul + (0 if config.get("tie_word_embeddings") else vocab * h)) * itemsize * workers
-            cache = 2 * layers * kv * itemsize * rows * (spec["max_prompt_len"] + new / 2)
+            weights = weights_once * workers
             step_s = seconds / new
             entry.update(
                 decode_step_ms=round(step_s * 1e3, 3),
@@ -446,6 +463,14 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
                 ),
             )
         record["calls"][call] = entry
+    at_limits = {"step_s": round(limit_s, 3)}
+    if figures.get("completions_per_s"):
+        at_limits["rlflow_step_s"] = round(rows / figures["completions_per_s"], 3)
+        at_limits["share_of_rlflow_step"] = round(limit_s * figures["completions_per_s"] / rows, 3)
+    if trl_completions_per_s:
+        at_limits["trl_step_s"] = round(rows / trl_completions_per_s, 3)
+        at_limits["max_ratio_to_trl"] = round(rows / trl_completions_per_s / limit_s, 2)
+    record["at_limits"] = at_limits
     record["peaks"] = {
         "matmul_gflop_per_s_2threads": {
             p: round(peaks[f"matmul_flops_{p}"] / 1e9, 1) for p in ("fp32", "bf16") if f"matmul_flops_{p}" in peaks
@@ -453,7 +478,10 @@ def limits_record(task: str, spec: dict, figures: dict, peaks: dict[str, float])
         "copy_gb_per_s_1thread": round(peaks["copy_bytes_per_s_1thread"] / 1e9, 1),
         "copy_gb_per_s_2threads": round(peaks["copy_bytes_per_s_2threads"] / 1e9, 1),
     }
-    record["units"] = {"share": "achieved / measured limit; FLOPs of the matmuls only (limits_record)"}
+    record["units"] = {
+        "share": "achieved / measured limit; FLOPs of the matmuls only (limits_record)",
+        "at_limits": "seconds of a step whose actor calls run at the measured limits (limits_record)",
+    }
     return record
 
 
@@ -580,7 +608,9 @@ def run(tasks: list[str] | None = None, steps: dict[str, int] | None = None, rep
         records.append(task_record(task, spec, runs, notes, str(plot)))
         if task in fixed_length:
             steady = runs.get("rlflow_again") or runs["rlflow"]  # calibrated: its calls on one thread count
-            limits = limits_record(task, spec, steady[-1], peaks)
+            summary = records[-1]
+            trl_cps = summary["completions_per_s"][summary["trl_best"]]
+            limits = limits_record(task, spec, steady[-1], peaks, trl_completions_per_s=trl_cps)
             if limits is not None:
                 records.append(limits)
     return records

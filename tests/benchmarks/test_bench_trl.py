@@ -324,5 +324,17 @@ def test_limits_record_prices_the_calls_of_a_fixed_length_task(tmp_path):
     assert gen["share_of_copy_bandwidth_2threads"] == round(per_s / 2e9, 3)
     assert record["peaks"]["copy_gb_per_s_2threads"] == 2.0
     assert "reward_inf" not in record["calls"] and record["peaks"]["matmul_gflop_per_s_2threads"]["bf16"] == 4.0
+    # at the limits: training's matmuls and the prefill at the bf16 peak, each decode step the longer of
+    # its matmuls at the peak and one copy of the weights and the cache at two threads' bandwidth
+    decode_step = max(2 * n * 2 / 4e9, (n * 2 + cache) / 2e9)
+    limit = 6 * n * tokens / 4e9 + 2 * n * 2 * 4 / 4e9 + 6 * decode_step
+    assert record["at_limits"] == {"step_s": round(limit, 3)}  # the figures give no completions/s
+    record = bench_trl.limits_record(
+        "compute", spec, {**figures, "completions_per_s": 0.8}, peaks, trl_completions_per_s=0.5
+    )
+    assert record["at_limits"] == {
+        "step_s": round(limit, 3), "rlflow_step_s": 2.5, "share_of_rlflow_step": round(limit / 2.5, 3),
+        "trl_step_s": 4.0, "max_ratio_to_trl": round(4.0 / limit, 2),
+    }  # fmt: skip
     # lengths that vary (an EOS may end a response early) are not priced
     assert bench_trl.limits_record("compute", {**spec, "min_new_tokens": 0}, figures, peaks) is None
