@@ -169,12 +169,16 @@ void panels_scalar(const float* x, i64 n, const Panels& w, i64 p0, i64 p1, float
 constexpr i64 kPrefetchRows = 64;
 // Panel rows (of 64 bytes) the AVX2 tiles of a step's rows take in turn before the next ones: the
 // panel's 1 KiB and the rows' slices of x stay in L1 for every tile (deeper blocks were slower).
+// A panel that fits in kAvx2Whole bytes with the rows' x is taken whole: blocks would only add
+// the accumulators' loads and stores.
 constexpr i64 kAvx2Depth = 16;
+constexpr i64 kAvx2Whole = 32 * 1024;
 
 #ifdef RLFLOW_X86
 // AVX2/FMA kernel: tiles of 4 rows x one panel (8 accumulators), so each weight vector loaded feeds
-// 4 FMAs, every tile of the step's rows over kAvx2Depth panel rows at a time (the first one asks for
-// the weights ahead); leftover rows take 1-row tiles; a last panel narrower than kPanel the scalar kernel.
+// 4 FMAs, every tile of the step's rows over kAvx2Depth panel rows at a time where the panel and the
+// rows' x overflow kAvx2Whole (the first tile asks for the weights ahead); leftover rows take 1-row
+// tiles; a last panel narrower than kPanel the scalar kernel.
 __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, const Panels& w, i64 p0, i64 p1,
                                                       float* y) {
   const i64 in = w.in, out = w.out;
@@ -186,8 +190,9 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
     }
     const float* panel = w.panel(q);
     const i64 tiled = n - n % 4;
-    for (i64 k0 = 0; k0 < in; k0 += kAvx2Depth) {
-      const i64 k1 = std::min(in, k0 + kAvx2Depth);
+    const i64 depth = in * (kPanel + n) * static_cast<i64>(sizeof(float)) <= kAvx2Whole ? in : kAvx2Depth;
+    for (i64 k0 = 0; k0 < in; k0 += depth) {
+      const i64 k1 = std::min(in, k0 + depth);
       for (i64 r = 0; r < tiled; r += 4) {
         const float* x0 = x + r * in;
         __m256 acc[4][2];

@@ -123,6 +123,26 @@ def test_every_kernel_and_thread_count_equals_the_twin(kernels, threads, hidden,
             tokens = a.argmax(-1)
 
 
+@pytest.mark.parametrize("kernels", [1, 2])
+def test_a_row_count_the_tiles_do_not_divide_equals_the_twin(kernels):
+    """9 rows: the AVX2 kernel's 4-row tiles leave one row to its 1-row tile, in blocks of the MLP's
+    panel rows (its 344-wide input overflows the whole-panel budget) and whole elsewhere."""
+    model = build_tiny_model(
+        vocab_size=VOCAB + 3, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
+        intermediate_size=344, tie_word_embeddings=True, seed=3,
+    ).eval()  # fmt: skip
+    ids, mask = left_padded_prompts([5, 7, 3], seed=4, width=8)
+    ids, n, steps = ids % VOCAB, 3, 5
+    twin, native = FastDecoder(model, steps), NativeDecoder(model, steps, threads=2, kernels=kernels)
+    with torch.inference_mode():
+        a, b = twin.prefill(ids, mask, n), native.prefill(ids, mask, n)
+        tokens = torch.arange(ids.shape[0] * n) % VOCAB
+        for step in range(steps):
+            a, b = twin.step(tokens, step), native.step(tokens, step)
+            torch.testing.assert_close(b, a, atol=TWIN_ATOL, rtol=0)
+            tokens = a.argmax(-1)
+
+
 def test_the_kernels_follow_torchs_cpu_capability(monkeypatch):
     import rlflow.engine.rollout.native_decode as native_decode
 
