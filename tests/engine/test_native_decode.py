@@ -112,15 +112,9 @@ def test_every_kernel_and_thread_count_equals_the_twin(kernels, threads, hidden,
     ).eval()  # fmt: skip
     ids, mask = left_padded_prompts([6, 9, 4, 8], seed=2, width=10)
     ids, n, steps = ids % VOCAB, 8, 6
-    twin, native = FastDecoder(model, steps), NativeDecoder(model, steps, threads=threads, kernels=kernels)
+    native = NativeDecoder(model, steps, threads=threads, kernels=kernels)
     assert native.threads == threads and native.kernels <= kernels
-    with torch.inference_mode():
-        a, b = twin.prefill(ids, mask, n), native.prefill(ids, mask, n)
-        tokens = torch.arange(ids.shape[0] * n) % VOCAB
-        for step in range(steps):
-            a, b = twin.step(tokens, step), native.step(tokens, step)
-            torch.testing.assert_close(b, a, atol=TWIN_ATOL, rtol=0)
-            tokens = a.argmax(-1)
+    _steps_equal_the_twins(native, FastDecoder(model, steps), ids, mask, n, steps)
 
 
 @pytest.mark.parametrize("kernels", [1, 2])
@@ -133,7 +127,12 @@ def test_a_row_count_the_tiles_do_not_divide_equals_the_twin(kernels):
     ).eval()  # fmt: skip
     ids, mask = left_padded_prompts([5, 7, 3], seed=4, width=8)
     ids, n, steps = ids % VOCAB, 3, 5
-    twin, native = FastDecoder(model, steps), NativeDecoder(model, steps, threads=2, kernels=kernels)
+    native = NativeDecoder(model, steps, threads=2, kernels=kernels)
+    _steps_equal_the_twins(native, FastDecoder(model, steps), ids, mask, n, steps)
+
+
+def _steps_equal_the_twins(native, twin, ids, mask, n: int, steps: int) -> None:
+    """Prefill, then ``steps`` decode steps fed the twin's greedy tokens: the logits of each within TWIN_ATOL."""
     with torch.inference_mode():
         a, b = twin.prefill(ids, mask, n), native.prefill(ids, mask, n)
         tokens = torch.arange(ids.shape[0] * n) % VOCAB
