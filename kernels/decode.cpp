@@ -181,7 +181,8 @@ constexpr i64 kAvx2Whole = 32 * 1024;
 // tiles; a last panel narrower than kPanel the scalar kernel.
 __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, const Panels& w, i64 p0, i64 p1,
                                                       float* y) {
-  const i64 in = w.in, out = w.out;
+  const i64 in = w.in, out = w.out, tiled = n - n % 4;
+  const i64 depth = in * (kPanel + n) * static_cast<i64>(sizeof(float)) <= kAvx2Whole ? in : kAvx2Depth;
   for (i64 q = p0; q < p1; ++q) {
     const i64 j = q * kPanel;
     if (out - j < kPanel) {
@@ -189,8 +190,6 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
       continue;
     }
     const float* panel = w.panel(q);
-    const i64 tiled = n - n % 4;
-    const i64 depth = in * (kPanel + n) * static_cast<i64>(sizeof(float)) <= kAvx2Whole ? in : kAvx2Depth;
     for (i64 k0 = 0; k0 < in; k0 += depth) {
       const i64 k1 = std::min(in, k0 + depth);
       for (i64 r = 0; r < tiled; r += 4) {
@@ -218,8 +217,7 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
         }
       }
     }
-    i64 r = tiled;
-    for (; r < n; ++r) {
+    for (i64 r = tiled; r < n; ++r) {
       const float* xr = x + r * in;
       __m256 a0 = _mm256_loadu_ps(y + r * out + j), a1 = _mm256_loadu_ps(y + r * out + j + 8);
       for (i64 k = 0; k < in; ++k) {

@@ -9,8 +9,8 @@ rope tables and key mask: the same math, the same sampler loop around it (the sa
 same pruning of finished rows), logits equal to the twin's to float rounding
 (``tests/engine/test_native_decode.py``).
 
-The step runs on torch's thread count (OpenMP threads, the same runtime as torch's) with the widest kernels torch's CPU capability allows (AVX-512, AVX2/FMA or
-scalar, :func:`kernel_cap`). Its matrices are packed once per decoder into panels of 16 output
+The step runs on torch's thread count (OpenMP threads, the same runtime as torch's) with the
+widest kernels torch's CPU capability allows (AVX-512, AVX2/FMA or scalar, :func:`kernel_cap`). Its matrices are packed once per decoder into panels of 16 output
 columns, each streamed front to back with the next pages prefetched: with a decode step's few rows
 the step reads every weight once from memory, and that read, not the arithmetic, is its bound.
 
@@ -50,8 +50,9 @@ __all__ = [
 
 # Largest decode step of more than NATIVE_MAX_ROWS rows run in C++, in multiply-adds per layer (rows x
 # the layer's matrices). The C++ step wins where torch's per-op overhead dominates a step and loses
-# where MKL's GEMMs outrun its tiles; `python -m benchmarks.run sampler` times the crossover (its `sampler_step_*` records;
-# the figures and the level point below which this limit sits: docs/benchmarks.md, "Sampler").
+# where MKL's GEMMs outrun its tiles; `python -m benchmarks.run sampler` times the crossover (its
+# `sampler_step_*` records; the figures and the level point below which this limit sits:
+# docs/benchmarks.md, "Sampler").
 NATIVE_MAX_STEP_MACS = 32_000_000
 # Rows up to which the C++ step runs at any width: its panels are read once per 16 rows, and up to
 # this many rows streaming them from memory bounds a step (the same benchmark's records at 16 and 32
