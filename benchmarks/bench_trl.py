@@ -437,31 +437,25 @@ def limits_record(
         if not call.startswith("actor_") or per_token is None or seconds <= 0:  # the actor's calls only
             continue
         flops = per_token * n_matmul * tokens
+        entry = {"seconds": seconds, "gflop": round(flops / 1e9, 1), "gflop_per_s": round(flops / seconds / 1e9, 1)}
+        entry["share_of_matmul_peak_2threads"] = round(flops / seconds / peak, 3)
         if call.endswith("_gen"):
             weights_once = (n_matmul + (0 if config.get("tie_word_embeddings") else vocab * h)) * itemsize
             limit_s += 2 * n_matmul * rows * spec["max_prompt_len"] / peak  # the prefill
             limit_s += new * max(
                 2 * n_matmul * rows / peak, (weights_once + cache) / peaks["copy_bytes_per_s_2threads"]
             )
-        else:
-            limit_s += flops / peak
-        entry = {"seconds": seconds, "gflop": round(flops / 1e9, 1), "gflop_per_s": round(flops / seconds / 1e9, 1)}
-        entry["share_of_matmul_peak_2threads"] = round(flops / seconds / peak, 3)
-        if call.endswith("_gen"):
-            workers = _dp_of(plan.get(call, ""))
-            weights = weights_once * workers
+            step_bytes = weights_once * _dp_of(plan.get(call, "")) + cache  # each generation worker reads its copy
             step_s = seconds / new
             entry.update(
                 decode_step_ms=round(step_s * 1e3, 3),
-                decode_bytes_per_step=int(weights + cache),
-                decode_gb_per_s=round((weights + cache) / step_s / 1e9, 2),
-                share_of_copy_bandwidth_1thread=round(
-                    (weights + cache) / step_s / peaks["copy_bytes_per_s_1thread"], 3
-                ),
-                share_of_copy_bandwidth_2threads=round(
-                    (weights + cache) / step_s / peaks["copy_bytes_per_s_2threads"], 3
-                ),
+                decode_bytes_per_step=int(step_bytes),
+                decode_gb_per_s=round(step_bytes / step_s / 1e9, 2),
+                share_of_copy_bandwidth_1thread=round(step_bytes / step_s / peaks["copy_bytes_per_s_1thread"], 3),
+                share_of_copy_bandwidth_2threads=round(step_bytes / step_s / peaks["copy_bytes_per_s_2threads"], 3),
             )
+        else:
+            limit_s += flops / peak
         record["calls"][call] = entry
     at_limits = {"step_s": round(limit_s, 3)}
     if figures.get("completions_per_s"):

@@ -336,5 +336,9 @@ def test_limits_record_prices_the_calls_of_a_fixed_length_task(tmp_path):
         "step_s": round(limit, 3), "rlflow_step_s": 2.5, "share_of_rlflow_step": round(limit / 2.5, 3),
         "trl_step_s": 4.0, "max_ratio_to_trl": round(4.0 / limit, 2),
     }  # fmt: skip
+    # limits ten thousand times lower: a step of seconds, priced to the millisecond
+    slow = {key: value / 1e4 for key, value in peaks.items()}
+    assert round(limit * 1e4, 3) > 0.1
+    assert bench_trl.limits_record("compute", spec, figures, slow)["at_limits"] == {"step_s": round(limit * 1e4, 3)}
     # lengths that vary (an EOS may end a response early) are not priced
     assert bench_trl.limits_record("compute", {**spec, "min_new_tokens": 0}, figures, peaks) is None
