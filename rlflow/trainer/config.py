@@ -213,6 +213,9 @@ class LoopConfig(_Section):
     eval_before_train: bool = _f(True, "evaluate before the first step (and after the warm-up)")
     log_every: int = _f(1, "log metrics every this many steps", ge=1)
     max_wall_seconds: float | None = _f(None, "stop (after a final eval and checkpoint) past this wall time", gt=0.0)
+    target_score: float | None = _f(
+        None, "stop (after a final eval and checkpoint) at the first evaluation whose held-out score reaches this"
+    )
     max_restarts: int = _f(0, "worker restarts after a death or failed collective, each from the last checkpoint", ge=0)
     profile_calls: list[str] = _f(
         [],
@@ -222,6 +225,10 @@ class LoopConfig(_Section):
     profile_steps: list[int] = _f([], "the training steps whose profile_calls are profiled (0: before training)")
 
     def _check(self) -> None:
+        if self.target_score is not None and not self.eval_every:
+            raise ConfigError(
+                "target_score", f"{self.target_score} needs evaluations in the run: eval_every=0 must be > 0"
+            )
         # Profiling is on when both name something; one of them alone is a forgotten half.
         if bool(self.profile_calls) != bool(self.profile_steps):
             given, empty = ("profile_calls", "profile_steps")[:: 1 if self.profile_calls else -1]
@@ -511,13 +518,19 @@ class RLFlowConfig(_Section):
             )
         if self.warmup.steps and (record.dataset == "examples" or "actor" not in record.trains):
             raise ConfigError("warmup.steps", f"{self.warmup.steps}; a warm-up precedes RL or DPO, not {algo.name!r}")
-        self._check_warmup_eval()
+        w = self.warmup
+        if w.eval_every and w.steps:
+            target = w.target_score is not None
+            self._check_evaluable(
+                "warmup.target_score" if target else "warmup.eval_every", w.target_score if target else w.eval_every
+            )
+        if self.trainer.target_score is not None:
+            self._check_evaluable("trainer.target_score", self.trainer.target_score)
 
-    def _check_warmup_eval(self) -> None:
-        """Warm-up evaluations need held-out prompts and a rule to score them (the trainer's evaluation)."""
-        w, why = self.warmup, None
-        if not w.eval_every or not w.steps:
-            return
+    def _check_evaluable(self, key: str, value: Any) -> None:
+        """A setting that acts on held-out scores (``key``, at ``value``) needs held-out prompts and a
+        rule to score them (the trainer's evaluation)."""
+        why = None
         if not self.scores_generations:
             why = f"algorithm {self.algorithm.name!r} has no held-out generation to score"
         elif self.data.eval_size == 0:
@@ -525,9 +538,7 @@ class RLFlowConfig(_Section):
         elif self.data.task is None and self.data.eval_file is None:
             why = "no held-out data (data.eval_file)"
         if why is not None:
-            key = "warmup.target_score" if w.target_score is not None else "warmup.eval_every"
-            value = w.target_score if w.target_score is not None else w.eval_every
-            raise ConfigError(key, f"{value}: cannot evaluate during the warm-up: {why}")
+            raise ConfigError(key, f"{value}: cannot score held-out answers: {why}")
 
     def _check_sampling(self) -> None:
         # Each response length follows the other when only one is given; both null: 8 tokens.

@@ -206,6 +206,7 @@ class Trainer:
             self.step = 0  # a failure while the first launch starts the workers restarts from here
             self._last_saved: Path | None = None  # the newest checkpoint this trainer wrote (a restart resumes it)
             self._signal: int | None = None  # SIGINT/SIGTERM received during training (checkpoint.save_on_signal)
+            self._target_reached = False  # an evaluation of the loop reached trainer.target_score
             # placement.calibrate=run on a new shape: the calibration still to make, and the plan a
             # calibration chose to restart on.
             self._calibration: calibration.RunCalibration | None = None
@@ -501,8 +502,7 @@ class Trainer:
             # Overlap: issue the next iteration before waiting when no evaluation or checkpoint
             # needs the workers quiet at this step (ReaLHF's cross-iteration overlap).
             following = None
-            stopping = self._out_of_time(started) or self.callbacks.stop_requested or self._signal is not None
-            if step < total and not self._sync_point(step) and not stopping:
+            if step < total and not self._sync_point(step) and not self._stopping(started):
                 following = (step + 1, self._issue(step + 1, batches))
             self._write_rollouts(step, self.runner.wait(submitted, fetch=self._rollout_calls(step)))
             self.step = step
@@ -514,12 +514,10 @@ class Trainer:
                 self._calibrate(step)
             if self._sync_point(step):
                 if loop.eval_every and step % loop.eval_every == 0 and step < total:
-                    self.evaluate()
+                    self._note_target(self.evaluate())
                 if self.cfg.checkpoint.every_n_steps and step % self.cfg.checkpoint.every_n_steps == 0:
                     self._save()
-            if pending is None and (
-                self._out_of_time(started) or self.callbacks.stop_requested or self._signal is not None
-            ):
+            if pending is None and self._stopping(started):
                 break
         self.issuer.drain()  # rollouts issued ahead of a run that stopped early
         bar.close()
@@ -590,9 +588,18 @@ class Trainer:
             self.result.estimated_seconds = outcome.placement.estimated_call_seconds()
             (self.run_dir / "plan.json").write_text(outcome.placement.plan.to_json())
 
-    def _out_of_time(self, started: float) -> bool:
+    def _stopping(self, started: float) -> bool:
+        """Whether the loop stops before ``trainer.total_steps``: past ``trainer.max_wall_seconds``, at
+        ``trainer.target_score``, asked by a callback or by a signal."""
         limit = self.cfg.trainer.max_wall_seconds
-        return limit is not None and time.time() - started > limit
+        out_of_time = limit is not None and time.time() - started > limit
+        return out_of_time or self._target_reached or self.callbacks.stop_requested or self._signal is not None
+
+    def _note_target(self, score: float | None) -> None:
+        target = self.cfg.trainer.target_score
+        if score is not None and target is not None and score >= target and not self._target_reached:
+            self._target_reached = True
+            log.info(f"step {self.step}: held-out score {score:.3f} reached trainer.target_score {target}; stopping")
 
     def _batches(self):
         while True:

@@ -152,7 +152,7 @@ def test_a_split_seed_keeps_the_held_out_problems_across_run_seeds():
     assert split_1 == records("seed=1") and split_1[1] != held_out  # null: the run's seed splits
 
 
-# ---------------------------------------------------------------------------- warm-up settings
+# ---------------------------------------------------------------- warm-up and target settings
 @pytest.mark.parametrize(
     ("overrides", "key", "message"),
     [
@@ -162,11 +162,18 @@ def test_a_split_seed_keeps_the_held_out_problems_across_run_seeds():
             "warmup.target_score",
             "data.eval_size is 0",
         ),
+        (["trainer.target_score=0.9", "trainer.eval_every=0"], "trainer.target_score", "eval_every=0 must be > 0"),
+        (["trainer.target_score=0.9", "data.eval_size=0"], "trainer.target_score", "data.eval_size is 0"),
+        (
+            ["algorithm.name=rm", "trainer.eval_every=5", "trainer.target_score=0.9"],
+            "trainer.target_score",
+            "no held-out generation to score",
+        ),
     ],
 )
-def test_warmup_evaluations_need_a_held_out_score(overrides, key, message):
+def test_settings_on_held_out_scores_need_a_held_out_score(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as info:
-        load_config(None, overrides)
+        load_config(REPO / "recipes" / "rm_arithmetic.yaml" if "algorithm.name=rm" in overrides else None, overrides)
     assert info.value.key == key
 
 

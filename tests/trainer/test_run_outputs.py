@@ -150,6 +150,18 @@ def test_a_run_stopped_by_a_callback_leaves_its_final_model_where_final_dir_says
     assert AutoTokenizer.from_pretrained(tmp_path / "exported" / "actor").eos_token == "<eos>"
 
 
+@pytest.mark.parametrize(("target", "steps"), [(0.0, 2), (1.5, 4)])
+def test_a_run_stops_at_the_first_evaluation_that_reaches_target_score(tmp_path, target, steps):
+    """Every score reaches 0 (the run stops at its first evaluation, step 2, and saves its final
+    checkpoint there); none reaches 1.5 (all four steps run)."""
+    overrides = [*TINY, "trainer.total_steps=4", "trainer.eval_every=2", f"trainer.target_score={target}"]
+    overrides += ["trainer.eval_before_train=false", "checkpoint.every_n_steps=0", f"logging.dir={tmp_path}"]
+    with Trainer(load_config(GRPO, overrides), progress_bars=False) as t:
+        result = t.fit()
+    assert result.steps == steps and [step for step, _ in result.eval_history] == [2, steps]  # a loop's, the final
+    assert (tmp_path / "checkpoints" / f"step_{steps}").is_dir() and (tmp_path / "final" / "actor").is_dir()
+
+
 def test_a_run_stopped_by_sigint_leaves_its_final_model_and_save_hf_false_no_checkpoint_export(tmp_path):
     overrides = [*TINY, "trainer.total_steps=3", "checkpoint.save_hf=false", f"logging.dir={tmp_path}"]
 
