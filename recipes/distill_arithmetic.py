@@ -1,12 +1,15 @@
 """Distillation of the SFT policy of ``sft_arithmetic`` into a smaller student on 2-digit addition.
 
-The teacher (``models.teacher``) is the export of ``sft_arithmetic``, which this script trains
-first when ``models.teacher.path`` holds no model. At each position of a step's responses the student
-is trained toward the teacher's whole next-token distribution (``algorithm.distill_loss: full_vocab``).
-The responses are GKD's mix (``algorithm.distill_student_fraction``, 0.5 in the recipe): the student
-samples that share of a step's prompts itself (on-policy), and the others take a response the teacher
-sampled, which this script draws from the teacher first (:func:`teacher_sample_data`, two per training
-prompt). At 1 the run is on-policy only and samples nothing from the teacher.
+Two stages come first when their models are missing: the teacher (``models.teacher``, the export of
+``sft_arithmetic``) and the student's start (``models.actor``): SFT of the recipe's student shape on
+the task's answers until its held-out score reaches ``STUDENT_TARGET`` (:func:`student_stage`), as
+the main job's policy starts from an SFT warm-up. At each position of a step's responses the
+student is then trained toward the teacher's whole next-token distribution
+(``algorithm.distill_loss: full_vocab``). The responses are GKD's mix
+(``algorithm.distill_student_fraction``, 0.5 in the recipe): the student samples that share of a
+step's prompts itself (on-policy), and the others take a response the teacher sampled, which this
+script draws from the teacher first (:func:`teacher_sample_data`, two per training prompt). At 1
+the run is on-policy only and samples nothing from the teacher.
 
 python recipes/distill_arithmetic.py [recipes/other.yaml] [key=value ...]
 """
@@ -30,6 +33,20 @@ from rlflow.trainer.data import TASK_TRAIN_SIZE, task_records
 from rlflow.trainer.recipe import recipe_args
 
 RECIPE = Path(__file__).with_suffix(".yaml")
+# The student's SFT stage: the held-out score it stops at, its step budget and learning rate.
+STUDENT_TARGET = 0.6
+STUDENT_MAX_STEPS = 1200
+STUDENT_LR = 2e-3
+# The fields of models.actor that give the stage its student's shape.
+STUDENT_SHAPE = (
+    "family",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 # Teacher samples of each training prompt at most (the runs then pass over them again): sampling
 # costs the teacher's forward passes on the CPU.
 SAMPLES_PER_PROMPT = 2
@@ -88,18 +105,42 @@ def teacher_sample_data(cfg: RLFlowConfig, directory: Path, rows_per_step: int) 
     ]
 
 
-def main(argv: Sequence[str] | None = None, sft_argv: Sequence[str] = ()) -> FitResult:
-    """Trains the teacher if ``models.teacher.path`` holds none, samples it when the run mixes its
-    samples in, then distils it into the student.
+def student_stage(cfg: RLFlowConfig) -> list[str]:
+    """The overrides of ``sft_arithmetic`` that train ``cfg``'s student: its shape, SFT on the task's
+    answers at ``STUDENT_LR``, evaluated every 25 steps, stopping once the held-out score reaches
+    ``STUDENT_TARGET`` (``trainer.target_score``; at most ``STUDENT_MAX_STEPS`` steps)."""
+    actor = cfg.models["actor"]
+    shape = [f"models.actor.{name}={getattr(actor, name)}" for name in STUDENT_SHAPE]
+    stop = [
+        f"trainer.total_steps={STUDENT_MAX_STEPS}",
+        "trainer.eval_every=25",
+        f"trainer.target_score={STUDENT_TARGET}",
+    ]
+    return [f"experiment_name={Path(actor.path).parent.name}", *shape, f"models.actor.lr={STUDENT_LR}", *stop]
+
+
+def ensure_models(cfg: RLFlowConfig, sft_argv: Sequence[str] = (), student_argv: Sequence[str] = ()) -> None:
+    """Trains the teacher, then the student's start, where their ``init: path`` directories hold no model."""
+    ensure_model(cfg, "teacher", lambda args, path: train_sft(args, path), sft_argv)
+    ensure_model(cfg, "actor", lambda args, path: train_sft(args, path), [*student_stage(cfg), *student_argv])
+
+
+def main(
+    argv: Sequence[str] | None = None, sft_argv: Sequence[str] = (), student_argv: Sequence[str] = ()
+) -> FitResult:
+    """Trains the teacher and the student's start where missing, samples the teacher when the run
+    mixes its samples in, then distils it into the student.
 
     Args:
         argv: the recipe's command line (default ``sys.argv[1:]``): an optional YAML, then
             ``key=value`` overrides.
         sft_argv: overrides of ``sft_arithmetic`` when the teacher has to be trained first.
+        student_argv: overrides of ``sft_arithmetic`` (after :func:`student_stage`'s) when the
+            student's start has to be trained first.
     """
     source, overrides = recipe_args(RECIPE, sys.argv[1:] if argv is None else argv)
     cfg = load_config(source, overrides)
-    ensure_model(cfg, "teacher", lambda args, path: train_sft(args, path), sft_argv)
+    ensure_models(cfg, sft_argv, student_argv)
     fraction = cfg.algorithm.distill_student_fraction
     if fraction < 1 and cfg.data.train_file is None:
         given_per_step = math.ceil((1 - fraction) * cfg.data.batch_size)

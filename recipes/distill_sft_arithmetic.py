@@ -1,7 +1,8 @@
 """The baseline of ``distill_arithmetic``: SFT of the same student on its teacher's samples
 (sequence-level knowledge distillation), with the same budget of steps and sequences per step.
 
-The teacher (trained first as ``distill_arithmetic.py`` does when it is missing) samples responses to
+The teacher and the student's start are ``distill_arithmetic``'s (trained first as
+``distill_arithmetic.py`` does when they are missing). The teacher samples responses to
 the training prompts at the rollout's temperature (``SAMPLES_PER_PROMPT`` each at most; the same
 samples as a distillation run of the same seed mixes in); the student trains on those (prompt,
 response) pairs with the distillation run's optimizer, steps and sequences per step, and is scored on
@@ -16,19 +17,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from distill_arithmetic import RECIPE, teacher_sample_data
-from sft_arithmetic import train_sft
-from stages import ensure_model
+from distill_arithmetic import RECIPE, ensure_models, teacher_sample_data
 
 from rlflow.trainer import FitResult, load_config, run_recipe
 from rlflow.trainer.recipe import recipe_args
 
 
 def main(argv: Sequence[str] | None = None) -> FitResult:
-    """Samples the teacher, then trains the student of ``distill_arithmetic.yaml`` by SFT on the samples."""
+    """Samples the teacher, then trains the student of ``distill_arithmetic.yaml`` by SFT on the samples
+    (both trained first where missing, as ``distill_arithmetic.py`` does)."""
     source, overrides = recipe_args(RECIPE, sys.argv[1:] if argv is None else argv)
     cfg = load_config(source, overrides)
-    ensure_model(cfg, "teacher", lambda args, path: train_sft(args, path))
+    ensure_models(cfg)
     rows_per_step = cfg.data.batch_size * cfg.algorithm.n_samples
     data = teacher_sample_data(cfg, Path(cfg.run_dir).with_name(f"{cfg.experiment_name}_sft_data"), rows_per_step)
     sft = [

@@ -68,8 +68,9 @@ def ensure_model(
 ) -> None:
     """Trains ``models.<role>`` of ``cfg`` with ``train(argv, path)`` when its ``init: path`` directory is empty.
 
-    ``train`` gets ``argv`` with ``seed=<cfg.seed>`` first, so the producing recipe draws the
-    same train/test split of the task as the consumer (its training never sees held-out problems).
+    ``train`` gets ``argv`` with ``seed=<cfg.seed>`` (and ``data.split_seed`` when ``cfg`` sets it)
+    first, so the producing recipe draws the same train/test split of the task as the consumer (its
+    training never sees held-out problems).
     """
     model = cfg.models.get(role)
     if model is None or model.init != "path" or has_model(model.path):
@@ -77,4 +78,5 @@ def ensure_model(
     print(f"{cfg.experiment_name}: models.{role}.path {model.path} holds no model yet; training it first")
     args = list(argv)
     head = [args.pop(0)] if args and "=" not in args[0] else []  # the producing recipe's own YAML
-    train([*head, f"seed={cfg.seed}", *args], Path(model.path))
+    split = [] if cfg.data.split_seed is None else [f"data.split_seed={cfg.data.split_seed}"]
+    train([*head, f"seed={cfg.seed}", *split, *args], Path(model.path))

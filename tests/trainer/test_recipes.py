@@ -86,13 +86,20 @@ def test_the_pipeline_paths_line_up():
         assert [getattr(cfg.data, k) for k in task] == [getattr(ppo.data, k) for k in task]
 
 
-def test_the_distillation_teacher_is_the_larger_sft_policy():
+def test_the_distillation_teacher_is_the_larger_sft_policy_and_the_student_starts_from_sft(monkeypatch):
+    monkeypatch.syspath_prepend(str(RECIPES))
+    from distill_arithmetic import STUDENT_LR, STUDENT_TARGET, student_stage
+
     sft, distill = (load_config(RECIPES / f"{n}_arithmetic.yaml") for n in ("sft", "distill"))
     assert Path(distill.models["teacher"].path) == sft.run_dir / "actor"
     teacher, student = sft.models["actor"], distill.models["actor"]
     assert teacher.hidden_size >= student.hidden_size and teacher.num_layers > student.num_layers
     assert distill.seed == sft.seed and distill.data.task == sft.data.task == "arithmetic"
     assert distill.required_models() == ("actor", "teacher")
+    # The student's start: SFT at the student's shape, exported where the recipe reads it.
+    stage = load_config(RECIPES / "sft_arithmetic.yaml", student_stage(distill))
+    assert stage.run_dir / "actor" == Path(student.path) and stage.models["actor"].num_layers == student.num_layers
+    assert stage.models["actor"].lr == STUDENT_LR and stage.trainer.target_score == STUDENT_TARGET
 
 
 def test_distill_recipe_trains_the_missing_teacher_then_distils_it(tmp_path, monkeypatch):
@@ -103,10 +110,13 @@ def test_distill_recipe_trains_the_missing_teacher_then_distils_it(tmp_path, mon
 
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     teacher = [*SFT_TINY, *driver, "trainer.total_steps=1", "data.eval_size=2", "logging.tensorboard=false"]
+    start = [*teacher, "trainer.eval_every=1"]  # the student's SFT stage, evaluated for its target score
     student = [*driver, "trainer.total_steps=2", "data.batch_size=2", "data.eval_size=2", "trainer.eval_every=0"]
     student += ["trainer.eval_before_train=false", "logging.console=false", "logging.tensorboard=false"]
-    result = main(student, sft_argv=teacher)
-    assert has_model("runs/sft_arithmetic/actor")
+    result = main([*student, "algorithm.distill_student_fraction=1"], sft_argv=teacher, student_argv=start)
+    assert has_model("runs/sft_arithmetic/actor") and has_model("runs/distill_student/actor")
+    stage = load_config("runs/distill_student/config.yaml")
+    assert stage.algorithm.name == "sft" and stage.trainer.target_score is not None and stage.models["actor"].lr == 2e-3
     assert result.steps == 2 and len(result.mfc_seconds["teacher_inf"]) == 2
 
 
@@ -157,13 +167,17 @@ def test_grpo_lora_recipe_trains_the_missing_base_then_adapters_that_load_in_pla
 
 
 def _tiny_teacher_and_student() -> list[str]:
-    """A tiny untrained teacher at the distillation recipe's teacher path (in the current directory);
-    the overrides of a 3-step student run in the driver."""
+    """A tiny untrained teacher and student at the distillation recipe's paths (in the current
+    directory); the overrides of a 3-step student run in the driver."""
     tok = build_char_tokenizer()
     build_tiny_model(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
         "runs/sft_arithmetic/actor"
     )
     tok.save_pretrained("runs/sft_arithmetic/actor")
+    build_tiny_model(vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2).save_pretrained(
+        "runs/distill_student/actor"
+    )  # the student's start
+    tok.save_pretrained("runs/distill_student/actor")
     driver = ["placement.worker_host=driver", "placement.mode=heuristic", "placement.profile=false"]
     student = [*driver, "trainer.total_steps=3", "data.batch_size=4", "data.eval_size=2", "trainer.eval_every=0"]
     return [*student, "logging.console=false", "logging.tensorboard=false", "checkpoint.every_n_steps=0"]
