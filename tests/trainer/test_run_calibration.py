@@ -457,7 +457,8 @@ def test_a_multi_turn_run_calibrates_with_the_seconds_its_tools_took(tmp_path, m
         trainer.close()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     planner = _logged(records, "planner/")
-    assert 0.02 <= planner["planner/tool_seconds"] < 0.2
+    # At least the step's sleep; the bound above leaves room for a loaded machine's scheduling delays.
+    assert 0.02 <= planner["planner/tool_seconds"] < 1.0
     assert "planner/correction_generate" in planner
 
 
