@@ -10,9 +10,10 @@ same pruning of finished rows), logits equal to the twin's to float rounding
 (``tests/engine/test_native_decode.py``).
 
 The step runs on torch's thread count (OpenMP threads, the same runtime as torch's) with the
-widest kernels torch's CPU capability allows (AVX-512, AVX2/FMA or scalar, :func:`kernel_cap`). Its matrices are packed once per decoder into panels of 16 output
-columns, each streamed front to back with the next pages prefetched: with a decode step's few rows
-the step reads every weight once from memory, and that read, not the arithmetic, is its bound.
+widest kernels torch's CPU capability allows (AVX-512, AVX2/FMA or scalar, :func:`kernel_cap`).
+Its matrices are packed once per decoder into panels of 16 output columns, each streamed front to
+back with the next pages prefetched: with a decode step's few rows the step reads every weight once
+from memory, and that read, not the arithmetic, is its bound.
 
 It applies where :func:`native_decode_blocker` finds nothing against it: a whole model (not a
 pipeline stage) in float32 on the CPU, SiLU MLP, matrices of at most
