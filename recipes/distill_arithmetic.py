@@ -121,8 +121,8 @@ def student_stage(cfg: RLFlowConfig) -> list[str]:
 
 def ensure_models(cfg: RLFlowConfig, sft_argv: Sequence[str] = (), student_argv: Sequence[str] = ()) -> None:
     """Trains the teacher, then the student's start, where their ``init: path`` directories hold no model."""
-    ensure_model(cfg, "teacher", lambda args, path: train_sft(args, path), sft_argv)
-    ensure_model(cfg, "actor", lambda args, path: train_sft(args, path), [*student_stage(cfg), *student_argv])
+    ensure_model(cfg, "teacher", train_sft, sft_argv)
+    ensure_model(cfg, "actor", train_sft, [*student_stage(cfg), *student_argv])
 
 
 def main(

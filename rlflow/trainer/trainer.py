@@ -597,7 +597,7 @@ class Trainer:
 
     def _note_target(self, score: float | None) -> None:
         target = self.cfg.trainer.target_score
-        if score is not None and target is not None and score >= target and not self._target_reached:
+        if score is not None and target is not None and score >= target:
             self._target_reached = True
             log.info(f"step {self.step}: held-out score {score:.3f} reached trainer.target_score {target}; stopping")
 
