@@ -17,8 +17,9 @@
 //   rope(q) = q * cos + roll(q, D/2) * sin).
 //   key mask (N, T) additive: 0 where a row may attend, -inf where not.
 // The arithmetic follows HF's order (RMSNorm in float32 then times the weight; softmax with the
-// row maximum subtracted), but sums run in another order than MKL's, so results agree with the
-// twin to float rounding, not bit for bit. Matmuls, attention and the SiLU split over torch's
+// row maximum subtracted), but sums run in another order than MKL's (and the AVX-512 softmax takes
+// its exp from a polynomial within 1 ulp of expf), so results agree with the twin to float
+// rounding, not bit for bit. Matmuls, attention and the SiLU split over torch's
 // threads (rlflow_cpu::on_threads in cpu.h).
 
 #include <pybind11/numpy.h>
@@ -296,6 +297,77 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const
     for (int i = 0; i < width; ++i) _mm256_storeu_ps(o + c + 8 * i, acc[i]);
   }
 }
+
+// dot_avx2 in 16-wide registers, a tail under a mask.
+__attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, i64 n) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  i64 i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+// e^x, 16 at a time: 2^n e^r with n = round(x log2(e)), r = x - n ln(2) (ln(2) in two parts), e^r by
+// Cephes' polynomial (within 1 ulp of glibc's expf over the softmax's range [-87, 0]); below -87 (e^x under float's normal range, and
+// -inf: a masked key) exactly 0.
+__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// Attention's softmax over s[start..end] in place, the row maximum `top` subtracted: exp, sum, then
+// each divided by the sum (as the scalar loop does it), 16 at a time with a masked tail.
+__attribute__((target("avx512f"))) void softmax_avx512(float* s, i64 start, i64 end, float top) {
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (i64 i = start; i <= end; i += 16) {
+    const i64 left = end + 1 - i;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), shift)));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+  for (i64 i = start; i <= end; i += 16) {
+    const i64 left = end + 1 - i;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    _mm512_mask_storeu_ps(s + i, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + i), total));
+  }
+}
+
+// weighted_sum_avx2 in 16-wide registers (dim a multiple of 16): chunks of 128 columns.
+__attribute__((target("avx512f"))) void weighted_sum_avx512(const float* p, const float* vals, i64 start, i64 end,
+                                                              i64 dim, float* o) {
+  for (i64 c = 0; c < dim; c += 128) {
+    const int width = static_cast<int>(std::min<i64>(128, dim - c)) / 16;
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    for (i64 t = start; t <= end; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      const float* v = vals + t * dim + c;
+      for (int i = 0; i < width; ++i) acc[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < width; ++i) _mm512_storeu_ps(o + c + 16 * i, acc[i]);
+  }
+}
 #endif
 
 float dot_scalar(const float* a, const float* b, i64 n) {
@@ -491,7 +563,8 @@ class Decoder {
  private:
   float dot(const float* a, const float* b, i64 n) const {
 #ifdef RLFLOW_X86
-    if (level_ >= 1) return dot_avx2(a, b, n);
+    if (level_ == 2) return dot_avx512(a, b, n);
+    if (level_ == 1) return dot_avx2(a, b, n);
 #endif
     return dot_scalar(a, b, n);
   }
@@ -534,10 +607,10 @@ class Decoder {
     matmul(x, w, y);
   }
 
-  // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight (weight may be null).
+  // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight (weight may be null); the sum of
+  // squares in dot()'s accumulators (one chain of scalar adds made the norms a step's longest serial part).
   void rms_norm_n(const float* x, const float* weight, float* y, i64 n) const {
-    float sum = 0.f;
-    for (i64 i = 0; i < n; ++i) sum += x[i] * x[i];
+    const float sum = dot(x, x, n);
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps_);
     for (i64 i = 0; i < n; ++i) y[i] = weight ? weight[i] * (x[i] * inv) : x[i] * inv;
   }
@@ -555,14 +628,22 @@ class Decoder {
       scores[t] = mask[t] + scale_ * dot(q, keys + t * dim_, dim_);
       top = std::max(top, scores[t]);
     }
-    float total = 0.f;
-    for (i64 t = start; t <= slot; ++t) {
-      scores[t] = std::exp(scores[t] - top);
-      total += scores[t];
-    }
     float* o = attn_.data() + (r * heads_ + hq) * dim_;
-    for (i64 t = start; t <= slot; ++t) scores[t] /= total;
 #ifdef RLFLOW_X86
+    if (level_ == 2) {
+      softmax_avx512(scores, start, slot, top);
+    } else
+#endif
+    {
+      float total = 0.f;
+      for (i64 t = start; t <= slot; ++t) {
+        scores[t] = std::exp(scores[t] - top);
+        total += scores[t];
+      }
+      for (i64 t = start; t <= slot; ++t) scores[t] /= total;
+    }
+#ifdef RLFLOW_X86
+    if (level_ == 2 && dim_ % 16 == 0) return weighted_sum_avx512(scores, vals, start, slot, dim_, o);
     if (level_ >= 1 && dim_ % 8 == 0) return weighted_sum_avx2(scores, vals, start, slot, dim_, o);
 #endif
     std::fill_n(o, dim_, 0.f);

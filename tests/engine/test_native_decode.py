@@ -29,9 +29,11 @@ from rlflow.engine.rollout.native_decode import (
 torch.set_num_threads(1)
 
 LENGTHS = [5, 9, 3, 7]
-# The C++ step sums in another order than MKL: float32 rounding of ~5-sized logits through 4
-# layers (measured up to 7e-6; HF's cached decode differs from its own forward by up to 1.3e-5).
-TWIN_ATOL = 2e-5
+# The C++ step sums in another order than MKL (its norms' and attention's sums in vector
+# accumulators, its softmax's exp a polynomial): float32 rounding of ~5-sized logits through 4 layers
+# (measured up to 2.1e-5 over these tests with AVX-512, AVX2 and scalar kernels; HF's cached decode
+# differs from its own forward by up to 1.3e-5).
+TWIN_ATOL = 3e-5
 
 
 def _decode_both(model, steps: int, keep_at: int | None = None):
