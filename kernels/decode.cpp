@@ -314,8 +314,8 @@ __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float*
 }
 
 // e^x, 16 at a time: 2^n e^r with n = round(x log2(e)), r = x - n ln(2) (ln(2) in two parts), e^r by
-// Cephes' polynomial (within 1 ulp of glibc's expf over the softmax's range [-87, 0]); below -87 (e^x under float's normal range, and
-// -inf: a masked key) exactly 0.
+// Cephes' polynomial (within 1 ulp of glibc's expf over the softmax's range [-87, 0]); below -87
+// (e^x under float's normal range, and -inf: a masked key) exactly 0.
 __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
