@@ -18,7 +18,7 @@
 //   key mask (N, T) additive: 0 where a row may attend, -inf where not.
 // The arithmetic follows HF's order (RMSNorm in float32 then times the weight; softmax with the
 // row maximum subtracted), but sums run in another order than MKL's (and the AVX-512 softmax takes
-// its exp from a polynomial within 1 ulp of expf), so results agree with the twin to float
+// its exp from cpu.h's polynomial, within 1 ulp of expf), so results agree with the twin to float
 // rounding, not bit for bit. Matmuls, attention and the SiLU split over torch's
 // threads (rlflow_cpu::on_threads in cpu.h).
 
@@ -52,6 +52,9 @@ namespace {
 using rlflow_cpu::kernel_level;
 using rlflow_cpu::on_threads;
 using rlflow_cpu::share;
+#ifdef RLFLOW_X86
+using rlflow_cpu::exp_avx512;
+#endif
 
 // ---------------------------------------------------------------- matmul: y[n, :] = base + x[n, :] @ w
 
@@ -313,28 +316,9 @@ __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float*
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-// e^x, 16 at a time: 2^n e^r with n = round(x log2(e)), r = x - n ln(2) (ln(2) in two parts), e^r by
-// Cephes' polynomial (within 1 ulp of glibc's expf over the softmax's range [-87, 0]); below -87
-// (e^x under float's normal range, and -inf: a masked key) exactly 0.
-__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
 // Attention's softmax over s[start..end] in place, the row maximum `top` subtracted: exp, sum, then
-// each divided by the sum (as the scalar loop does it), 16 at a time with a masked tail.
+// each divided by the sum (as the scalar loop does it), 16 at a time with a masked tail. AVX2 keeps
+// the scalar loop: 8 wide with exp_avx2 its step runs slower than with expf one by one.
 __attribute__((target("avx512f"))) void softmax_avx512(float* s, i64 start, i64 end, float top) {
   const __m512 shift = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();

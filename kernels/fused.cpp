@@ -119,33 +119,10 @@ void swiglu_backward_scalar(const float* dh, const float* g, const float* u, i64
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-// e^x of 8 floats (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r,
-// times 2^n; within 2 ulp of the true value); 0 below -87.34 (where float's normal range ends),
-// infinity from about 88.38 on (2^128 overflows; e^x does at 88.72).
-__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
-  const __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
-  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-}
-
 // The sigmoid of 8 floats: 1 / (1 + e^-g).
 __attribute__((target("avx2,fma"))) inline __m256 sigmoid_avx2(__m256 g) {
   const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  return _mm256_div_ps(one, _mm256_add_ps(one, rlflow_cpu::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
 __attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float* u, i64 begin, i64 end, float* h) {
