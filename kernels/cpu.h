@@ -57,12 +57,12 @@ inline std::pair<i64, i64> share(i64 count, int t, int threads) {
   return {count * t / threads, count * (t + 1) / threads};
 }
 
-
 #if defined(__x86_64__) || defined(_M_X64)
 // e^x of a vector of floats, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r
 // = 1 + r + r^2 P(r) with P of degree 5, times 2^n; within 1 ulp of glibc's expf over [-87, 0] (the
-// softmax's range); 0 below kExpLow (where float's normal range ends; -inf too), infinity above
-// kExpHigh. The SiLU of fused.cpp (8 wide) and the decode step's softmax (16 wide) take it.
+// softmax's range); 0 below kExpLow (where float's normal range ends; -inf too), infinity from
+// about 88.4 on (2^n overflows) and above kExpHigh. The SiLU of fused.cpp (8 wide) and the decode
+// step's softmax (16 wide) take it.
 constexpr float kExpLow = -87.33654f, kExpHigh = 88.72283f;
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
@@ -71,7 +71,8 @@ constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   const __m256 lo = _mm256_set1_ps(kExpLow), hi = _mm256_set1_ps(kExpHigh);
   const __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), c);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
   __m256 p = _mm256_set1_ps(kExpPoly[0]);
@@ -79,21 +80,24 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-  e = _mm256_blendv_ps(e, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  e = _mm256_blendv_ps(e, inf, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
   return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
 __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   const __m512 lo = _mm512_set1_ps(kExpLow), hi = _mm512_set1_ps(kExpHigh);
   const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), c);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
   __m512 p = _mm512_set1_ps(kExpPoly[0]);
   for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   __m512 e = _mm512_scalef_ps(y, n);
-  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), inf);
   return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
 }
 #endif

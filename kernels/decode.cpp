@@ -592,7 +592,7 @@ class Decoder {
   }
 
   // HF's RMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight (weight may be null); the sum of
-  // squares in dot()'s accumulators (one chain of scalar adds made the norms a step's longest serial part).
+  // squares in dot()'s vector accumulators (one chain of scalar adds would be a step's longest serial part).
   void rms_norm_n(const float* x, const float* weight, float* y, i64 n) const {
     const float sum = dot(x, x, n);
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps_);
