@@ -235,6 +235,11 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
   }
 }
 
+// The first min(n, 16) lanes of a 16-float vector as a mask: a narrow last panel, a row's tail.
+inline __mmask16 first_lanes(i64 n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 // AVX-512 kernel: tiles of up to 16 rows x one panel (one 16-wide accumulator a row), so a decode
 // step's rows read each weight once from memory and each weight vector feeds up to 16 FMAs; a
 // last panel narrower than kPanel is loaded and stored under a mask.
@@ -256,7 +261,7 @@ __attribute__((target("avx512f"))) void panels_avx512(const float* x, i64 n, con
   const i64 in = w.in, out = w.out;
   for (i64 q = p0; q < p1; ++q) {
     const i64 j = q * kPanel, width = std::min(kPanel, out - j);
-    const __mmask16 cols = static_cast<__mmask16>((1u << width) - 1u);
+    const __mmask16 cols = first_lanes(width);
     const float* panel = w.panel(q);
     i64 r = 0;
     for (; r + 16 <= n; r += 16) tile_avx512<16>(x + r * in, in, panel, y + r * out + j, out, cols);
@@ -310,7 +315,7 @@ __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float*
     s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
   }
   for (; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 m = first_lanes(n - i);
     s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
@@ -323,16 +328,14 @@ __attribute__((target("avx512f"))) void softmax_avx512(float* s, i64 start, i64 
   const __m512 shift = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (i64 i = start; i <= end; i += 16) {
-    const i64 left = end + 1 - i;
-    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 m = first_lanes(end + 1 - i);
     const __m512 e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), shift)));
     _mm512_mask_storeu_ps(s + i, m, e);
     sum = _mm512_add_ps(sum, e);
   }
   const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
   for (i64 i = start; i <= end; i += 16) {
-    const i64 left = end + 1 - i;
-    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 m = first_lanes(end + 1 - i);
     _mm512_mask_storeu_ps(s + i, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + i), total));
   }
 }
