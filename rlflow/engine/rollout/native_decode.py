@@ -13,7 +13,8 @@ The step runs on torch's thread count (OpenMP threads, the same runtime as torch
 widest kernels torch's CPU capability allows (AVX-512, AVX2/FMA or scalar, :func:`kernel_cap`).
 Its matrices are packed once per decoder into panels of 16 output columns, each streamed front to
 back with the next pages prefetched: with a decode step's few rows the step reads every weight once
-from memory, and that read, not the arithmetic, is its bound.
+from memory, and that read and the multiply-adds it feeds bound it (docs/benchmarks.md, the compute
+task against the machine's limits).
 
 It applies where :func:`native_decode_blocker` finds nothing against it: a whole model (not a
 pipeline stage) in float32 on the CPU, SiLU MLP, matrices of at most
