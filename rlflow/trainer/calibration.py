@@ -2,7 +2,10 @@
 
 A model shape new to this host starts without timing its calls first: the planner prices it
 from the host's machine profile (layer timings and whole calls of a reference model, measured
-once per host). The run then measures itself, ``placement.calibrate_steps`` steps at a time,
+once per host). A later run of the shape plans with the calibrated profile, and calibrates it
+again where its plan runs a call type in a regime (one device alone, or several busy) that no run
+of the shape measured (:func:`uncalibrated_kinds`): a plan priced there is the reference model's
+extrapolation, off by several times for a model of other proportions. The run measures itself, ``placement.calibrate_steps`` steps at a time,
 after its first step (a warm-up: its calls pay first-call costs):
 
 1. the calls on the plan as it was priced: each call type's measured seconds against the plan's
@@ -67,6 +70,19 @@ def _alone_kinds(placement: Placement, kinds: Mapping[str, str], profile: Machin
         if call.name in kinds:
             busy.setdefault(kinds[call.name], set()).add(busy_devices(call.mesh))
     return {kind for kind, devices in busy.items() if devices == {1}}
+
+
+def uncalibrated_kinds(placement: Placement, kinds: Mapping[str, str], profile: MachineProfile) -> list[str]:
+    """The call types ``placement`` runs in a regime — on one device of a host alone, or keeping more
+    busy — for which ``profile`` holds no correction by a run's own calls
+    (``MachineProfile.alone_corrections``, ``MachineProfile.corrections``): their prices extrapolate
+    the machine profile's reference model, which no run of these shapes has checked."""
+    if placement.plan is None or profile.calls is None:
+        return []
+    alone = _alone_kinds(placement, kinds, profile)
+    planned = {kinds[c.name] for c in placement.plan.calls if c.name in kinds}
+    checked = {True: profile.alone_corrections or {}, False: profile.corrections or {}}
+    return sorted(k for k in planned if k not in checked[k in alone])
 
 
 def _per_kind(kinds: Mapping[str, str], seconds: Mapping[str, float]) -> dict[str, float]:

@@ -107,8 +107,9 @@ class PlacementConfig(_Section):
         "(whole calls of a reference model, measured once per host) and calibrates the cost model by the run's own "
         "calls after step 1 (calibrate_steps of them; on a plan of one worker as many more on the other thread count), "
         "caches that for the shape and re-plans (a faster plan is taken at that step: its thread count at once, another "
-        "layout by a checkpoint, the workers restarted on it, resumed); 'profile' times whole calls of the run's model "
-        "before step 1 (cached per host and shape)",
+        "layout by a checkpoint, the workers restarted on it, resumed); a later run of the shape calibrates the same way "
+        "where its plan runs a call type in a regime (one worker alone, or several busy) no run of the shape measured; "
+        "'profile' times whole calls of the run's model before step 1 (cached per host and shape)",
         choices=("run", "profile"),
     )
     calibrate_steps: int = _f(

@@ -56,6 +56,7 @@ tokenizer_io = LazyModule("rlflow.data.tokenizer")
 timeline = LazyModule("rlflow.planner.timeline")
 build = LazyModule("rlflow.trainer.build")
 calibration = LazyModule("rlflow.trainer.calibration")
+dataflow = LazyModule("rlflow.dataflow")
 rollout_log = LazyModule("rlflow.trainer.rollout_log")
 checkpoint_layouts = LazyModule("rlflow.trainer.checkpoint_layouts")
 inputs = LazyModule("rlflow.trainer.inputs")
@@ -358,6 +359,16 @@ class Trainer:
             calibrates=self._calibration is not None,
         )
         self._record_startup("plan_s", started)
+        if found is not None and self._calibration is None and self.cfg.placement.calibrate == "run":
+            kinds = {m.name: m.interface_type for m in dataflow.mfcs_of(self.graph)}
+            unchecked = calibration.uncalibrated_kinds(placement, kinds, found.profile)
+            if unchecked:  # a plan priced where no run of the shape measured: this run's calls calibrate it
+                log.info(
+                    f"profile: the plan runs {', '.join(unchecked)} calls in a regime no run of these shapes "
+                    f"calibrated; the run's own first calls calibrate it, cached at {found.path}"
+                )
+                paths = (found.path, self.run_dir / "profile.json")
+                self._calibration = calibration.RunCalibration(found.profile, paths, specs, self.multi_turn is not None)
         if placement.plan is not None:
             (self.run_dir / "plan.json").write_text(placement.plan.to_json())
             log.info(placement.plan.to_table())

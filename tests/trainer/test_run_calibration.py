@@ -233,6 +233,39 @@ def test_a_new_shape_starts_from_the_machine_profile_and_caches_what_its_calls_m
     assert not _logged(again, "planner/") and load_profile(tmp_path / "b" / "profile.json") == cached
 
 
+def test_a_later_run_calibrates_the_call_types_no_run_of_its_shape_measured(tmp_path, machine) -> None:
+    """A run of a cached shape whose plan runs a call type in a regime without a run's correction
+    (priced by the reference model's extrapolation) calibrates that regime by its own calls and caches
+    it; the run after it calibrates no more."""
+    _fit(_overrides(tmp_path / "a"))
+    first = load_profile(tmp_path / "a" / "profile.json")
+    (path,) = [p for p in (tmp_path / "cache").rglob("*.json") if load_profile(p) == first]
+    save_profile(replace(first, corrections={"generate": first.corrections["generate"]}), path)
+    _, records = _fit(_overrides(tmp_path / "b"))
+    assert "planner/correction_train_step" in _logged(records, "planner/")
+    assert load_profile(path).corrections.keys() >= {"generate", "train_step"}
+    _, records = _fit(_overrides(tmp_path / "c"))
+    assert not _logged(records, "planner/")
+
+
+def test_the_call_types_a_plan_prices_without_a_runs_correction() -> None:
+    from rlflow.trainer.build import build_dataflow
+    from rlflow.trainer.placement import plan_placement
+
+    cfg = load_config(GRPO, ["placement.devices_per_node=2", "placement.use_gpu=false"])
+    graph = build_dataflow(cfg, rule_reward=True)
+    spec = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, vocab_size=32)
+    kinds = {"actor_gen": "generate", "actor_train": "train_step"}
+    plain = _two_worker_profile()
+    placement = plan_placement(cfg, graph, {"actor": spec}, use_gpu=False, profile=plain, progress=False)
+    assert placement.used_ranks == (0,)  # every call on one device of the host: the alone regime
+    assert calibration.uncalibrated_kinds(placement, kinds, plain) == ["generate", "train_step"]
+    busy = replace(plain, corrections={"generate": 2.0, "train_step": 2.0})  # the other regime's
+    assert calibration.uncalibrated_kinds(placement, kinds, busy) == ["generate", "train_step"]
+    alone = replace(plain, alone_corrections={"train_step": 0.9})
+    assert calibration.uncalibrated_kinds(placement, kinds, alone) == ["generate"]
+
+
 def test_a_run_restarts_on_the_plan_its_calibration_takes_and_ends_as_one_that_kept_its_plan(
     tmp_path, machine, monkeypatch
 ) -> None:
