@@ -40,6 +40,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rlflow.engine.fused_ops import FUSED_ATTENTION, PackedAttentionFunction, packed_attention_takes
+
 __all__ = [
     "VARLEN_IMPLEMENTATIONS",
     "VARLEN_SDPA",
@@ -148,6 +150,17 @@ def _widened_on_cpu(query: torch.Tensor) -> bool:
     return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
 
+def _fused_causal(module: nn.Module, is_causal: bool | None, sliding_window: int | None, dropout: float) -> bool:
+    """Whether a call of ``module`` may take the fused packed-attention kernel: causal over whole
+    sequences, no dropout, and the module marked by ``fuse_cpu_ops`` (``models.<role>.fused_cpu_ops``)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    return bool(causal) and sliding_window is None and not dropout and getattr(module, FUSED_ATTENTION, False)
+
+
+def _scale(query: torch.Tensor, scaling: float | None) -> float:
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
+
+
 def varlen_sdpa_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -192,6 +205,15 @@ def varlen_sdpa_attention(
         )  # fmt: skip
         return out.to(query.dtype), weights
     if cu_seq_lens_q is None:
+        rows, length = query.shape[0], query.shape[2]
+        if (
+            attention_mask is None
+            and _fused_causal(module, is_causal, sliding_window, dropout)
+            and key.shape[2] == length
+            and packed_attention_takes(query, key, value, length)
+        ):  # rows of one length, each causal on its own: packed rows of equal lengths
+            bounds = torch.arange(rows + 1, dtype=torch.int64) * length
+            return PackedAttentionFunction.apply(query, key, value, bounds, length, _scale(query, scaling)), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -208,6 +230,8 @@ def varlen_sdpa_attention(
     if query.shape[2] == 0:  # no valid token in the micro-batch
         return query.new_zeros(1, 0, query.shape[1], query.shape[3]), None
     num_seqs, max_len = cu_seq_lens_q.numel() - 1, int(max_length_q if max_length_q is not None else max_length_k)
+    if _fused_causal(module, is_causal, sliding_window, dropout) and packed_attention_takes(query, key, value, max_len):
+        return PackedAttentionFunction.apply(query, key, value, cu_seq_lens_q, max_len, _scale(query, scaling)), None
     gather, scatter = repad_indices(cu_seq_lens_q, max_len)
 
     def repad(x: torch.Tensor) -> torch.Tensor:  # (1, H, total, D) -> (B, H, L, D)

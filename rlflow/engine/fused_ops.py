@@ -1,5 +1,5 @@
 """Fused CPU kernels for the training engine's decoder layers: RMSNorm, SwiGLU and RoPE, forward
-and backward in one pass each.
+and backward in one pass each, and causal attention in one kernel.
 
 On a CPU a training step's elementwise ops are memory-bound: autograd runs HF's RMSNorm as about
 five ops forward and a dozen backward, its MLP's ``act_fn(gate) * up`` as two and three, and RoPE
@@ -14,14 +14,20 @@ whose passes read their inputs and write their outputs once:
 * the ``apply_rotary_pos_emb`` of every modeling module whose function is Llama's at
   :class:`RoPEFunction`. That function is a module global HF's attention looks up on each call, so
   this one is replaced for the whole process, once; it computes as before for every input the
-  kernels do not take.
+  kernels do not take;
+* every HF attention module (``is_causal`` set) is marked (:data:`FUSED_ATTENTION`), and the
+  engine's attention function (:func:`rlflow.engine.attention.varlen_sdpa_attention`) runs its
+  causal attention over whole sequences — a packed row's, or rows without padding — at
+  :class:`PackedAttentionFunction` (``rlflow._C_attention``, ``kernels/attention.cpp``): SDPA's
+  CPU flash kernel multiplies every query block against all the keys of its sequence, masked
+  ones too; this kernel only the causal triangle, each (sequence, kv head) on one thread.
 
 They take plain float32 CPU tensors outside autocast (FSDP's gathered weights are plain during
 the forward); anything else — a GPU, bf16 compute, a tensor-parallel layer's DTensors or its
 not-yet-waited collective results — runs HF's own ops, call by call. The results equal HF's to
-float rounding (``tests/engine/test_fused_ops.py``; the SwiGLU's exponential is a polynomial
-within 2 ulp); the norm weight's gradient sums rows in fixed blocks, so every result has the same
-bits at any thread count.
+float rounding (``tests/engine/test_fused_ops.py``, ``tests/engine/test_packed_attention.py``; the
+exponentials are polynomials within 2 ulp); the norm weight's gradient sums rows in fixed blocks and
+each attention task is one thread's, so every result has the same bits at any thread count.
 """
 
 from __future__ import annotations
@@ -33,11 +39,32 @@ import torch
 from torch import nn
 
 try:  # built by `pip install -e .` (setup.py); without it the modules keep their own forward
-    from rlflow import _C_fused
+    from rlflow import _C_attention, _C_fused
 except ImportError:  # pragma: no cover - a source tree without its build
-    _C_fused = None
+    _C_attention = _C_fused = None
 
-__all__ = ["RMSNormFunction", "RoPEFunction", "SwiGLUFunction", "fuse_cpu_ops", "fused_cpu_ops_blocker"]
+__all__ = [
+    "FUSED_ATTENTION",
+    "PACKED_ATTENTION_MAX_LEN",
+    "PackedAttentionFunction",
+    "RMSNormFunction",
+    "RoPEFunction",
+    "SwiGLUFunction",
+    "fuse_cpu_ops",
+    "fused_cpu_ops_blocker",
+    "kernel_cap",
+    "packed_attention_takes",
+]
+
+# torch's CPU capability (ATEN_CPU_CAPABILITY caps it) -> the widest kernels rlflow's C++ may use.
+_KERNEL_LEVELS = {"AVX512": 2, "AVX2": 1}
+
+
+def kernel_cap() -> int:
+    """The widest kernels rlflow's C++ passes may run: 2 (AVX-512), 1 (AVX2/FMA) or 0 (scalar) —
+    torch's own CPU capability, so ``ATEN_CPU_CAPABILITY=avx2`` holds them to AVX2 as it holds
+    ATen's kernels (they also take no more than the CPU has)."""
+    return _KERNEL_LEVELS.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def _llama():
@@ -188,6 +215,78 @@ def _fused_rope(original):
     return apply_rotary_pos_emb
 
 
+# The attribute fuse_cpu_ops sets on a model's attention modules: their packed rows' causal attention
+# runs PackedAttentionFunction (rlflow.engine.attention.varlen_sdpa_attention reads it).
+FUSED_ATTENTION = "rlflow_fused_attention"
+# The longest sequence the packed attention kernel takes: each thread holds two (L, L) float32
+# matrices of a sequence's scores; longer ones go to SDPA's flash kernel, which tiles them.
+PACKED_ATTENTION_MAX_LEN = 1024
+
+
+def packed_attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, max_len: int) -> bool:
+    """Whether :class:`PackedAttentionFunction` runs this attention: float32 CPU tensors outside
+    autocast laid out ``(B, H, L, D)`` (one packed row, or B rows of one length), heads a multiple
+    of the kv heads, sequences up to :data:`PACKED_ATTENTION_MAX_LEN`, and the AVX2 or AVX-512
+    kernels allowed (:func:`kernel_cap`)."""
+    return (
+        _C_attention is not None
+        and kernel_cap() >= 1
+        and 0 < max_len <= PACKED_ATTENTION_MAX_LEN
+        and _plain_float32(query, key, value)
+        and query.dim() == key.dim() == value.dim() == 4
+        and key.shape == value.shape
+        and query.shape[0] == key.shape[0]
+        and query.shape[2:] == key.shape[2:]
+        and query.shape[1] % key.shape[1] == 0
+    )
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L, D)`` as ``(B * L, H, D)`` C-contiguous: no copy for HF's view of a projection."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).contiguous()
+
+
+class PackedAttentionFunction(torch.autograd.Function):
+    """Causal self-attention within each sequence, both passes in C++ (``kernels/attention.cpp``) on
+    torch's thread count.
+
+    ``query`` ``(B, Hq, L, D)``, ``key``/``value`` ``(B, Hkv, L, D)`` (GQA: Hq a multiple of Hkv), over
+    the sequences ``cu_seqlens`` bounds in their B * L tokens (one packed row, B = 1; or B rows of L
+    tokens each); ``max_len`` the longest. Returns ``(B, L, Hq, D)`` as HF's attention functions do.
+    Equals SDPA with ``is_causal=True`` on each sequence alone to float rounding, with the same bits
+    at any thread count.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_seqlens: torch.Tensor, max_len: int, scale: float):
+        q, k, v = _token_major(query.detach()), _token_major(key.detach()), _token_major(value.detach())
+        cu = cu_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+        heads, dim = q.shape[1:]
+        out = torch.empty_like(q)
+        lse = torch.empty(heads, q.shape[0], dtype=torch.float32)
+        # sizes only: under activation checkpointing the saved tensors come back as new ones
+        ctx.sizes, ctx.level = (cu.numel() - 1, heads, k.shape[1], dim, max_len, scale), kernel_cap()
+        ctx.rows = query.shape[0]
+        _C_attention.forward(
+            cu.data_ptr(), *ctx.sizes, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            ctx.level, torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        return out.view(ctx.rows, -1, heads, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        grad_out = grad.float().reshape(out.shape).contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _C_attention.backward(
+            cu.data_ptr(), *ctx.sizes, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ctx.level, torch.get_num_threads(),
+        )  # fmt: skip
+        grads = (t.view(ctx.rows, -1, *t.shape[1:]).transpose(1, 2) for t in (dq, dk, dv))
+        return *grads, None, None, None
+
+
 def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if _plain_float32(gate, up) and gate.shape == up.shape:
@@ -216,8 +315,8 @@ def _is_silu(act) -> bool:
 
 def fuse_cpu_ops(model: nn.Module) -> int:
     """Point ``model``'s Llama-style RMSNorms and SwiGLU MLPs, and its modeling module's RoPE, at
-    the fused kernels (module docstring); returns how many modules. Each decides per call: inputs
-    the kernels do not take run HF's own ops."""
+    the fused kernels, and mark its attention modules for the attention kernel (module docstring);
+    returns how many modules. Each decides per call: inputs the kernels do not take run HF's own ops."""
     if fused_cpu_ops_blocker() is not None:
         return 0
     llama = _llama()
@@ -233,6 +332,9 @@ def fuse_cpu_ops(model: nn.Module) -> int:
             fused += 1
         elif _same_body(forward, llama.LlamaMLP.forward) and _is_silu(getattr(module, "act_fn", None)):
             module.forward = types.MethodType(_fused_mlp_forward, module)
+            fused += 1
+        elif getattr(module, "is_causal", None) is True:  # an HF attention module
+            setattr(module, FUSED_ATTENTION, True)
             fused += 1
     llama_rope = _original(llama.apply_rotary_pos_emb)
     for name in modelings:

@@ -103,9 +103,10 @@ class EngineConfig:
             with a ``response_mask``, unpacked, ``pp = 1``, full attention through SDPA or eager
             attention, no router loss. ``False``: always the padded rows.
         fused_cpu_ops: on a CPU, the model's Llama-style RMSNorms, SwiGLU MLPs and RoPE run
-            forward and backward as one fused C++ pass each (:mod:`rlflow.engine.fused_ops`; float32
-            outside autocast, call by call; RoPE's function for the whole process); ``False``: the
-            modules' own forward.
+            forward and backward as one fused C++ pass each, and its causal attention over whole
+            sequences as one C++ kernel (:mod:`rlflow.engine.fused_ops`; float32 outside autocast,
+            call by call; RoPE's function for the whole process); ``False``: the modules' own
+            forward and HF's SDPA.
         router_aux_loss_coef: a mixture-of-experts model's training loss adds this times the
             router's load-balancing loss (:mod:`rlflow.engine.router_loss`; ``pp = 1``); ``None``:
             the model config's ``router_aux_loss_coef`` (0 for a dense model); 0: off.
@@ -185,8 +186,12 @@ class TrainEngine:
         self.device = _resolve_device(self.config.device)
         self.compute_dtype = mixed_precision_dtype(self.device, self.config.mixed_precision)
         self.packing = self._resolve_packing()
-        widened = self.device.type == "cpu" and self.compute_dtype in (torch.bfloat16, torch.float16)
-        if self.packing or widened:  # rlflow's SDPA: packed rows, and 16-bit attention on CPUs in float32
+        cpu = self.device.type == "cpu"
+        widened = cpu and self.compute_dtype in (torch.bfloat16, torch.float16)
+        # rlflow's SDPA (HF's for every call it does not take): packed rows, 16-bit attention on CPUs in
+        # float32, and the fused causal attention of fused_cpu_ops
+        fused = cpu and self.config.fused_cpu_ops and model.config._attn_implementation == "sdpa"
+        if self.packing or widened or fused:
             model.set_attn_implementation(varlen_implementation(self.device))
         self.hf_class, self.hf_config = type(model), model.config
         self.stage = self._build_stage(model, load_weights)

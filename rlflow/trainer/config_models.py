@@ -91,8 +91,9 @@ class ModelConfig(_Section):
     fused_cpu_ops: bool = _f(
         True,
         "on a CPU, Llama-style RMSNorms, SwiGLU MLPs and RoPE run forward and backward as one fused C++ pass "
-        "each (float32, outside autocast; rlflow.engine.fused_ops; the RoPE function is replaced for the whole "
-        "worker process); false: the model's own modules",
+        "each, and causal attention over whole sequences as one C++ kernel (float32, outside autocast; "
+        "rlflow.engine.fused_ops; the RoPE function is replaced for the whole worker process); false: the "
+        "model's own modules and HF's SDPA",
     )
     lora: LoraConfig | None = _f(
         None, "train low-rank adapters instead of every weight (actor only, tp = pp = 1); null: full-parameter"

@@ -93,7 +93,8 @@ class ModelSetup:
         optim: optimizer settings of a trainable model.
         gradient_checkpointing: recompute layer activations in backward.
         shared_prefix: rows that share a prompt may run it once (``EngineConfig.shared_prefix``).
-        fused_cpu_ops: RMSNorms, SwiGLU and RoPE run as fused C++ passes on a CPU (``EngineConfig.fused_cpu_ops``).
+        fused_cpu_ops: RMSNorms, SwiGLU, RoPE and causal attention run as fused C++ passes on a CPU
+            (``EngineConfig.fused_cpu_ops``).
         max_tokens_per_micro_batch: token budget of one micro-batch; ``None`` uses the MFC's
             ``n_mbs`` micro-batches (one when unset).
         reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry) or Python reward

@@ -168,11 +168,16 @@ def test_16_bit_attention_on_a_cpu_runs_in_float32():
     assert out.dtype == torch.bfloat16 and torch.equal(out, wide.bfloat16())
 
 
-@pytest.mark.parametrize("precision, widened", [("bf16", True), ("fp32", False)])
-def test_a_cpu_engine_attends_through_rlflows_sdpa_in_16_bit(single_mesh, precision, widened):
+@pytest.mark.parametrize(
+    "precision, fused, rlflows", [("bf16", False, True), ("fp32", True, True), ("fp32", False, False)]
+)
+def test_a_cpu_engine_attends_through_rlflows_sdpa_in_16_bit_or_fused(single_mesh, precision, fused, rlflows):
+    """16-bit attention widened to float32, or the fused causal kernel (fused_cpu_ops), go through
+    rlflow's attention function; a float32 engine without the fused ops keeps HF's SDPA."""
     from rlflow.data.tiny_models import build_tiny_model
     from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
     model = build_tiny_model("llama", vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
-    engine = TrainEngine(model, single_mesh, EngineConfig(device="cpu", mixed_precision=precision))
-    assert (engine.hf_config._attn_implementation == VARLEN_SDPA) == widened
+    config = EngineConfig(device="cpu", mixed_precision=precision, fused_cpu_ops=fused)
+    engine = TrainEngine(model, single_mesh, config)
+    assert (engine.hf_config._attn_implementation == VARLEN_SDPA) == rlflows

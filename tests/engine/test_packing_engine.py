@@ -70,7 +70,8 @@ def run_engine(mesh: DeviceMesh, case: tuple[str, str, str], packing: str, rows:
     )
     engine = TrainEngine(build_model(family, head=head, seed=5), mesh, config)
     assert engine.packing == (packing == "on")
-    assert engine.hf_config._attn_implementation == (VARLEN_SDPA if packing == "on" else "sdpa")
+    # rlflow's attention function: for packed rows, and for the fused causal kernel (fused_cpu_ops, on by default)
+    assert engine.hf_config._attn_implementation == (VARLEN_SDPA if packing == "on" or config.fused_cpu_ops else "sdpa")
     batch = {k: v[rows] for k, v in make_spread_batch(padding).items()}
     forward = engine.forward(batch)
     loss_fn = critic_loss if head == "value" else actor_loss

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlflow.engine.fused_ops import kernel_cap
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.fast_decode import FastDecoder, _text_config
 from rlflow.families import config_value, family_of
@@ -110,17 +111,6 @@ def native_decode_blocker(model: nn.Module, num_rows: int) -> str | None:
             f"{NATIVE_MAX_STEP_MACS}: torch's GEMMs are faster there"
         )
     return None
-
-
-# torch's CPU capability (ATEN_CPU_CAPABILITY caps it) -> the widest kernels the C++ step may use.
-_KERNEL_LEVELS = {"AVX512": 2, "AVX2": 1}
-
-
-def kernel_cap() -> int:
-    """The widest kernels the C++ step may run: 2 (AVX-512), 1 (AVX2/FMA) or 0 (scalar) — torch's own
-    CPU capability, so ``ATEN_CPU_CAPABILITY=avx2`` holds the step to AVX2 as it holds ATen's kernels
-    (the step also takes no more than the CPU has)."""
-    return _KERNEL_LEVELS.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def _packed(tensor: torch.Tensor | None) -> torch.Tensor | None:
