@@ -34,6 +34,9 @@
 
 namespace py = pybind11;
 using i64 = int64_t;
+#if defined(__x86_64__) || defined(_M_X64)
+using rlflow_cpu::first_lanes;
+#endif
 
 namespace {
 
@@ -46,13 +49,7 @@ struct Strided {
   i64 rs, cs;
 };
 
-// The tiles: c[m, 0:n] (+)= sum_k a(m, k) * b[k * ldb + 0:n] for m < MR, n <= NV vectors, the
-// last one under a mask of `tail` lanes.
 #if defined(__x86_64__) || defined(_M_X64)
-inline __mmask16 first_lanes(int n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
 // c = r, or c += r, on the lanes given.
 __attribute__((target("avx512f"))) inline void put_avx512(float* c, __mmask16 lanes, __m512 r, bool add) {
   if (add) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(lanes, c));
@@ -64,8 +61,9 @@ __attribute__((target("avx2,fma"))) inline void put_avx2(float* c, __m256i lanes
   _mm256_maskstore_ps(c, lanes, r);
 }
 
-// One array of accumulators per vector, not one [MR][NV] array: GCC keeps arrays up to about 1 KB in
-// registers and spills a larger one to the stack every iteration.
+// The tiles: c[m, 0:n] (+)= sum_k a(m, k) * b[k * ldb + 0:n] for m < MR, n <= NV vectors, the
+// last one under a mask of `tail` lanes. The loops over rows are unrolled (#pragma GCC unroll):
+// without it GCC kept the accumulators on the stack and stored them every iteration.
 template <int MR, int NV>
 __attribute__((target("avx512f"))) void tile_avx512(Strided a, const float* b, i64 ldb, i64 K, float* c, i64 ldc,
                                                      int tail, bool add) {
@@ -207,7 +205,7 @@ __attribute__((target("avx512f"))) void transpose_avx512(const float* src, i64 r
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int>(row)));
   for (i64 j = 0; j < len; j += 16) {
-    const __mmask16 m = first_lanes(static_cast<int>(std::min<i64>(16, len - j)));
+    const __mmask16 m = first_lanes(len - j);
     for (i64 c = 0; c < dim; ++c) {
       const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, src + j * row + c, 4);
       _mm512_mask_storeu_ps(dst + c * ld + j, m, column);
@@ -242,7 +240,7 @@ i64 padded(i64 n) { return (n + 15) / 16 * 16; }
 __attribute__((target("avx512f"))) float row_max_avx512(const float* s, i64 n) {
   __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (i64 j = 0; j < n; j += 16) {
-    const __mmask16 m = first_lanes(static_cast<int>(std::min<i64>(16, n - j)));
+    const __mmask16 m = first_lanes(n - j);
     most = _mm512_mask_max_ps(most, m, most, _mm512_maskz_loadu_ps(m, s + j));
   }
   return _mm512_reduce_max_ps(most);
@@ -252,7 +250,7 @@ __attribute__((target("avx512f"))) float exp_sum_avx512(float* s, i64 n, float s
   const __m512 k = _mm512_set1_ps(scale), c = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   for (i64 j = 0; j < n; j += 16) {
-    const __mmask16 m = first_lanes(static_cast<int>(std::min<i64>(16, n - j)));
+    const __mmask16 m = first_lanes(n - j);
     const __m512 e = _mm512_maskz_mov_ps(m, rlflow_cpu::exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), k, c)));
     sum = _mm512_add_ps(sum, e);
     _mm512_mask_storeu_ps(s + j, m, e);

@@ -58,6 +58,12 @@ inline std::pair<i64, i64> share(i64 count, int t, int threads) {
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
+// The first min(n, 16) lanes of a 16-float vector as a mask (none for n <= 0): a narrow panel, a row's tail.
+inline __mmask16 first_lanes(i64 n) {
+  if (n <= 0) return 0;
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 // e^x of a vector of floats, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r
 // = 1 + r + r^2 P(r) with P of degree 5, times 2^n; within 1 ulp of glibc's expf over [-87, 0] (the
 // softmax's range); 0 below kExpLow (where float's normal range ends; -inf too), infinity from

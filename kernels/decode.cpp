@@ -54,6 +54,7 @@ using rlflow_cpu::on_threads;
 using rlflow_cpu::share;
 #ifdef RLFLOW_X86
 using rlflow_cpu::exp_avx512;
+using rlflow_cpu::first_lanes;
 #endif
 
 // ---------------------------------------------------------------- matmul: y[n, :] = base + x[n, :] @ w
@@ -233,11 +234,6 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
       _mm256_storeu_ps(y + r * out + j + 8, a1);
     }
   }
-}
-
-// The first min(n, 16) lanes of a 16-float vector as a mask: a narrow last panel, a row's tail.
-inline __mmask16 first_lanes(i64 n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
 // AVX-512 kernel: tiles of up to 16 rows x one panel (one 16-wide accumulator a row), so a decode

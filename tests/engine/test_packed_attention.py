@@ -19,6 +19,8 @@ from rlflow.engine.train_engine import EngineConfig, TrainEngine
 torch.set_num_threads(1)
 
 LEVELS = [level for level in (2, 1) if _C_attention.kernels(level) == level]
+# the kernels as torch's CPU capability allows them (ATEN_CPU_CAPABILITY=default: none)
+needs_kernels = pytest.mark.skipif(fused_ops.kernel_cap() < 1, reason="torch's CPU capability allows no AVX2 kernels")
 
 
 def _qkv(lengths, heads, kv_heads, dim, seed=0, rows=1):
@@ -73,6 +75,7 @@ def test_both_passes_equal_sdpa_on_each_sequence(monkeypatch, level, lengths, he
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@needs_kernels
 def test_rows_of_one_length_are_sequences_of_their_own():
     q, k, v, _ = _qkv([12], heads=4, kv_heads=2, dim=16, rows=3)
     bounds = torch.arange(4) * 12
@@ -87,6 +90,7 @@ def test_rows_of_one_length_are_sequences_of_their_own():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@needs_kernels
 def test_the_same_bits_at_any_thread_count():
     q, k, v, cu = _qkv([33, 64, 7, 100], heads=4, kv_heads=2, dim=32)
     grad = torch.randn(1, 204, 4, 32)
@@ -99,6 +103,7 @@ def test_the_same_bits_at_any_thread_count():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
+@needs_kernels
 def test_the_kernel_refuses_bounds_past_max_len():
     q, k, v, cu = _qkv([5, 9], heads=2, kv_heads=2, dim=8)
     with pytest.raises(ValueError, match="cu_seqlens must rise by at most max_len"):
@@ -122,6 +127,7 @@ def _counting(monkeypatch) -> list[int]:
     return calls
 
 
+@needs_kernels
 def test_packed_rows_of_a_marked_module_take_the_kernel(monkeypatch):
     calls = _counting(monkeypatch)
     q, k, v, cu = _qkv([5, 1, 17, 9], heads=4, kv_heads=2, dim=8)
@@ -132,6 +138,7 @@ def test_packed_rows_of_a_marked_module_take_the_kernel(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+@needs_kernels
 def test_unmasked_rows_take_the_kernel_and_masked_ones_sdpa(monkeypatch):
     calls = _counting(monkeypatch)
     q, k, v, _ = _qkv([10], heads=4, kv_heads=4, dim=16, rows=2)
@@ -171,6 +178,7 @@ def test_calls_the_kernel_does_not_take_run_sdpa(monkeypatch, why):
     assert calls == []
 
 
+@needs_kernels
 def test_the_engines_step_equals_sdpa(single_mesh, monkeypatch):
     """A training step and a forward of rows without padding (the kernel) and with it (SDPA under a
     mask) give the losses, outputs and weights of the engine without the fused ops."""
@@ -204,6 +212,7 @@ def test_the_engines_step_equals_sdpa(single_mesh, monkeypatch):
         torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=name)
 
 
+@needs_kernels
 def test_the_longest_sequence_it_takes_is_a_module_constant():
     assert fused_ops.packed_attention_takes(*_qkv([9], 2, 2, 8)[:3], PACKED_ATTENTION_MAX_LEN)
     assert not fused_ops.packed_attention_takes(*_qkv([9], 2, 2, 8)[:3], PACKED_ATTENTION_MAX_LEN + 1)
