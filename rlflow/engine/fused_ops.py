@@ -39,9 +39,13 @@ import torch
 from torch import nn
 
 try:  # built by `pip install -e .` (setup.py); without it the modules keep their own forward
-    from rlflow import _C_attention, _C_fused
+    from rlflow import _C_fused
 except ImportError:  # pragma: no cover - a source tree without its build
-    _C_attention = _C_fused = None
+    _C_fused = None
+try:  # likewise; without it attention stays on SDPA
+    from rlflow import _C_attention
+except ImportError:  # pragma: no cover - a source tree without its build
+    _C_attention = None
 
 __all__ = [
     "FUSED_ATTENTION",

@@ -5,8 +5,9 @@ from the host's machine profile (layer timings and whole calls of a reference mo
 once per host). A later run of the shape plans with the calibrated profile, and calibrates it
 again where its plan runs a call type in a regime (one device alone, or several busy) that no run
 of the shape measured (:func:`uncalibrated_kinds`): a plan priced there is the reference model's
-extrapolation, off by several times for a model of other proportions. The run measures itself, ``placement.calibrate_steps`` steps at a time,
-after its first step (a warm-up: its calls pay first-call costs):
+extrapolation, off by several times for a model of other proportions. The run measures itself,
+``placement.calibrate_steps`` steps at a time, after its first step (a warm-up: its calls pay
+first-call costs):
 
 1. the calls on the plan as it was priced: each call type's measured seconds against the plan's
    estimates give the type's correction in the regime the calls ran in
