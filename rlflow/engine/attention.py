@@ -30,6 +30,11 @@ costs ``total²``.
 Padded calls (``attention_mask`` given, no ``cu_seq_lens_q``) go to HF's SDPA unchanged,
 and the mask builder registered under the same name is SDPA's, so a model set to
 :data:`VARLEN_SDPA` also runs ordinary padded batches exactly as ``"sdpa"`` does.
+
+On a CPU, an attention module marked by :func:`rlflow.engine.fused_ops.fuse_cpu_ops` sends its
+causal attention over whole sequences — a packed row, or rows of one length without a mask — to
+:class:`~rlflow.engine.fused_ops.PackedAttentionFunction` (the causal triangle only, in C++) where
+:func:`~rlflow.engine.fused_ops.packed_attention_takes` says the kernel takes it; the rest as above.
 """
 
 from __future__ import annotations
