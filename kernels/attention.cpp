@@ -163,11 +163,12 @@ void gemm(int level, int rows, i64 n, i64 K, Strided a, const float* b, i64 ldb,
 #endif
 }
 
-float dot(const float* a, const float* b, i64 n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (i64 i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// <a, b> over n floats (level 1 or 2).
+float dot(int level, const float* a, const float* b, i64 n) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (level == 2) return rlflow_cpu::dot_avx512(a, b, n);
+  return rlflow_cpu::dot_avx2(a, b, n);
+#endif
 }
 
 // One packed row's shapes and tensors (token-major: token t, head h at t * heads + h rows of dim).
@@ -246,31 +247,17 @@ __attribute__((target("avx512f"))) float row_max_avx512(const float* s, i64 n) {
   return _mm512_reduce_max_ps(most);
 }
 
-__attribute__((target("avx512f"))) float exp_sum_avx512(float* s, i64 n, float scale, float shift) {
-  const __m512 k = _mm512_set1_ps(scale), c = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
-  for (i64 j = 0; j < n; j += 16) {
-    const __mmask16 m = first_lanes(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(m, rlflow_cpu::exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), k, c)));
-    sum = _mm512_add_ps(sum, e);
-    _mm512_mask_storeu_ps(s + j, m, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-__attribute__((target("avx2,fma"))) float reduce_avx2(__m256 x, bool max) {
-  __m128 r = max ? _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1))
-                 : _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  r = max ? _mm_max_ps(r, _mm_movehl_ps(r, r)) : _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = max ? _mm_max_ss(r, _mm_movehdup_ps(r)) : _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
+__attribute__((target("avx2,fma"))) float hmax_avx2(__m256 x) {
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
 }
 
 __attribute__((target("avx2,fma"))) float row_max_avx2(const float* s, i64 n) {
   const i64 whole = n / 8 * 8;
   __m256 most = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (i64 j = 0; j < whole; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(s + j));
-  float top = reduce_avx2(most, true);
+  float top = hmax_avx2(most);
   for (i64 j = whole; j < n; ++j) top = std::max(top, s[j]);
   return top;
 }
@@ -284,7 +271,7 @@ __attribute__((target("avx2,fma"))) float exp_sum_avx2(float* s, i64 n, float sc
     sum = _mm256_add_ps(sum, e);
     _mm256_storeu_ps(s + j, e);
   }
-  float total = reduce_avx2(sum, false);
+  float total = rlflow_cpu::hsum_avx2(sum);
   for (i64 j = whole; j < n; ++j) total += (s[j] = std::exp(s[j] * scale - shift));
   return total;
 }
@@ -299,7 +286,7 @@ float row_max(int level, const float* s, i64 n) {
 
 float exp_sum(int level, float* s, i64 n, float scale, float shift) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (level == 2) return exp_sum_avx512(s, n, scale, shift);
+  if (level == 2) return rlflow_cpu::exp_sum_avx512(s, n, scale, shift);
   return exp_sum_avx2(s, n, scale, shift);
 #endif
 }
@@ -368,7 +355,7 @@ void backward(const Packed& pk, int level, const float* out, const float* lse, c
     for (i64 h = g * group; h < (g + 1) * group; ++h) {
       const i64 at = t0 * qr + h * dim;
       const float *q = pk.q + at, *dout = d_out + at;
-      for (i64 i = 0; i < len; ++i) delta[i] = dot(dout + i * qr, out + at + i * qr, dim);
+      for (i64 i = 0; i < len; ++i) delta[i] = dot(level, dout + i * qr, out + at + i * qr, dim);
       for (i64 i0 = 0; i0 < len; i0 += kRows) {
         const int rows = static_cast<int>(std::min<i64>(kRows, len - i0));
         const i64 keys = i0 + rows;

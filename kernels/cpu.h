@@ -64,11 +64,48 @@ inline __mmask16 first_lanes(i64 n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
+// The sum of a vector's 8 floats.
+__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 x) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// <a, b> over n floats with 8-wide FMAs in two accumulators (a scalar sum is one long dependency chain).
+__attribute__((target("avx2,fma"))) inline float dot_avx2(const float* a, const float* b, i64 n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  i64 i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  float total = hsum_avx2(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// dot_avx2 in 16-wide registers, a tail under a mask.
+__attribute__((target("avx512f"))) inline float dot_avx512(const float* a, const float* b, i64 n) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  i64 i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
 // e^x of a vector of floats, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r
 // = 1 + r + r^2 P(r) with P of degree 5, times 2^n; within 1 ulp of glibc's expf over [-87, 0] (the
 // softmax's range); 0 below kExpLow (where float's normal range ends; -inf too), infinity from
-// about 88.4 on (2^n overflows) and above kExpHigh. The SiLU of fused.cpp (8 wide) and the decode
-// step's softmax (16 wide) take it.
+// about 88.4 on (2^n overflows) and above kExpHigh. The SiLU of fused.cpp (8 wide) and the softmax
+// of decode.cpp and attention.cpp take it.
 constexpr float kExpLow = -87.33654f, kExpHigh = 88.72283f;
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
@@ -105,6 +142,20 @@ __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), inf);
   return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// s[0:n] = e^(scale s - shift) in place, 16 at a time with a masked tail; returns their sum (a
+// softmax's numerators and denominator: the decode step's and the attention kernel's).
+__attribute__((target("avx512f"))) inline float exp_sum_avx512(float* s, i64 n, float scale, float shift) {
+  const __m512 k = _mm512_set1_ps(scale), c = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (i64 j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), k, c)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_storeu_ps(s + j, m, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 #endif
 

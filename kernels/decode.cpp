@@ -53,7 +53,9 @@ using rlflow_cpu::kernel_level;
 using rlflow_cpu::on_threads;
 using rlflow_cpu::share;
 #ifdef RLFLOW_X86
-using rlflow_cpu::exp_avx512;
+using rlflow_cpu::dot_avx2;
+using rlflow_cpu::dot_avx512;
+using rlflow_cpu::exp_sum_avx512;
 using rlflow_cpu::first_lanes;
 #endif
 
@@ -267,24 +269,6 @@ __attribute__((target("avx512f"))) void panels_avx512(const float* x, i64 n, con
   }
 }
 
-// <a, b> over n floats with 8-wide FMAs in two accumulators (a scalar sum is one long dependency chain).
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, i64 n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  i64 i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  const __m256 s = _mm256_add_ps(s0, s1);
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  float total = _mm_cvtss_f32(lo);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
 // o[0:dim] = sum over t in [start, end] of p[t] * vals[t dim : (t + 1) dim], for dim a multiple of 8:
 // chunks of 64 columns held in 8 registers across the whole t loop (attention's weighted values).
 __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const float* vals, i64 start, i64 end,
@@ -302,34 +286,11 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const
   }
 }
 
-// dot_avx2 in 16-wide registers, a tail under a mask.
-__attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, i64 n) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  i64 i = 0;
-  for (; i + 32 <= n; i += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
-    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-}
-
 // Attention's softmax over s[start..end] in place, the row maximum `top` subtracted: exp, sum, then
 // each divided by the sum (as the scalar loop does it), 16 at a time with a masked tail. AVX2 keeps
 // the scalar loop: 8 wide with exp_avx2 its step runs slower than with expf one by one.
 __attribute__((target("avx512f"))) void softmax_avx512(float* s, i64 start, i64 end, float top) {
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 sum = _mm512_setzero_ps();
-  for (i64 i = start; i <= end; i += 16) {
-    const __mmask16 m = first_lanes(end + 1 - i);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), shift)));
-    _mm512_mask_storeu_ps(s + i, m, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+  const __m512 total = _mm512_set1_ps(exp_sum_avx512(s + start, end + 1 - start, 1.0f, top));
   for (i64 i = start; i <= end; i += 16) {
     const __mmask16 m = first_lanes(end + 1 - i);
     _mm512_mask_storeu_ps(s + i, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + i), total));
