@@ -174,22 +174,54 @@ void panels_scalar(const float* x, i64 n, const Panels& w, i64 p0, i64 p1, float
 // How far ahead (in panel rows of 64 bytes) the kernels ask for weights: the hardware prefetchers
 // stop at page boundaries, a panel runs over many pages.
 constexpr i64 kPrefetchRows = 64;
-// Panel rows (of 64 bytes) the AVX2 tiles of a step's rows take in turn before the next ones: the
-// panel's 1 KiB and the rows' slices of x stay in L1 for every tile (deeper blocks were slower).
-// A panel that fits in kAvx2Whole bytes with the rows' x is taken whole: blocks would only add
-// the accumulators' loads and stores.
-constexpr i64 kAvx2Depth = 16;
-constexpr i64 kAvx2Whole = 32 * 1024;
+// Panel rows (of 64 bytes) the AVX2 tiles of a step's rows take in turn before the next ones, and
+// how far ahead each tile asks for the weights.
+constexpr i64 kAvx2Depth = 64;
+constexpr i64 kAvx2PrefetchRows = 2 * kAvx2Depth;
 
 #ifdef RLFLOW_X86
-// AVX2/FMA kernel: tiles of 4 rows x one panel (8 accumulators), so each weight vector loaded feeds
-// 4 FMAs, every tile of the step's rows over kAvx2Depth panel rows at a time where the panel and the
-// rows' x overflow kAvx2Whole (the first tile asks for the weights ahead); leftover rows take 1-row
-// tiles; a last panel narrower than kPanel the scalar kernel.
-__attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, const Panels& w, i64 p0, i64 p1,
-                                                      float* y) {
-  const i64 in = w.in, out = w.out, tiled = n - n % 4;
-  const i64 depth = in * (kPanel + n) * static_cast<i64>(sizeof(float)) <= kAvx2Whole ? in : kAvx2Depth;
+// AVX2/FMA tile: R <= 6 rows x one panel over panel rows [k0, k1), 12 accumulators, so each weight
+// vector loaded feeds R FMAs; the rows' values come k-major (xt[k n + r]: one contiguous run a k).
+// Every tile, not only the first, asks for the weights ahead: the later tiles read the block from
+// cache, and a step streams more weights than the L3 holds, so without their requests the memory
+// would idle while they run.
+template <int R>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* xt, i64 n, const float* panel, i64 k0, i64 k1,
+                                                        float* y, i64 out) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    acc[i][0] = _mm256_loadu_ps(y + i * out);
+    acc[i][1] = _mm256_loadu_ps(y + i * out + 8);
+  }
+  for (i64 k = k0; k < k1; ++k) {
+    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAvx2PrefetchRows) * kPanel), _MM_HINT_T0);
+    const float* a = xt + k * n;
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256 ai = _mm256_broadcast_ss(a + i);
+      acc[i][0] = _mm256_fmadd_ps(ai, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(ai, w1, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(y + i * out, acc[i][0]);
+    _mm256_storeu_ps(y + i * out + 8, acc[i][1]);
+  }
+}
+
+// AVX2/FMA kernel: panels [p0, p1), the step's rows in tiles of 6 (tile_avx2), kAvx2Depth panel
+// rows at a time so the block stays in L1 for every tile; x given row-major (the scalar kernel's,
+// for a last panel narrower than kPanel) and k-major (xt, the tiles'). y holds the base on entry.
+__attribute__((target("avx2,fma"))) void panels_avx2(const float* x, const float* xt, i64 n, const Panels& w, i64 p0,
+                                                      i64 p1, float* y) {
+  using Tile = void (*)(const float*, i64, const float*, i64, i64, float*, i64);
+  static constexpr Tile kTiles[7] = {nullptr,          &tile_avx2<1>, &tile_avx2<2>, &tile_avx2<3>,
+                                     &tile_avx2<4>, &tile_avx2<5>, &tile_avx2<6>};
+  const i64 in = w.in, out = w.out;
   for (i64 q = p0; q < p1; ++q) {
     const i64 j = q * kPanel;
     if (out - j < kPanel) {
@@ -197,43 +229,9 @@ __attribute__((target("avx2,fma"))) void panels_avx2(const float* x, i64 n, cons
       continue;
     }
     const float* panel = w.panel(q);
-    for (i64 k0 = 0; k0 < in; k0 += depth) {
-      const i64 k1 = std::min(in, k0 + depth);
-      for (i64 r = 0; r < tiled; r += 4) {
-        const float* x0 = x + r * in;
-        __m256 acc[4][2];
-        for (int i = 0; i < 4; ++i) {
-          acc[i][0] = _mm256_loadu_ps(y + (r + i) * out + j);
-          acc[i][1] = _mm256_loadu_ps(y + (r + i) * out + j + 8);
-        }
-        for (i64 k = k0; k < k1; ++k) {
-          const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
-          const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
-          if (r == 0) {
-            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
-          }
-          for (int i = 0; i < 4; ++i) {
-            const __m256 a = _mm256_broadcast_ss(x0 + i * in + k);
-            acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
-          }
-        }
-        for (int i = 0; i < 4; ++i) {
-          _mm256_storeu_ps(y + (r + i) * out + j, acc[i][0]);
-          _mm256_storeu_ps(y + (r + i) * out + j + 8, acc[i][1]);
-        }
-      }
-    }
-    for (i64 r = tiled; r < n; ++r) {
-      const float* xr = x + r * in;
-      __m256 a0 = _mm256_loadu_ps(y + r * out + j), a1 = _mm256_loadu_ps(y + r * out + j + 8);
-      for (i64 k = 0; k < in; ++k) {
-        const __m256 a = _mm256_broadcast_ss(xr + k);
-        a0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + k * kPanel), a0);
-        a1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
-      }
-      _mm256_storeu_ps(y + r * out + j, a0);
-      _mm256_storeu_ps(y + r * out + j + 8, a1);
+    for (i64 k0 = 0; k0 < in; k0 += kAvx2Depth) {
+      const i64 k1 = std::min(in, k0 + kAvx2Depth);
+      for (i64 r = 0; r < n; r += 6) kTiles[std::min<i64>(6, n - r)](xt + r, n, panel, k0, k1, y + r * out + j, out);
     }
   }
 }
@@ -471,6 +469,7 @@ class Decoder {
     act_.assign(rows_ * inter_, 0.f);
     scores_.assign(threads_ * total_, 0.f);  // one row of scores per thread
     rotated_.assign(dim_, 0.f);
+    xt_.assign(rows_ * std::max({hidden_, heads_ * dim_, inter_}), 0.f);
   }
 
   // Feed tokens (N,) at response position `step` (KV slot `slot`); logits (N, V) written in place.
@@ -525,12 +524,17 @@ class Decoder {
     });
   }
 
-  // y (rows_, out) = base + x @ w, the step's threads taking runs of w's panels.
+  // y (rows_, out) = base + x @ w, the step's threads taking runs of w's panels (the AVX2 tiles
+  // read x k-major: transposed here once a call).
   void matmul(const float* x, const Panels& w, float* y) {
+    if (level_ == 1) {
+      for (i64 r = 0; r < rows_; ++r)
+        for (i64 k = 0; k < w.in; ++k) xt_[k * rows_ + r] = x[r * w.in + k];
+    }
     parallel(w.count, rows_ * w.in * w.out, [&](i64 p0, i64 p1, int) {
 #ifdef RLFLOW_X86
       if (level_ == 2) return panels_avx512(x, rows_, w, p0, p1, y);
-      if (level_ == 1) return panels_avx2(x, rows_, w, p0, p1, y);
+      if (level_ == 1) return panels_avx2(x, xt_.data(), rows_, w, p0, p1, y);
 #endif
       panels_scalar(x, rows_, w, p0, p1, y);
     });
@@ -652,7 +656,7 @@ class Decoder {
   std::vector<py::array_t<float, py::array::c_style>> k_, v_;
   FArray cos_, sin_, key_mask_;
   i64 rows_ = 0, total_ = 0, steps_ = 0;
-  std::vector<float> h_, x_, qkv_, attn_, gate_up_, act_, scores_, rotated_;  // scratch, sized by set_state
+  std::vector<float> h_, x_, qkv_, attn_, gate_up_, act_, scores_, rotated_, xt_;  // scratch, sized by set_state
   int level_;
   int threads_;
 };

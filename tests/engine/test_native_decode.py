@@ -121,8 +121,8 @@ def test_every_kernel_and_thread_count_equals_the_twin(kernels, threads, hidden,
 
 @pytest.mark.parametrize("kernels", [1, 2])
 def test_a_row_count_the_tiles_do_not_divide_equals_the_twin(kernels):
-    """9 rows: the AVX2 kernel's 4-row tiles leave one row to its 1-row tile, in blocks of the MLP's
-    panel rows (its 344-wide input overflows the whole-panel budget) and whole elsewhere."""
+    """9 rows: the AVX2 kernel's 6-row tiles leave three rows to a 3-row tile, and the MLP's 344-wide
+    input leaves a last block of 24 panel rows after five of 64."""
     model = build_tiny_model(
         vocab_size=VOCAB + 3, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
         intermediate_size=344, tie_word_embeddings=True, seed=3,
