@@ -30,6 +30,7 @@ through HF's modules); the outputs match HF's forward to float rounding
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -219,14 +220,23 @@ _PACK_ROWS = 16
 
 def packs_weights(weight: torch.Tensor) -> bool:
     """Whether the decoder keeps ``weight`` in oneDNN's layout (:class:`_Packed`): bfloat16 on a CPU
-    whose torch has oneDNN's linear ops."""
+    whose torch has oneDNN's linear ops and whose oneDNN computes bf16 there (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; elsewhere its reorder raises, and torch's own bf16 linear runs)."""
     return (
         weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _onednn_bf16()
         and not isinstance(weight, DTensor)
     )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 on this CPU (asked once a process)."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(supported()) if supported is not None else True
 
 
 def _in_out(*weights: torch.Tensor) -> torch.Tensor | _Packed:
