@@ -636,20 +636,25 @@ REFERENCE_MODEL = {
     "vocab_size": 256, "head_dim": 32, "tie_embeddings": True, "qkv_bias": False, "mlp_bias": False,
 }  # fmt: skip
 _REFERENCE_STEP = {"prompts": 2, "samples": 4, "prompt_len": 16, "gen_len": 16}
+# Rounds of the machine profile's layer timings (run_profile's median per size): two, not a shape
+# profile's three. The profile is measured before a new host's first step, and the run's own calls
+# calibrate what it prices.
+MACHINE_PROFILE_ROUNDS = 2
 
 
 def machine_profile_shapes(cfg: RLFlowConfig) -> dict:
     """``run_profile`` arguments of this host's machine profile for ``cfg``'s placement: the default
-    layer sizes and whole calls of :data:`REFERENCE_MODEL` (two prompts of four samples a worker,
-    16 prompt and 16 new tokens), on ``placement.devices_per_node`` worker processes; they depend
-    on no model or batch of the run, so one measurement serves every run on the host."""
+    layer sizes (:data:`MACHINE_PROFILE_ROUNDS` rounds of their timings) and whole calls of
+    :data:`REFERENCE_MODEL` (two prompts of four samples a worker, 16 prompt and 16 new tokens), on
+    ``placement.devices_per_node`` worker processes; they depend on no model or batch of the run, so
+    one measurement serves every run on the host."""
     cores, step = cfg.placement.devices_per_node, _REFERENCE_STEP
     prompts, rows = step["prompts"], step["prompts"] * step["samples"]
     calls = _call_shapes(
         REFERENCE_MODEL, "fp32", cores, prompts * cores, prompts, step["samples"], rows, step["prompt_len"],
         step["gen_len"],
     )  # fmt: skip
-    return {"layer": None, "passes": None, "decodes": None, **calls}
+    return {"layer": None, "passes": None, "decodes": None, "rounds": MACHINE_PROFILE_ROUNDS, **calls}
 
 
 def load_profile_for(

@@ -786,7 +786,7 @@ def cached_profile(shapes: dict, *, refresh: bool = False, progress: bool | None
     :func:`~rlflow.planner.profile.profile_cache_key`), else measured now and written there.
 
     Args:
-        shapes: ``layer``, ``passes``, ``decodes`` and optionally ``calls`` and ``call_processes``.
+        shapes: ``layer``, ``passes``, ``decodes`` and optionally ``rounds``, ``calls`` and ``call_processes``.
         refresh: measure again even when the cache has the profile (and replace it).
         progress: show the measuring progress bar; ``None``: when stderr is a terminal.
     """
