@@ -139,7 +139,8 @@ def runs(tmp_path_factory):
 def _check(out, ref) -> None:
     assert torch.equal(out["responses"], ref["responses"])
     assert torch.equal(out["response_mask"], ref["response_mask"])
-    torch.testing.assert_close(out["old_logp"], ref["old_logp"], atol=1e-5, rtol=0)
+    # the stages multiply other row counts than one process does: float rounding, relative to the log-probs' size
+    torch.testing.assert_close(out["old_logp"], ref["old_logp"], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))

@@ -191,7 +191,15 @@ def world(tmp_path_factory) -> str:
     root, outdir = tmp_path_factory.mktemp("checkpoints"), tmp_path_factory.mktemp("records")
     _write_checkpoints(root)
     _write_memory_model(root / MEMORY_MODEL)
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(root), str(outdir)), nprocs=WORLD, join=True)
+    # The forwards are compared bit for bit: MKL's kernels on some CPUs (AMD's, AVX2) take paths by
+    # the operands' alignment unless its conditional numerical reproducibility is on (the spawned
+    # ranks read the variable when MKL starts).
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MKL_CBWR", os.environ.get("MKL_CBWR", "COMPATIBLE"))
+    try:
+        torch.multiprocessing.spawn(_worker, args=(free_port(), str(root), str(outdir)), nprocs=WORLD, join=True)
+    finally:
+        mp.undo()
     return str(outdir)
 
 
