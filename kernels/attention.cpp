@@ -146,6 +146,10 @@ const std::array<std::array<Tile, 2>, kRows> kAvx2 = {avx2_row<1>(), avx2_row<2>
                                                        avx2_row<4>(), avx2_row<5>(), avx2_row<6>()};
 #endif
 
+// Where a kernel below is reached with no vector kernels to run (no x86; the entry points refuse
+// levels below 1 first).
+[[noreturn, maybe_unused]] void no_vector_kernels() { throw std::runtime_error("attention: no vector kernels on this CPU"); }
+
 // c[0:rows, 0:n] (+)= a[0:rows, 0:K] * b[0:K, 0:n], rows <= kRows, in tiles across n.
 void gemm(int level, int rows, i64 n, i64 K, Strided a, const float* b, i64 ldb, float* c, i64 ldc, bool add) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -159,7 +163,7 @@ void gemm(int level, int rows, i64 n, i64 K, Strided a, const float* b, i64 ldb,
   }
 #else
   (void)level, (void)rows, (void)n, (void)K, (void)a, (void)b, (void)ldb, (void)c, (void)ldc, (void)add;
-  throw std::runtime_error("attention: no vector kernels on this CPU");
+  no_vector_kernels();
 #endif
 }
 
@@ -168,6 +172,8 @@ float dot(int level, const float* a, const float* b, i64 n) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (level == 2) return rlflow_cpu::dot_avx512(a, b, n);
   return rlflow_cpu::dot_avx2(a, b, n);
+#else
+  no_vector_kernels();
 #endif
 }
 
@@ -281,6 +287,8 @@ float row_max(int level, const float* s, i64 n) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (level == 2) return row_max_avx512(s, n);
   return row_max_avx2(s, n);
+#else
+  no_vector_kernels();
 #endif
 }
 
@@ -288,6 +296,8 @@ float exp_sum(int level, float* s, i64 n, float scale, float shift) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (level == 2) return rlflow_cpu::exp_sum_avx512(s, n, scale, shift);
   return exp_sum_avx2(s, n, scale, shift);
+#else
+  no_vector_kernels();
 #endif
 }
 

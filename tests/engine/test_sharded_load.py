@@ -194,12 +194,9 @@ def world(tmp_path_factory) -> str:
     # The forwards are compared bit for bit: MKL's kernels on some CPUs (AMD's, AVX2) take paths by
     # the operands' alignment unless its conditional numerical reproducibility is on (the spawned
     # ranks read the variable when MKL starts).
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MKL_CBWR", os.environ.get("MKL_CBWR", "COMPATIBLE"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MKL_CBWR", os.environ.get("MKL_CBWR", "COMPATIBLE"))
         torch.multiprocessing.spawn(_worker, args=(free_port(), str(root), str(outdir)), nprocs=WORLD, join=True)
-    finally:
-        mp.undo()
     return str(outdir)
 
 
