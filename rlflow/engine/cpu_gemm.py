@@ -1,13 +1,13 @@
-"""The training engine's float32 linear layers on a CPU through OpenBLAS, where torch's own BLAS
-leaves the CPU's arithmetic unused.
+"""The training engine's float32 linear layers on a CPU through OpenBLAS, where it multiplies faster
+than torch's own BLAS.
 
-torch's x86 wheels multiply float32 matrices with MKL, whose fastest code paths are for Intel's
-CPUs; on others (AMD's) it reaches a fraction of what the CPU's vector units sustain
-(docs/benchmarks.md, "The training step's matmuls through OpenBLAS"). OpenBLAS, from the
-``scipy-openblas32`` wheel NumPy's and SciPy's builds come from, picks its kernels by the CPU's
-instruction sets. Run on its own threads it contends with torch's OpenMP team for the same cores, so
+torch's x86 wheels multiply float32 matrices with MKL, whose code paths are tuned for Intel's CPUs.
+OpenBLAS, from the ``scipy-openblas32`` wheel NumPy's and SciPy's builds come from, picks its
+kernels by the CPU's instruction sets; on an AMD EPYC (Zen 3) it runs a training step's forward and
+backward a few percent faster (docs/benchmarks.md, "The training step's matmuls through OpenBLAS").
+Run on its own threads it contends with torch's OpenMP team for the same cores, so
 ``kernels/gemm.cpp`` (``rlflow._C_gemm``) runs it on one thread inside each thread of torch's team,
-each over its share of the product's rows or columns.
+each over its share of the product's rows.
 
 :func:`route_linears` points every ``nn.Linear`` of a model at :class:`LinearFunction`, whose
 forward and both gradients (input and weight) are three such products; anything else — a GPU, bf16
