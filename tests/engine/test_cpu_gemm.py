@@ -125,3 +125,30 @@ def test_the_engine_switch_trains_alike(single_mesh):
         torch.testing.assert_close(results["openblas"][1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match="cpu_gemm='blas'"):
         EngineConfig(cpu_gemm="blas")
+
+
+def test_the_driver_passes_cpu_gemm_on_and_refuses_an_openblas_that_cannot_load(monkeypatch, tmp_path):
+    from rlflow.dataflow import algorithm_mfcs
+    from rlflow.strategy import ParallelStrategy
+    from rlflow.trainer import ConfigError, load_config
+    from rlflow.trainer.build import model_setups
+    from rlflow.trainer.runner import CallPlacement
+
+    calls = {
+        m.name: CallPlacement(m, (0,), ParallelStrategy())
+        for m in algorithm_mfcs("grpo", rule_based_reward=True, use_ref=False)
+    }
+
+    def setups(*overrides: str, use_gpu: bool = False):
+        return model_setups(load_config(None, list(overrides)), {"actor": str(tmp_path)}, calls, "arithmetic", use_gpu)
+
+    assert setups()["actor"].cpu_gemm == "auto"
+    assert setups("models.actor.cpu_gemm=torch")["actor"].cpu_gemm == "torch"
+    with pytest.raises(ConfigError, match="models.actor.cpu_gemm"):
+        load_config(None, ["models.actor.cpu_gemm=mkl"])
+    monkeypatch.setattr(cpu_gemm, "_openblas", lambda: "the scipy-openblas32 wheel is not installed")
+    with pytest.raises(
+        ValueError, match="models.actor.cpu_gemm='openblas': the scipy-openblas32 wheel is not installed"
+    ):
+        setups("models.actor.cpu_gemm=openblas")
+    assert setups("models.actor.cpu_gemm=openblas", use_gpu=True)["actor"].cpu_gemm == "openblas"  # GPU workers: unused
