@@ -28,11 +28,12 @@ import functools
 import os
 import platform
 import types
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rlflow.engine.fused_ops import plain_float32
 
 try:  # built by `pip install -e .` (setup.py); without it the layers keep F.linear
     from rlflow import _C_gemm
@@ -50,17 +51,6 @@ __all__ = [
 
 # models.<role>.cpu_gemm's values
 CPU_GEMMS = ("auto", "openblas", "torch")
-
-
-def _cpu_vendor() -> str:
-    """``/proc/cpuinfo``'s vendor (``GenuineIntel``, ``AuthenticAMD``, ...), or ``""`` where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.cache
@@ -101,8 +91,10 @@ def resolve_cpu_gemm(choice: str) -> str:
         if blocker is not None:
             raise ValueError(f"cpu_gemm='openblas': {blocker}")
         return "openblas"
+    from rlflow.engine.parallelize import cpu_vendor  # torch.distributed's mesh: not for the config's import
+
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return "openblas" if blocker is None and x86 and _cpu_vendor() not in ("", "GenuineIntel") else "torch"
+    return "openblas" if blocker is None and x86 and cpu_vendor() not in ("", "GenuineIntel") else "torch"
 
 
 def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
@@ -166,17 +158,8 @@ class LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _plain_float32(*tensors: torch.Tensor | None) -> bool:
-    """Plain float32 CPU tensors (``None`` passes) outside autocast: not a DTensor, nor the
-    AsyncCollectiveTensor a tensor-parallel layer's input arrives as."""
-    return not torch.is_autocast_enabled("cpu") and all(
-        t is None or (type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32)
-        for t in tensors
-    )
-
-
 def _routed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if _plain_float32(x, self.weight, self.bias) and x.shape[-1] == self.weight.shape[1]:
+    if plain_float32(x, self.weight, self.bias) and x.shape[-1] == self.weight.shape[1]:
         return LinearFunction.apply(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlflow.data.tiny_models import build_tiny_model
-from rlflow.engine import cpu_gemm
+from rlflow.engine import cpu_gemm, parallelize
 from rlflow.engine.cpu_gemm import LinearFunction, mm, resolve_cpu_gemm, route_linears
 from rlflow.engine.train_engine import EngineConfig, TrainEngine
 
@@ -97,9 +97,9 @@ def test_cpu_gemm_resolves(monkeypatch):
         resolve_cpu_gemm("mkl")
     monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
     for vendor, want in (("AuthenticAMD", "openblas"), ("HygonGenuine", "openblas"), ("GenuineIntel", "torch")):
-        monkeypatch.setattr(cpu_gemm, "_cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(parallelize, "cpu_vendor", lambda vendor=vendor: vendor)
         assert resolve_cpu_gemm("auto") == want, vendor
-    monkeypatch.setattr(cpu_gemm, "_cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(parallelize, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "aarch64")
     assert resolve_cpu_gemm("auto") == "torch"
     monkeypatch.setattr(cpu_gemm, "_openblas", lambda: "the scipy-openblas32 wheel is not installed")
