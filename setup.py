@@ -18,7 +18,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # Kernels that run on OpenMP threads: linked to libgomp by its soname, which torch's wheel ships
 # under the same one, so that in a process that imported torch they share its threads (the
 # comment on on_threads in kernels/cpu.h).
-_OPENMP = {"attention": ["-fopenmp"], "decode": ["-fopenmp"], "fused": ["-fopenmp"], "gemm": ["-fopenmp"]}
+_OPENMP = {"attention": ["-fopenmp"], "decode": ["-fopenmp"], "fused": ["-fopenmp"]}
 
 
 def _kernel_extensions() -> list[Pybind11Extension]:

@@ -58,7 +58,6 @@ __all__ = [
     "fused_cpu_ops_blocker",
     "kernel_cap",
     "packed_attention_takes",
-    "plain_float32",
 ]
 
 # torch's CPU capability (ATEN_CPU_CAPABILITY caps it) -> the widest kernels rlflow's C++ may use.
@@ -130,13 +129,12 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x.view(grad.shape), grad_weight if ctx.needs_input_grad[1] else None, None
 
 
-def plain_float32(*tensors: torch.Tensor | None) -> bool:
-    """Plain float32 CPU tensors outside autocast (``None``, an absent bias, passes). Not a subclass:
-    a DTensor, or the AsyncCollectiveTensor a tensor-parallel layer's input arrives as, whose data is
-    not there until waited for."""
+def _plain_float32(*tensors: torch.Tensor) -> bool:
+    """Plain float32 CPU tensors outside autocast. Not a subclass: a DTensor, or the
+    AsyncCollectiveTensor a tensor-parallel layer's input arrives as, whose data is not there until
+    waited for."""
     return not torch.is_autocast_enabled("cpu") and all(
-        t is None or (type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32)
-        for t in tensors
+        type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
     )
 
 
@@ -209,7 +207,7 @@ def _fused_rope(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (
             unsqueeze_dim == 1
-            and plain_float32(q, k, cos, sin)
+            and _plain_float32(q, k, cos, sin)
             and not (cos.requires_grad or sin.requires_grad)
             and _rope_takes(q, cos)
             and _rope_takes(k, cos)
@@ -238,7 +236,7 @@ def packed_attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.
         _C_attention is not None
         and kernel_cap() >= 1
         and 0 < max_len <= PACKED_ATTENTION_MAX_LEN
-        and plain_float32(query, key, value)
+        and _plain_float32(query, key, value)
         and query.dim() == key.dim() == value.dim() == 4
         and key.shape == value.shape
         and query.shape[0] == key.shape[0]
@@ -295,13 +293,13 @@ class PackedAttentionFunction(torch.autograd.Function):
 
 def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
-    if plain_float32(gate, up) and gate.shape == up.shape:
+    if _plain_float32(gate, up) and gate.shape == up.shape:
         return self.down_proj(SwiGLUFunction.apply(gate, up))
     return self.down_proj(self.act_fn(gate) * up)
 
 
 def _takes_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return plain_float32(x, weight) and x.shape[-1] == weight.numel()
+    return _plain_float32(x, weight) and x.shape[-1] == weight.numel()
 
 
 def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

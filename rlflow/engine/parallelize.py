@@ -47,7 +47,6 @@ __all__ = [
     "cpu_bf16_speedup",
     "cpu_computes_bf16",
     "cpu_isa_caps",
-    "cpu_vendor",
     "layer_matmul_params",
     "mixed_precision_dtype",
     "resolve_compute_dtype",
@@ -157,29 +156,18 @@ def cpu_computes_bf16() -> bool:
     return caps.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_WITHOUT_BF16
 
 
-def _cpuinfo(field: str) -> str | None:
-    """The value of ``/proc/cpuinfo``'s first ``field`` line (Linux), or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 @functools.cache
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
     import platform
 
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor (``GenuineIntel``, ``AuthenticAMD``, ...: ``/proc/cpuinfo``), or ``""`` where unknown."""
-    return _cpuinfo("vendor_id") or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _matmul_gflops(x: torch.Tensor, w: torch.Tensor, rounds: int, reps: int = 4) -> list[float]:

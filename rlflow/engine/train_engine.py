@@ -38,7 +38,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlflow.engine import engine_state
 from rlflow.engine.attention import VARLEN_SDPA, flash_attn_available, varlen_implementation
-from rlflow.engine.cpu_gemm import CPU_GEMMS, resolve_cpu_gemm, route_linears
 from rlflow.engine.fused_ops import fuse_cpu_ops
 from rlflow.engine.lora import LoraSpec, apply_lora, init_lora_weights, lora_strategy_error
 from rlflow.engine.micro_batch import MicroBatch, select, split_micro_batches
@@ -108,9 +107,6 @@ class EngineConfig:
             sequences as one C++ kernel (:mod:`rlflow.engine.fused_ops`; float32 outside autocast,
             call by call; RoPE's function for the whole process); ``False``: the modules' own
             forward and HF's SDPA.
-        cpu_gemm: on a CPU, the BLAS of the model's float32 linear layers: ``"auto"`` (OpenBLAS on an
-            x86-64 CPU not made by Intel, torch's own elsewhere), ``"openblas"`` or ``"torch"``
-            (:mod:`rlflow.engine.cpu_gemm`).
         router_aux_loss_coef: a mixture-of-experts model's training loss adds this times the
             router's load-balancing loss (:mod:`rlflow.engine.router_loss`; ``pp = 1``); ``None``:
             the model config's ``router_aux_loss_coef`` (0 for a dense model); 0: off.
@@ -128,7 +124,6 @@ class EngineConfig:
     lora: LoraSpec | None = None
     shared_prefix: bool = True
     fused_cpu_ops: bool = True
-    cpu_gemm: str = "auto"
     router_aux_loss_coef: float | None = None
     device: str | None = None
 
@@ -137,8 +132,6 @@ class EngineConfig:
             raise ValueError("give num_micro_batches or max_tokens_per_micro_batch, not both")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches={self.num_micro_batches} must be >= 1")
-        if self.cpu_gemm not in CPU_GEMMS:
-            raise ValueError(f"cpu_gemm={self.cpu_gemm!r}; expected one of {', '.join(CPU_GEMMS)}")
         if self.packing not in ("auto", "on", "off"):
             raise ValueError(f"packing={self.packing!r}; expected 'auto', 'on' or 'off'")
         if self.pp_schedule not in ("1f1b", "gpipe"):
@@ -241,8 +234,6 @@ class TrainEngine:
             apply_lora(stage, self.config.lora)
         if self.config.fused_cpu_ops and self.device.type == "cpu":
             fuse_cpu_ops(stage)
-        if self.device.type == "cpu" and resolve_cpu_gemm(self.config.cpu_gemm) == "openblas":
-            route_linears(stage)
         apply_tp(stage, self.mesh["tp"])
         if self.config.gradient_checkpointing:
             apply_ac(stage)

@@ -23,7 +23,6 @@ from rlflow.controller.resource_pool import alive_nodes, bundle_resources, bundl
 from rlflow.data.tiny_models import build_tiny_model
 from rlflow.data.tokenizer import build_char_tokenizer, load_tokenizer
 from rlflow.dataflow import GraphOptions, MFCDef
-from rlflow.engine.cpu_gemm import openblas_blocker
 from rlflow.engine.loading import build_meta_model
 from rlflow.engine.lora import LoraSpec, linear_module_names, lora_strategy_error
 from rlflow.engine.models import init_value_model_from_lm, is_sequence_classification, save_model
@@ -411,8 +410,6 @@ def model_setups(
             continue
         m = cfg.models[name]
         trainable = name in trained if m.trainable is None else m.trainable
-        if m.cpu_gemm == "openblas" and not use_gpu and openblas_blocker() is not None:
-            raise ValueError(f"models.{name}.cpu_gemm='openblas': {openblas_blocker()}")
         setups[name] = ModelSetup(
             name=name,
             role=name,
@@ -422,7 +419,6 @@ def model_setups(
             gradient_checkpointing=m.gradient_checkpointing,
             shared_prefix=m.shared_prefix,
             fused_cpu_ops=m.fused_cpu_ops,
-            cpu_gemm=m.cpu_gemm,
             max_tokens_per_micro_batch=m.micro_batch_tokens,
             value_head=name in VALUE_ROLES,
             compute_dtype=resolve_compute_dtype(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlflow.engine.cpu_gemm import CPU_GEMMS
 from rlflow.engine.lora import PUSH_MODES
 from rlflow.engine.optim import OptimConfig
 from rlflow.families import list_families
@@ -95,13 +94,6 @@ class ModelConfig(_Section):
         "each, and causal attention over whole sequences as one C++ kernel (float32, outside autocast; "
         "rlflow.engine.fused_ops; the RoPE function is replaced for the whole worker process); false: the "
         "model's own modules and HF's SDPA",
-    )
-    cpu_gemm: str = _f(
-        "auto",
-        "on a CPU, the BLAS of its float32 linear layers (forward and both gradients): openblas (the "
-        "scipy-openblas32 wheel on each of torch's threads; rlflow.engine.cpu_gemm), torch (torch's own, MKL on "
-        "x86); auto: openblas on x86-64 CPUs not made by Intel, torch's elsewhere",
-        choices=CPU_GEMMS,
     )
     lora: LoraConfig | None = _f(
         None, "train low-rank adapters instead of every weight (actor only, tp = pp = 1); null: full-parameter"

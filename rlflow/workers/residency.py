@@ -187,7 +187,6 @@ class Residency:
             gradient_checkpointing=model.gradient_checkpointing and train,
             shared_prefix=model.shared_prefix,
             fused_cpu_ops=model.fused_cpu_ops,
-            cpu_gemm=model.cpu_gemm,
             # fp32 masters, computed in the model's dtype (FSDP2 casts what it gathers)
             mixed_precision="bf16" if model.compute_dtype == torch.bfloat16 else "fp32",
             # The adapters live at the trainable home only; every copy holds merged weights.

@@ -95,7 +95,6 @@ class ModelSetup:
         shared_prefix: rows that share a prompt may run it once (``EngineConfig.shared_prefix``).
         fused_cpu_ops: RMSNorms, SwiGLU, RoPE and causal attention run as fused C++ passes on a CPU
             (``EngineConfig.fused_cpu_ops``).
-        cpu_gemm: the BLAS of its float32 linear layers on a CPU (``EngineConfig.cpu_gemm``).
         max_tokens_per_micro_batch: token budget of one micro-batch; ``None`` uses the MFC's
             ``n_mbs`` micro-batches (one when unset).
         reward_fn: rule-based reward name (``rlflow.workers.rewards`` registry) or Python reward
@@ -122,7 +121,6 @@ class ModelSetup:
     gradient_checkpointing: bool = False
     shared_prefix: bool = True
     fused_cpu_ops: bool = True
-    cpu_gemm: str = "auto"
     max_tokens_per_micro_batch: int | None = None
     reward_fn: str | RewardFuncs | None = None
     reward_errors: str = "raise"
