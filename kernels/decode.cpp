@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,10 @@
 #include <vector>
 
 #include "cpu.h"
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -67,9 +72,9 @@ using rlflow_cpu::first_lanes;
 // lie a whole row apart), and threads take disjoint runs of panels.
 constexpr i64 kPanel = 16;
 
-// Buffers of panels kept after their decoder is gone, for the next decoder of the same shapes (a
-// generate call builds one, and every call of a run packs the same shapes): fresh pages cost as
-// much to touch as the packing itself. At most kKeptBytes are kept.
+// A decoder's panels, all of them in one buffer, kept after the decoder is gone for the next decoder
+// of the same shapes (a generate call builds one, and every call of a run packs the same shapes):
+// fresh pages cost as much to touch as the packing itself. At most kKeptBytes are kept.
 class Kept {
  public:
   static constexpr size_t kKeptBytes = size_t{1} << 30;
@@ -85,13 +90,13 @@ class Kept {
         return buffer;
       }
     }
-    return new float[floats];
+    return allocate(floats);
   }
 
   static void give(float* buffer, size_t floats) {
     std::lock_guard<std::mutex> hold(mutex());
     if (bytes() + floats * sizeof(float) > kKeptBytes) {
-      delete[] buffer;
+      std::free(buffer);
       return;
     }
     buffers().emplace_back(floats, buffer);
@@ -99,6 +104,28 @@ class Kept {
   }
 
  private:
+  // Room for `floats` floats, 64-byte aligned; on Linux one of 2 MB or more in 2 MB pages where the
+  // kernel grants them (transparent huge pages on request): a step streams every panel once, and
+  // through 4 KB pages tens of MB of them miss the TLB page after page (docs/benchmarks.md, "All
+  // three tasks on an AVX2 CPU").
+  static float* allocate(size_t floats) {
+    constexpr size_t kLine = 64, kHuge = size_t{2} << 20;
+    size_t bytes = floats * sizeof(float);
+    const size_t align = kHugePages && bytes >= kHuge ? kHuge : kLine;
+    bytes = (bytes + align - 1) / align * align;  // aligned_alloc's size: a multiple of the alignment
+    void* buffer = std::aligned_alloc(align, bytes);
+    if (buffer == nullptr) throw std::bad_alloc();
+#ifdef __linux__
+    if (align == kHuge) madvise(buffer, bytes, MADV_HUGEPAGE);  // advice: 4 KB pages where refused
+#endif
+    return static_cast<float*>(buffer);
+  }
+#ifdef __linux__
+  static constexpr bool kHugePages = true;
+#else
+  static constexpr bool kHugePages = false;
+#endif
+
   static std::mutex& mutex() {
     static std::mutex m;
     return m;
@@ -121,8 +148,8 @@ struct KeptDeleter {
 struct Panels {
   i64 in = 0, out = 0, count = 0;
   const float* source = nullptr;  // the (in, out) matrix packed from, until fill() has run
-  std::unique_ptr<float[], KeptDeleter> buffer;  // count x in x kPanel floats from the first 64-byte boundary on
-  float* data = nullptr;
+  float* data = nullptr;  // count x in x kPanel floats in the decoder's buffer, 64-byte aligned
+  i64 floats() const { return count * in * kPanel; }  // a multiple of 16: a whole number of cache lines
   const float* panel(i64 p) const { return data + p * in * kPanel; }
 
   // Panels [p0, p1) from `source` (columns past `out` zero); the threads fill disjoint runs, each
@@ -139,17 +166,13 @@ struct Panels {
   }
 };
 
-// Room for the panels of an (in, out) matrix, filled later (Decoder's constructor, on its threads).
+// The panels of an (in, out) matrix, placed and filled later (Decoder::fill_panels, on its threads).
 Panels panels_of(const float* source, i64 in, i64 out) {
   Panels p;
   p.in = in;
   p.out = out;
   p.count = (out + kPanel - 1) / kPanel;
   p.source = source;
-  const size_t floats = p.count * in * kPanel + 16;  // a whole vector a cache line: aligned to one
-  p.buffer = std::unique_ptr<float[], KeptDeleter>(Kept::take(floats), KeptDeleter{floats});
-  const auto address = reinterpret_cast<std::uintptr_t>(p.buffer.get());
-  p.data = p.buffer.get() + ((64 - address % 64) % 64) / sizeof(float);
   return p;
 }
 
@@ -411,11 +434,16 @@ class Decoder {
     fill_panels();
   }
 
-  // Every matrix's panels, the threads taking equal shares of all of them (the pages are new:
-  // touching them costs as much as copying into them).
+  // Every matrix's panels, one after another in one buffer, the threads taking equal shares of all
+  // of them (the pages may be new: touching them costs as much as copying into them).
   void fill_panels() {
     std::vector<Panels*> all{&head_t_};
     for (auto& l : layers_) all.insert(all.end(), {&l.qkv_w, &l.o_w, &l.gate_up_w, &l.down_w});
+    size_t floats = 0;
+    for (const Panels* p : all) floats += p->floats();
+    panels_ = std::unique_ptr<float[], KeptDeleter>(Kept::take(floats), KeptDeleter{floats});
+    float* next = panels_.get();
+    for (Panels* p : all) next = (p->data = next) + p->floats();
     i64 total = 0;
     for (const Panels* p : all) total += p->count;
     auto task = [&](int t, int n) {
@@ -651,6 +679,7 @@ class Decoder {
   i64 hidden_, heads_, kv_heads_, dim_, inter_, vocab_;
   float eps_, scale_;
   FArray embed_, final_norm_;
+  std::unique_ptr<float[], KeptDeleter> panels_;  // every matrix's panels (fill_panels)
   Panels head_t_;
   std::vector<Layer> layers_;
   std::vector<py::array_t<float, py::array::c_style>> k_, v_;
