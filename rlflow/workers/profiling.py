@@ -65,10 +65,12 @@ _CUDA_DECODE = ((1, 1024), (16, 1024), (64, 1024), (256, 1024))
 # ----------------------------------------------------------------------------- hardware rates
 
 
-def _timed(fn, repeat: int, sync) -> float:
-    """Seconds per call of ``fn``: the mean over ``repeat`` calls, after one warm-up call."""
-    fn()
-    sync()
+def _timed(fn, repeat: int, sync, warm_up: bool = True) -> float:
+    """Seconds per call of ``fn``: the mean over ``repeat`` calls, after one warm-up call unless
+    ``warm_up`` is false (``fn`` already ran in this process)."""
+    if warm_up:
+        fn()
+        sync()
     start = time.perf_counter()
     for _ in range(repeat):
         fn()
@@ -280,13 +282,15 @@ def _left_padded(rows: int, length: int, vocab: int):
     return ids, mask
 
 
-def _time_call(kind: str, rollout, engine, shape: dict) -> float:
+def _time_call(kind: str, rollout, engine, shape: dict, warm_up: bool = True) -> float:
     """Seconds of one whole call of the planned model, run as rlflow's workers run it:
     ``generate`` (the HF rollout engine over ``rollout``, whatever its sampler's decode loop:
     prefill, cache repeat, ``gen_len`` decode steps — no stop tokens, so every row runs to
     ``gen_len`` as priced), ``forward`` (log-probs and entropies of every token) or ``train``
     (one optimizer step of the PPO-family policy loss: that forward, the loss, backward,
-    gradient clip, AdamW step), both through ``engine`` (a ``TrainEngine``)."""
+    gradient clip, AdamW step), both through ``engine`` (a ``TrainEngine``). ``warm_up``: one
+    untimed call first (the first call of a kind pays its one-time costs: FSDP's lazy set-up,
+    the optimizer's state, the sampler's buffers)."""
     import torch
 
     from rlflow.algos.params import AlgorithmParams
@@ -309,10 +313,11 @@ def _time_call(kind: str, rollout, engine, shape: dict) -> float:
                     p.mul_(1.0)
             sampler.generate((ids, mask), params)
 
-        return _timed(generate, _CALL_REPEATS, no_sync)
+        return _timed(generate, _CALL_REPEATS, no_sync, warm_up)
     ids, mask = _left_padded(shape["rows"], shape["seq"], vocab)
     if kind == "forward":
-        return _timed(lambda: engine.forward({"input_ids": ids, "attention_mask": mask}), _CALL_REPEATS, no_sync)
+        forward = lambda: engine.forward({"input_ids": ids, "attention_mask": mask})  # noqa: E731
+        return _timed(forward, _CALL_REPEATS, no_sync, warm_up)
     batch = {"input_ids": ids, "attention_mask": mask, "response_mask": mask,
              "old_logp": torch.full(ids.shape, -4.0), "advantages": torch.randn(ids.shape)}  # fmt: skip
     loss = policy_loss_fn(AlgorithmParams().resolved(), kl_coef=0.0)  # what the workers receive
@@ -320,6 +325,7 @@ def _time_call(kind: str, rollout, engine, shape: dict) -> float:
         lambda: train_epochs(engine, batch, loss, epochs=1, num_mini_batches=1, loss_mask_key="response_mask"),
         _CALL_REPEATS,
         no_sync,
+        warm_up,
     )
 
 
@@ -344,11 +350,24 @@ def _suffixes(calls: dict, alone: bool) -> list[str]:
     return [s for s in (("_alone", "_alone_alt") if alone else ("", "_alt")) if "train" + s in calls]
 
 
-def _median_call_seconds(rollout, engine, calls: dict, suffixes: list[str], rounds: int) -> dict[str, float]:
-    """Median seconds of every call kind at every shape of ``suffixes``, in round-robin rounds."""
+def _median_call_seconds(
+    rollout, engine, calls: dict, suffixes: list[str], rounds: int, warmed: set[str] | None = None
+) -> dict[str, float]:
+    """Median seconds of every call kind at every shape of ``suffixes``, in round-robin rounds.
+
+    Only a kind's first call on ``rollout`` and ``engine`` is warmed up (``warmed``: the kinds
+    that already ran on them, updated): its one-time costs (FSDP's lazy set-up, the optimizer's
+    state) are paid once, not once per shape."""
+    warmed = set() if warmed is None else warmed
+
+    def timed(kind: str, shape: dict) -> float:
+        seconds = _time_call(kind, rollout, engine, shape, warm_up=kind not in warmed)
+        warmed.add(kind)
+        return seconds
+
     shapes = [(suffix, _call_shapes(calls, suffix)) for suffix in suffixes]
     keys = [kind + suffix for suffix, _ in shapes for kind in _CALLS]
-    timings = [[_time_call(k, rollout, engine, s[k]) for _, s in shapes for k in _CALLS] for _ in range(rounds)]
+    timings = [[timed(k, s[k]) for _, s in shapes for k in _CALLS] for _ in range(rounds)]
     return dict(zip(keys, np.median(timings, axis=0).tolist()))
 
 
@@ -417,11 +436,12 @@ def _alone_call_seconds(rank: int, calls: dict, rounds: int) -> dict[str, float]
             master, rollout, config = _call_parts(calls)
             single = _engine_on(range(1), master, config)
             torch.set_num_threads(1)
-            seconds = _median_call_seconds(rollout, single, calls, _suffixes(calls, alone=True), rounds)
+            warmed: set[str] = set()
+            seconds = _median_call_seconds(rollout, single, calls, _suffixes(calls, alone=True), rounds, warmed)
             if calls.get("host_threads"):
                 torch.set_num_threads(calls["host_threads"])
                 host = {**calls, "generate_host": calls["generate_alone"], "train_host": calls["train_alone"]}
-                seconds.update(_median_call_seconds(rollout, single, host, ["_host"], rounds))
+                seconds.update(_median_call_seconds(rollout, single, host, ["_host"], rounds, warmed))
     finally:
         torch.set_num_threads(threads)
         if own_group:
@@ -519,12 +539,19 @@ def _layer_timer(kind: str, batch: int, seq: int, parts, device: str, dtype, syn
     from rlflow.engine.models import cache_kwarg
 
     config, layer, rope, model = parts
+    warmed = set()
+
+    def timed(fn, repeat: int) -> float:  # each function warmed up in its first round only
+        first = fn not in warmed
+        warmed.add(fn)
+        return _timed(fn, repeat, sync, warm_up=first)
+
     if kind == "model_decode":
         step = _decode_step(config, model, batch, seq, device)
-        return lambda: _timed(step, 5, sync)
+        return lambda: timed(step, 5)
     if kind == "sample":
         step = _sample_step(config, batch, device)
-        return lambda: _timed(step, 10, sync)
+        return lambda: timed(step, 10)
     h = config.hidden_size
     x = torch.randn(batch, seq, h, device=device, dtype=dtype, requires_grad=kind == "backward")
     pe = rope(x, torch.arange(seq, device=device)[None].expand(batch, -1))
@@ -534,14 +561,14 @@ def _layer_timer(kind: str, batch: int, seq: int, parts, device: str, dtype, syn
         layer(x, position_embeddings=pe)
 
     if kind == "forward":
-        return lambda: _timed(forward, 3, sync)
+        return lambda: timed(forward, 3)
     if kind == "backward":
 
         def step():
             layer(x, position_embeddings=pe).sum().backward()
 
         # Forward + backward, minus a forward: the backward alone.
-        return lambda: max(_timed(step, 2, sync) - _timed(forward, 2, sync), 1e-9)
+        return lambda: max(timed(step, 2) - timed(forward, 2), 1e-9)
     cache = DynamicCache(config=config)
     cached = {cache_kwarg(layer.forward): cache}
     with torch.no_grad():
@@ -554,7 +581,7 @@ def _layer_timer(kind: str, batch: int, seq: int, parts, device: str, dtype, syn
         layer(new, position_embeddings=pe1, **cached, use_cache=True)
         cache.crop(-1)  # drop the new token: the context length stays fixed across repetitions
 
-    return lambda: _timed(decode, 5, sync)
+    return lambda: timed(decode, 5)
 
 
 def run_profile(
