@@ -202,6 +202,18 @@ constexpr i64 kPrefetchRows = 64;
 constexpr i64 kAvx2Depth = 64;
 constexpr i64 kAvx2PrefetchRows = 2 * kAvx2Depth;
 
+// Asks for the cache lines of floats [p, p + n) (a no-op off x86): a row of attention runs over each
+// (row, kv head)'s keys, then its values, front to back, a few KB each, too short for the hardware
+// prefetchers to get ahead.
+inline void prefetch_lines(const float* p, i64 n) {
+#ifdef RLFLOW_X86
+  for (i64 i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+#else
+  (void)p, (void)n;
+#endif
+}
+constexpr i64 kKeysAhead = 8;  // keys (or values) ahead of the one in use that attention asks for
+
 #ifdef RLFLOW_X86
 // AVX2/FMA tile: R <= 6 rows x one panel over panel rows [k0, k1), 12 accumulators, so each weight
 // vector loaded feeds R FMAs; the rows' values come k-major (xt[k n + r]: one contiguous run a k).
@@ -301,10 +313,54 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const
     for (i64 t = start; t <= end; ++t) {
       const __m256 pt = _mm256_broadcast_ss(p + t);
       const float* v = vals + t * dim + c;
+      prefetch_lines(v + kKeysAhead * dim, 8 * width);
       for (int i = 0; i < width; ++i) acc[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), acc[i]);
     }
     for (int i = 0; i < width; ++i) _mm256_storeu_ps(o + c + 8 * i, acc[i]);
   }
+}
+
+// xt (in, n) = x (n, in) transposed, 8 x 8 blocks in registers (unpack, shuffle, swap halves); rows
+// past the last whole 8 one by one.
+__attribute__((target("avx2,fma"))) void transpose_avx2(const float* x, i64 n, i64 in, float* xt) {
+  const i64 rows8 = n / 8 * 8, cols8 = in / 8 * 8;
+  for (i64 r = 0; r < rows8; r += 8) {
+    for (i64 k = 0; k < cols8; k += 8) {
+      __m256 a[8], b[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(x + (r + i) * in + k);
+      for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        a[i] = _mm256_shuffle_ps(b[i], b[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        a[i + 1] = _mm256_shuffle_ps(b[i], b[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        a[i + 2] = _mm256_shuffle_ps(b[i + 1], b[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        a[i + 3] = _mm256_shuffle_ps(b[i + 1], b[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int i = 0; i < 4; ++i) {  // a[i] holds columns i (low half: rows 0-3) and i + 4 (high half)
+        _mm256_storeu_ps(xt + (k + i) * n + r, _mm256_permute2f128_ps(a[i], a[i + 4], 0x20));
+        _mm256_storeu_ps(xt + (k + i + 4) * n + r, _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+      }
+    }
+    for (i64 k = cols8; k < in; ++k)
+      for (i64 i = r; i < r + 8; ++i) xt[k * n + i] = x[i * in + k];
+  }
+  for (i64 i = rows8; i < n; ++i)
+    for (i64 k = 0; k < in; ++k) xt[k * n + i] = x[i * in + k];
+}
+
+// a[0:n] = SiLU(g) * u with SiLU(g) = g / (1 + e^-g) (the scalar loop's form), 8 at a time with
+// cpu.h's exp; the tail one by one.
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, float* a, i64 n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  i64 i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    const __m256 e = rlflow_cpu::exp_avx2(_mm256_sub_ps(zero, gi));
+    _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gi, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
 }
 
 // Attention's softmax over s[start..end] in place, the row maximum `top` subtracted: exp, sum, then
@@ -496,7 +552,7 @@ class Decoder {
     gate_up_.assign(rows_ * 2 * inter_, 0.f);
     act_.assign(rows_ * inter_, 0.f);
     scores_.assign(threads_ * total_, 0.f);  // one row of scores per thread
-    rotated_.assign(dim_, 0.f);
+    rotated_.assign(threads_ * dim_, 0.f);  // a row of rotation scratch per thread
     xt_.assign(rows_ * std::max({hidden_, heads_ * dim_, inter_}), 0.f);
   }
 
@@ -556,8 +612,9 @@ class Decoder {
   // read x k-major: transposed here once a call).
   void matmul(const float* x, const Panels& w, float* y) {
     if (level_ == 1) {
-      for (i64 r = 0; r < rows_; ++r)
-        for (i64 k = 0; k < w.in; ++k) xt_[k * rows_ + r] = x[r * w.in + k];
+#ifdef RLFLOW_X86
+      transpose_avx2(x, rows_, w.in, xt_.data());
+#endif
     }
     parallel(w.count, rows_ * w.in * w.out, [&](i64 p0, i64 p1, int) {
 #ifdef RLFLOW_X86
@@ -601,6 +658,7 @@ class Decoder {
     const float* mask = key_mask_.data() + r * total_;
     float top = -std::numeric_limits<float>::infinity();
     for (i64 t = start; t <= slot; ++t) {
+      prefetch_lines(keys + (t + kKeysAhead) * dim_, dim_);
       scores[t] = mask[t] + scale_ * dot(q, keys + t * dim_, dim_);
       top = std::max(top, scores[t]);
     }
@@ -636,23 +694,29 @@ class Decoder {
     float* kbuf = k_[index].mutable_data();
     float* vbuf = v_[index].mutable_data();
     const i64 start = l.window > 0 ? std::max<i64>(0, slot + 1 - l.window) : 0;
-    for (i64 r = 0; r < rows_; ++r) {
-      float* row = qkv_.data() + r * qkv;
-      const float* c = cos_.data() + (r * steps_ + step) * dim_;
-      const float* s = sin_.data() + (r * steps_ + step) * dim_;
-      for (i64 hd = 0; hd < heads_ + kv_heads_; ++hd) {  // q/k norm, then RoPE
-        float* vec = row + hd * dim_;
-        if (l.has_qk_norm) rms_norm_n(vec, l.qk_norm.data() + hd * dim_, vec, dim_);
-        for (i64 i = 0; i < half; ++i) rotated_[i] = vec[i] * c[i] + vec[i + half] * s[i];
-        for (i64 i = half; i < dim_; ++i) rotated_[i] = vec[i] * c[i] + vec[i - half] * s[i];
-        std::copy_n(rotated_.data(), dim_, vec);
+    // The rows apart: each thread with its own rotation scratch. Writing k and v into the slot
+    // touches cache lines of a KV buffer far apart (rarely in cache): the threads wait on them together.
+    const i64 rotated = heads_ + kv_heads_;
+    parallel(rows_, 8 * rows_ * rotated * dim_, [&](i64 begin, i64 end, int t) {
+      float* scratch = rotated_.data() + t * dim_;
+      for (i64 r = begin; r < end; ++r) {
+        float* row = qkv_.data() + r * qkv;
+        const float* c = cos_.data() + (r * steps_ + step) * dim_;
+        const float* s = sin_.data() + (r * steps_ + step) * dim_;
+        for (i64 hd = 0; hd < rotated; ++hd) {  // q/k norm, then RoPE
+          float* vec = row + hd * dim_;
+          if (l.has_qk_norm) rms_norm_n(vec, l.qk_norm.data() + hd * dim_, vec, dim_);
+          for (i64 i = 0; i < half; ++i) scratch[i] = vec[i] * c[i] + vec[i + half] * s[i];
+          for (i64 i = half; i < dim_; ++i) scratch[i] = vec[i] * c[i] + vec[i - half] * s[i];
+          std::copy_n(scratch, dim_, vec);
+        }
+        for (i64 g = 0; g < kv_heads_; ++g) {  // this step's k and v into slot
+          const i64 at = ((r * kv_heads_ + g) * total_ + slot) * dim_;
+          std::copy_n(row + (heads_ + g) * dim_, dim_, kbuf + at);
+          std::copy_n(row + (heads_ + kv_heads_ + g) * dim_, dim_, vbuf + at);
+        }
       }
-      for (i64 g = 0; g < kv_heads_; ++g) {  // this step's k and v into slot
-        const i64 at = ((r * kv_heads_ + g) * total_ + slot) * dim_;
-        std::copy_n(row + (heads_ + g) * dim_, dim_, kbuf + at);
-        std::copy_n(row + (heads_ + kv_heads_ + g) * dim_, dim_, vbuf + at);
-      }
-    }
+    });
     // every (row, q head) apart: the threads take runs of them, each with its own row of scores
     const i64 pairs = rows_ * heads_;
     const i64 keys = slot + 1 - start;
@@ -663,10 +727,16 @@ class Decoder {
     project(attn_.data(), l.o_w, l.has_o_b ? l.o_b.data() : nullptr, h_.data(), true);
     for (i64 r = 0; r < rows_; ++r) rms_norm(h_.data() + r * hidden_, l.post_norm.data(), x_.data() + r * hidden_);
     project(x_.data(), l.gate_up_w, l.has_gate_up_b ? l.gate_up_b.data() : nullptr, gate_up_.data(), false);
-    parallel(rows_, 16 * rows_ * inter_, [&](i64 begin, i64 end, int) {  // an exp costs ~16 multiply-adds
+    parallel(rows_, 16 * rows_ * inter_, [&](i64 begin, i64 end, int) {  // an exp: ~16 multiply-adds (scalar)
       for (i64 r = begin; r < end; ++r) {
         const float* gu = gate_up_.data() + r * 2 * inter_;
         float* a = act_.data() + r * inter_;
+#ifdef RLFLOW_X86
+        if (level_ >= 1) {
+          silu_mul_avx2(gu, gu + inter_, a, inter_);
+          continue;
+        }
+#endif
         for (i64 i = 0; i < inter_; ++i) {
           const float g = gu[i];
           a[i] = (g / (1.0f + std::exp(-g))) * gu[inter_ + i];  // SiLU(gate) * up
