@@ -532,7 +532,8 @@ def _sample_step(config, batch: int, device: str):
 def _layer_timer(kind: str, batch: int, seq: int, parts, device: str, dtype, sync) -> Callable[[], float]:
     """The seconds of one ``kind`` timing at ``(batch, seq)`` as a function to call once per round:
     what the timing needs — its inputs, a KV cache filled with ``seq`` tokens — is made here, once
-    (filling the cache took longer than timing its decode steps)."""
+    (filling the cache took longer than timing its decode steps), and only the first round warms
+    the timed functions up."""
     import torch
     from transformers.cache_utils import DynamicCache
 
