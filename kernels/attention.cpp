@@ -204,8 +204,9 @@ void over_tasks(const Packed& pk, int threads, i64 floats, F&& task) {
   });
 }
 
-// dst[c * ld + j] = src[j * row + c]: a sequence's (len, dim) keys or values of one head, transposed,
-// a vector of rows at a time (gathered down a column, stored along a row of dst).
+// dst[c * ld + j] = src[j * row + c]: a sequence's (len, dim) keys or values of one head, transposed:
+// AVX-512 a vector of rows at a time (gathered down a column, stored along a row of dst), AVX2 in
+// cpu.h's 8 x 8 register blocks (AMD's gathers ran the pass 1.10x slower, docs/benchmarks.md).
 #if defined(__x86_64__) || defined(_M_X64)
 __attribute__((target("avx512f"))) void transpose_avx512(const float* src, i64 row, i64 len, i64 dim, float* dst,
                                                          i64 ld) {
@@ -220,23 +221,12 @@ __attribute__((target("avx512f"))) void transpose_avx512(const float* src, i64 r
   }
 }
 
-__attribute__((target("avx2,fma"))) void transpose_avx2(const float* src, i64 row, i64 len, i64 dim, float* dst,
-                                                       i64 ld) {
-  const __m256i rows =
-      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(row)));
-  i64 j = 0;
-  for (; j + 8 <= len; j += 8) {
-    for (i64 c = 0; c < dim; ++c) _mm256_storeu_ps(dst + c * ld + j, _mm256_i32gather_ps(src + j * row + c, rows, 4));
-  }
-  for (; j < len; ++j)
-    for (i64 c = 0; c < dim; ++c) dst[c * ld + j] = src[j * row + c];
-}
 #endif
 
 void transpose(int level, const float* src, i64 row, i64 len, i64 dim, float* dst, i64 ld) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (level == 2) return transpose_avx512(src, row, len, dim, dst, ld);
-  return transpose_avx2(src, row, len, dim, dst, ld);
+  return rlflow_cpu::transpose_avx2(src, row, len, dim, dst, ld);
 #endif
 }
 

@@ -1,8 +1,10 @@
-// What the CPU kernels that run on torch's threads share (decode.cpp, fused.cpp): the CPU's widest
-// kernels, work split over an OpenMP team, and e^x in vector registers.
+// What the CPU kernels that run on torch's threads share (attention.cpp, decode.cpp, fused.cpp): the
+// CPU's widest kernels, work split over an OpenMP team, e^x in vector registers, SwiGLU's forward and
+// a transpose.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -156,6 +158,63 @@ __attribute__((target("avx512f"))) inline float exp_sum_avx512(float* s, i64 n, 
     _mm512_mask_storeu_ps(s + j, m, e);
   }
   return _mm512_reduce_add_ps(sum);
+}
+#endif
+
+// h[i] = SiLU(g[i]) * u[i] over [begin, end), SiLU(g) = g / (1 + e^-g): the MLP's activation (fused.cpp's
+// training kernel, decode.cpp's step).
+inline void swiglu_scalar(const float* g, const float* u, i64 begin, i64 end, float* h) {
+  for (i64 i = begin; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+// The sigmoid of 8 floats: 1 / (1 + e^-g).
+__attribute__((target("avx2,fma"))) inline __m256 sigmoid_avx2(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+// swiglu_scalar 8 at a time (exp_avx2's e^x), the tail one by one.
+__attribute__((target("avx2,fma"))) inline void swiglu_avx2(const float* g, const float* u, i64 begin, i64 end,
+                                                           float* h) {
+  i64 i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(gi, sigmoid_avx2(gi)), _mm256_loadu_ps(u + i)));
+  }
+  swiglu_scalar(g, u, i, end, h);
+}
+
+// dst[c * ld + j] = src[j * row + c] for j < len, c < dim: `len` rows of `dim` floats, `row` apart,
+// transposed in 8 x 8 blocks held in registers (unpack, shuffle, swap halves); what the blocks leave
+// one by one.
+__attribute__((target("avx2,fma"))) inline void transpose_avx2(const float* src, i64 row, i64 len, i64 dim, float* dst,
+                                                              i64 ld) {
+  const i64 len8 = len / 8 * 8, dim8 = dim / 8 * 8;
+  for (i64 j = 0; j < len8; j += 8) {
+    for (i64 c = 0; c < dim8; c += 8) {
+      __m256 a[8], b[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(src + (j + i) * row + c);
+      for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        a[i] = _mm256_shuffle_ps(b[i], b[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        a[i + 1] = _mm256_shuffle_ps(b[i], b[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        a[i + 2] = _mm256_shuffle_ps(b[i + 1], b[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        a[i + 3] = _mm256_shuffle_ps(b[i + 1], b[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int i = 0; i < 4; ++i) {  // a[i] holds columns c + i (low half: rows 0-3) and c + i + 4 (high half)
+        _mm256_storeu_ps(dst + (c + i) * ld + j, _mm256_permute2f128_ps(a[i], a[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + i + 4) * ld + j, _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+      }
+    }
+    for (i64 c = dim8; c < dim; ++c)
+      for (i64 i = j; i < j + 8; ++i) dst[c * ld + i] = src[i * row + c];
+  }
+  for (i64 i = len8; i < len; ++i)
+    for (i64 c = 0; c < dim; ++c) dst[c * ld + i] = src[i * row + c];
 }
 #endif
 

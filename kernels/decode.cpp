@@ -111,20 +111,16 @@ class Kept {
   static float* allocate(size_t floats) {
     constexpr size_t kLine = 64, kHuge = size_t{2} << 20;
     size_t bytes = floats * sizeof(float);
-    const size_t align = kHugePages && bytes >= kHuge ? kHuge : kLine;
+    const bool huge = bytes >= kHuge;
+    const size_t align = huge ? kHuge : kLine;
     bytes = (bytes + align - 1) / align * align;  // aligned_alloc's size: a multiple of the alignment
     void* buffer = std::aligned_alloc(align, bytes);
     if (buffer == nullptr) throw std::bad_alloc();
 #ifdef __linux__
-    if (align == kHuge) madvise(buffer, bytes, MADV_HUGEPAGE);  // advice: 4 KB pages where refused
+    if (huge) madvise(buffer, bytes, MADV_HUGEPAGE);  // advice: 4 KB pages where refused
 #endif
     return static_cast<float*>(buffer);
   }
-#ifdef __linux__
-  static constexpr bool kHugePages = true;
-#else
-  static constexpr bool kHugePages = false;
-#endif
 
   static std::mutex& mutex() {
     static std::mutex m;
@@ -318,49 +314,6 @@ __attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const
     }
     for (int i = 0; i < width; ++i) _mm256_storeu_ps(o + c + 8 * i, acc[i]);
   }
-}
-
-// xt (in, n) = x (n, in) transposed, 8 x 8 blocks in registers (unpack, shuffle, swap halves); rows
-// past the last whole 8 one by one.
-__attribute__((target("avx2,fma"))) void transpose_avx2(const float* x, i64 n, i64 in, float* xt) {
-  const i64 rows8 = n / 8 * 8, cols8 = in / 8 * 8;
-  for (i64 r = 0; r < rows8; r += 8) {
-    for (i64 k = 0; k < cols8; k += 8) {
-      __m256 a[8], b[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(x + (r + i) * in + k);
-      for (int i = 0; i < 8; i += 2) {
-        b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
-        b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        a[i] = _mm256_shuffle_ps(b[i], b[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        a[i + 1] = _mm256_shuffle_ps(b[i], b[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        a[i + 2] = _mm256_shuffle_ps(b[i + 1], b[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        a[i + 3] = _mm256_shuffle_ps(b[i + 1], b[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-      }
-      for (int i = 0; i < 4; ++i) {  // a[i] holds columns i (low half: rows 0-3) and i + 4 (high half)
-        _mm256_storeu_ps(xt + (k + i) * n + r, _mm256_permute2f128_ps(a[i], a[i + 4], 0x20));
-        _mm256_storeu_ps(xt + (k + i + 4) * n + r, _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
-      }
-    }
-    for (i64 k = cols8; k < in; ++k)
-      for (i64 i = r; i < r + 8; ++i) xt[k * n + i] = x[i * in + k];
-  }
-  for (i64 i = rows8; i < n; ++i)
-    for (i64 k = 0; k < in; ++k) xt[k * n + i] = x[i * in + k];
-}
-
-// a[0:n] = SiLU(g) * u with SiLU(g) = g / (1 + e^-g) (the scalar loop's form), 8 at a time with
-// cpu.h's exp; the tail one by one.
-__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, float* a, i64 n) {
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  i64 i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gi = _mm256_loadu_ps(g + i);
-    const __m256 e = rlflow_cpu::exp_avx2(_mm256_sub_ps(zero, gi));
-    _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gi, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-  }
-  for (; i < n; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
 }
 
 // Attention's softmax over s[start..end] in place, the row maximum `top` subtracted: exp, sum, then
@@ -613,7 +566,7 @@ class Decoder {
   void matmul(const float* x, const Panels& w, float* y) {
     if (level_ == 1) {
 #ifdef RLFLOW_X86
-      transpose_avx2(x, rows_, w.in, xt_.data());
+      rlflow_cpu::transpose_avx2(x, w.in, rows_, w.in, xt_.data(), rows_);
 #endif
     }
     parallel(w.count, rows_ * w.in * w.out, [&](i64 p0, i64 p1, int) {
@@ -696,14 +649,14 @@ class Decoder {
     const i64 start = l.window > 0 ? std::max<i64>(0, slot + 1 - l.window) : 0;
     // The rows apart: each thread with its own rotation scratch. Writing k and v into the slot
     // touches cache lines of a KV buffer far apart (rarely in cache): the threads wait on them together.
-    const i64 rotated = heads_ + kv_heads_;
-    parallel(rows_, 8 * rows_ * rotated * dim_, [&](i64 begin, i64 end, int t) {
+    const i64 rope_heads = heads_ + kv_heads_;
+    parallel(rows_, 8 * rows_ * rope_heads * dim_, [&](i64 begin, i64 end, int t) {
       float* scratch = rotated_.data() + t * dim_;
       for (i64 r = begin; r < end; ++r) {
         float* row = qkv_.data() + r * qkv;
         const float* c = cos_.data() + (r * steps_ + step) * dim_;
         const float* s = sin_.data() + (r * steps_ + step) * dim_;
-        for (i64 hd = 0; hd < rotated; ++hd) {  // q/k norm, then RoPE
+        for (i64 hd = 0; hd < rope_heads; ++hd) {  // q/k norm, then RoPE
           float* vec = row + hd * dim_;
           if (l.has_qk_norm) rms_norm_n(vec, l.qk_norm.data() + hd * dim_, vec, dim_);
           for (i64 i = 0; i < half; ++i) scratch[i] = vec[i] * c[i] + vec[i + half] * s[i];
@@ -729,18 +682,14 @@ class Decoder {
     project(x_.data(), l.gate_up_w, l.has_gate_up_b ? l.gate_up_b.data() : nullptr, gate_up_.data(), false);
     parallel(rows_, 16 * rows_ * inter_, [&](i64 begin, i64 end, int) {  // an exp: ~16 multiply-adds (scalar)
       for (i64 r = begin; r < end; ++r) {
-        const float* gu = gate_up_.data() + r * 2 * inter_;
-        float* a = act_.data() + r * inter_;
+        const float* gu = gate_up_.data() + r * 2 * inter_;  // SiLU(gate) * up
 #ifdef RLFLOW_X86
         if (level_ >= 1) {
-          silu_mul_avx2(gu, gu + inter_, a, inter_);
+          rlflow_cpu::swiglu_avx2(gu, gu + inter_, 0, inter_, act_.data() + r * inter_);
           continue;
         }
 #endif
-        for (i64 i = 0; i < inter_; ++i) {
-          const float g = gu[i];
-          a[i] = (g / (1.0f + std::exp(-g))) * gu[inter_ + i];  // SiLU(gate) * up
-        }
+        rlflow_cpu::swiglu_scalar(gu, gu + inter_, 0, inter_, act_.data() + r * inter_);
       }
     });
     project(act_.data(), l.down_w, l.has_down_b ? l.down_b.data() : nullptr, h_.data(), true);

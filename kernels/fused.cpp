@@ -105,10 +105,6 @@ void rms_norm_backward(std::uintptr_t dy_at, std::uintptr_t x_at, std::uintptr_t
   }
 }
 
-void swiglu_scalar(const float* g, const float* u, i64 begin, i64 end, float* h) {
-  for (i64 i = begin; i < end; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
 void swiglu_backward_scalar(const float* dh, const float* g, const float* u, i64 begin, i64 end, float* dg,
                             float* du) {
   for (i64 i = begin; i < end; ++i) {
@@ -119,28 +115,13 @@ void swiglu_backward_scalar(const float* dh, const float* g, const float* u, i64
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-// The sigmoid of 8 floats: 1 / (1 + e^-g).
-__attribute__((target("avx2,fma"))) inline __m256 sigmoid_avx2(__m256 g) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, rlflow_cpu::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-}
-
-__attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float* u, i64 begin, i64 end, float* h) {
-  i64 i = begin;
-  for (; i + 8 <= end; i += 8) {
-    const __m256 gi = _mm256_loadu_ps(g + i);
-    _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(gi, sigmoid_avx2(gi)), _mm256_loadu_ps(u + i)));
-  }
-  swiglu_scalar(g, u, i, end, h);
-}
-
 __attribute__((target("avx2,fma"))) void swiglu_backward_avx2(const float* dh, const float* g, const float* u,
                                                                i64 begin, i64 end, float* dg, float* du) {
   const __m256 one = _mm256_set1_ps(1.0f);
   i64 i = begin;
   for (; i + 8 <= end; i += 8) {
     const __m256 gi = _mm256_loadu_ps(g + i), dhi = _mm256_loadu_ps(dh + i);
-    const __m256 s = sigmoid_avx2(gi);
+    const __m256 s = rlflow_cpu::sigmoid_avx2(gi);
     _mm256_storeu_ps(du + i, _mm256_mul_ps(dhi, _mm256_mul_ps(gi, s)));
     const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(gi, _mm256_sub_ps(one, s), one));  // s (1 + g (1 - s))
     _mm256_storeu_ps(dg + i, _mm256_mul_ps(_mm256_mul_ps(dhi, _mm256_loadu_ps(u + i)), slope));
@@ -168,9 +149,9 @@ void swiglu(std::uintptr_t g_at, std::uintptr_t u_at, i64 n, std::uintptr_t h_at
   float* h = at_mut(h_at);
   over_floats(n, threads, [&](i64 begin, i64 end, bool avx2) {
 #if defined(__x86_64__) || defined(_M_X64)
-    if (avx2) return swiglu_avx2(g, u, begin, end, h);
+    if (avx2) return rlflow_cpu::swiglu_avx2(g, u, begin, end, h);
 #endif
-    swiglu_scalar(g, u, begin, end, h);
+    rlflow_cpu::swiglu_scalar(g, u, begin, end, h);
   });
 }
 
