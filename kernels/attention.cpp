@@ -206,7 +206,7 @@ void over_tasks(const Packed& pk, int threads, i64 floats, F&& task) {
 
 // dst[c * ld + j] = src[j * row + c]: a sequence's (len, dim) keys or values of one head, transposed:
 // AVX-512 a vector of rows at a time (gathered down a column, stored along a row of dst), AVX2 in
-// cpu.h's 8 x 8 register blocks (AMD's gathers ran the pass 1.10x slower, docs/benchmarks.md).
+// cpu.h's 8 x 8 register blocks (faster than AMD's gathers: docs/benchmarks.md).
 #if defined(__x86_64__) || defined(_M_X64)
 __attribute__((target("avx512f"))) void transpose_avx512(const float* src, i64 row, i64 len, i64 dim, float* dst,
                                                          i64 ld) {
